@@ -1,0 +1,1 @@
+"""Router, worker protocol machine, candidates and registry (pure); sim and cluster interpreters."""

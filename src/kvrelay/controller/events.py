@@ -1,0 +1,154 @@
+"""Events into and effects out of the pure router machine (DESIGN.md section 2).
+
+Time arrives inside events (``now``, seconds on the interpreter's clock); the
+router reads no clock. Effects are plain data that an interpreter (``sim``,
+``cluster``, ``transport``) carries out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrelay.protocol.messages import (
+    Cancel,
+    FinishReason,
+    Offer,
+    Sampling,
+    Usage,
+    WireMessage,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A request as ingress submits it.
+
+    ``chain`` may carry precomputed chunk keys (a trace replay knows them from
+    its block ids); otherwise the router derives them from ``prompt``.
+    """
+
+    request_id: str
+    model: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    sampling: Sampling = Sampling()
+    chain: tuple[bytes, ...] | None = None
+
+
+TimerKey = tuple[str, str, int]
+"""``(kind, request_id, attempt)``; kind ``"offer"`` is the offer timeout."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestArrived:
+    now: float
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class MessageReceived:
+    """A wire message from a worker (offer result, delta, result, heartbeat, residency)."""
+
+    now: float
+    message: WireMessage
+
+
+@dataclass(frozen=True, slots=True)
+class TimerFired:
+    now: float
+    timer: TimerKey
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerUnavailable:
+    """The transport lost the worker's connection, or it crashed, in ``epoch``."""
+
+    now: float
+    worker_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerCancelled:
+    now: float
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Periodic clock event: lets the router expire silent workers."""
+
+    now: float
+
+
+RouterEvent = RequestArrived | MessageReceived | TimerFired | WorkerUnavailable | ConsumerCancelled | Tick
+
+
+@dataclass(frozen=True, slots=True)
+class SendOffer:
+    worker_id: str
+    offer: Offer
+
+
+@dataclass(frozen=True, slots=True)
+class SendCancel:
+    worker_id: str
+    cancel: Cancel
+
+
+@dataclass(frozen=True, slots=True)
+class StartTimer:
+    timer: TimerKey
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTimer:
+    timer: TimerKey
+
+
+@dataclass(frozen=True, slots=True)
+class DeliverDelta:
+    """Tokens for the consumer; ``index`` is the stream position of ``tokens[0]``."""
+
+    request_id: str
+    index: int
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The one terminal outcome a consumer receives.
+
+    ``tokens`` is the whole delivered stream across attempts; ``usage`` sums
+    the attempts' accounting.
+    """
+
+    request_id: str
+    finish_reason: FinishReason
+    tokens: tuple[int, ...]
+    attempts: int
+    usage: Usage = Usage()
+    ttft_s: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeliverResult:
+    request_id: str
+    outcome: Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A decision-grade fact for the fact store (never high-rate samples)."""
+
+    kind: str
+    request_id: str
+    attempt: int
+    now: float
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+Effect = SendOffer | SendCancel | StartTimer | CancelTimer | DeliverDelta | DeliverResult | Record

@@ -1,0 +1,1 @@
+"""The fact store: models, lineage, replicas, decisions and outcomes (SQLAlchemy Core)."""

@@ -1,0 +1,1 @@
+"""Model loading, tokenizers and architecture adapters over the paged KV cache."""

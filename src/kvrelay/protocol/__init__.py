@@ -1,0 +1,1 @@
+"""The wire seam: messages, identifiers and the msgpack codec (pure data)."""

@@ -1,0 +1,208 @@
+"""Wire messages between router and workers (DESIGN.md sections 3 and 5).
+
+Every message is an immutable ``msgspec.Struct`` tagged by a ``type`` field and
+carrying the protocol version ``v``. Only these types cross the wire; timers,
+reservation handles, tensors and KV bytes are local-only (see ``codec``).
+
+Identifiers:
+- ``Assignment(request_id, attempt)`` names one attempt of one request. Every
+  offer, acknowledgement, delta, result and cancellation carries one.
+- ``worker_id`` is stable; ``epoch`` grows at every worker start; heartbeat and
+  residency ``seq`` grow within an epoch.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+"""The only version this build speaks; a frame with another ``v`` is rejected."""
+
+MAX_KEY_BYTES = 32
+"""Chunk keys are 16-byte blake2b digests; anything longer is not a key."""
+
+ChunkKey = Annotated[bytes, msgspec.Meta(max_length=MAX_KEY_BYTES)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+ShortStr = Annotated[str, msgspec.Meta(max_length=256)]
+
+Tier = Literal["gpu", "ram", "ssd", "peer", "object", "recompute"]
+TIERS: tuple[str, ...] = ("gpu", "ram", "ssd", "peer", "object", "recompute")
+"""Tiers fastest first (DESIGN.md section 5)."""
+
+DeclineReason = Literal[
+    "wrong_epoch",
+    "wrong_model",
+    "no_capacity",
+    "over_context_limit",
+    "shutting_down",
+    "stale_route",
+]
+"""The closed set of reasons a worker may decline an offer."""
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class Assignment(msgspec.Struct, frozen=True, array_like=True):
+    """One attempt of one request; attempts start at 1 and only grow."""
+
+    request_id: ShortStr
+    attempt: PositiveInt
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """Base of all wire messages: a ``type`` tag and the protocol version."""
+
+    v: int = PROTOCOL_VERSION
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """Sampling parameters; ``seed`` with the absolute token position seeds each draw."""
+
+    temperature: NonNegFloat = 0.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: NonNegInt = 0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class RouteSegment(msgspec.Struct, frozen=True, array_like=True):
+    """``chunks`` consecutive prefix chunks restored from ``tier`` (``source``: peer or bucket)."""
+
+    tier: Tier
+    chunks: NonNegInt
+    source: ShortStr = ""
+
+
+class Offer(Message, frozen=True, kw_only=True, tag="offer"):
+    """Router -> worker: run this exact continuation.
+
+    ``prompt`` already includes tokens delivered by earlier attempts;
+    ``generated_before`` counts them, so the worker's sampling positions and the
+    consumer's stream index continue where the last attempt stopped.
+    ``route`` is the planned prefix: a list of tier segments covering
+    ``sum(s.chunks)`` full chunks; the worker re-checks it against its pool.
+    """
+
+    assignment: Assignment
+    worker_id: ShortStr
+    epoch: NonNegInt
+    model: ShortStr
+    model_fingerprint: ShortStr = ""
+    prompt: tuple[int, ...]
+    max_new_tokens: PositiveInt
+    generated_before: NonNegInt = 0
+    sampling: Sampling = Sampling()
+    route: tuple[RouteSegment, ...] = ()
+    chain: tuple[ChunkKey, ...] = ()
+
+
+class Cancel(Message, frozen=True, kw_only=True, tag="cancel"):
+    """Router -> worker: fence this assignment now."""
+
+    assignment: Assignment
+    worker_id: ShortStr
+    reason: ShortStr = ""
+
+
+class OfferResult(Message, frozen=True, kw_only=True, tag="offer_result"):
+    """Worker -> router: the offer was accepted, or declined with a reason."""
+
+    assignment: Assignment
+    worker_id: ShortStr
+    epoch: NonNegInt
+    accepted: bool
+    reason: DeclineReason | None = None
+    detail: ShortStr = ""
+
+
+class Delta(Message, frozen=True, kw_only=True, tag="delta"):
+    """Worker -> router: nonterminal tokens; ``seq`` counts deltas of this assignment from 0."""
+
+    assignment: Assignment
+    worker_id: ShortStr
+    seq: NonNegInt
+    tokens: tuple[int, ...]
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """Token accounting of one attempt."""
+
+    prompt_tokens: NonNegInt = 0
+    cached_tokens: dict[Tier, NonNegInt] = {}
+    recomputed_tokens: NonNegInt = 0
+    generated_tokens: NonNegInt = 0
+
+
+class Timings(msgspec.Struct, frozen=True, kw_only=True):
+    """Seconds measured by the worker for one attempt."""
+
+    queue_s: NonNegFloat = 0.0
+    restore_s: NonNegFloat = 0.0
+    prefill_s: NonNegFloat = 0.0
+    ttft_s: NonNegFloat = 0.0
+    inter_token_s: tuple[float, ...] = ()
+
+
+class Result(Message, frozen=True, kw_only=True, tag="result"):
+    """Worker -> router: terminal outcome of one assignment.
+
+    ``tokens`` are all tokens this attempt generated (the deltas concatenated);
+    ``error`` is set exactly when ``finish_reason == "error"``.
+    """
+
+    assignment: Assignment
+    worker_id: ShortStr
+    tokens: tuple[int, ...] = ()
+    finish_reason: FinishReason
+    usage: Usage = Usage()
+    timings: Timings = Timings()
+    error: str | None = None
+
+
+class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
+    """Worker -> router: low-rate observations (DESIGN.md section 5).
+
+    The registry accepts it only when ``(epoch, seq)`` is newer than the last
+    accepted heartbeat of ``worker_id``.
+    """
+
+    worker_id: ShortStr
+    epoch: NonNegInt
+    seq: NonNegInt
+    models: tuple[ShortStr, ...]
+    model_fingerprints: tuple[ShortStr, ...] = ()
+    pages_total: NonNegInt
+    pages_free: NonNegInt
+    pages_evictable: NonNegInt = 0
+    page_tokens: PositiveInt = 16
+    chunk_tokens: PositiveInt = 64
+    queue_delay_s: NonNegFloat = 0.0
+    lower_tier_load_s: NonNegFloat = 0.0
+    active_lanes: NonNegInt = 0
+    max_lanes: PositiveInt = 1
+    prefill_s_per_token: NonNegFloat = 0.0
+    decode_s_per_token: NonNegFloat = 0.0
+    restore_bytes_per_s: dict[Tier, NonNegFloat] = {}
+    kv_bytes_per_token: NonNegInt = 0
+    context_limit: PositiveInt = 8192
+    peer_url: ShortStr = ""
+
+
+class Residency(Message, frozen=True, kw_only=True, tag="residency"):
+    """Worker -> router: chunk keys stored on / removed from one tier of one worker."""
+
+    worker_id: ShortStr
+    epoch: NonNegInt
+    seq: NonNegInt
+    tier: Tier
+    model: ShortStr = ""
+    stored: tuple[ChunkKey, ...] = ()
+    removed: tuple[ChunkKey, ...] = ()
+
+
+WireMessage = Offer | Cancel | OfferResult | Delta | Result | Heartbeat | Residency
+WIRE_TYPES: tuple[type, ...] = (Offer, Cancel, OfferResult, Delta, Result, Heartbeat, Residency)

@@ -1,0 +1,1 @@
+"""WebSocket endpoints for router and workers."""

@@ -1,0 +1,1 @@
+"""Worker side: page pool, local admission, the device loop and its handlers."""
