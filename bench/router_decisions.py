@@ -1,0 +1,137 @@
+"""Routing decisions per second and decision latency of the pure router.
+
+64 workers, an index of 1,000,000 resident chunks (gpu, ram and ssd replicas of
+4,000 shared documents of 250 chunks), requests that each reuse a random prefix
+of one document plus a fresh suffix. Each timed step is one ``RequestArrived``
+through ``router.step``: chain lookup, candidate planning over every worker and
+tier boundary, policy choice, the offer and the decision record. The request
+is then completed (untimed) so load stays steady.
+
+    .venv/bin/python bench/router_decisions.py [--requests N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from common import Figure, report  # noqa: E402
+
+from kvrelay.controller.events import MessageReceived, Request, RequestArrived, SendOffer  # noqa: E402
+from kvrelay.controller.index import ResidencyIndex  # noqa: E402
+from kvrelay.controller.router import RouterConfig, new_router, step  # noqa: E402
+from kvrelay.protocol.messages import Heartbeat, OfferResult, Residency, Result  # noqa: E402
+
+WORKERS = 64
+DOCS = 4000
+DOC_CHUNKS = 250
+
+
+def heartbeat(i: int, seq: int = 1) -> Heartbeat:
+    return Heartbeat(
+        worker_id=f"w{i:02d}", epoch=1, seq=seq, models=("m",), pages_total=25_000, pages_free=20_000,
+        pages_evictable=5_000, queue_delay_s=0.01 * (i % 7), prefill_s_per_token=1e-4, decode_s_per_token=0.025,
+        restore_bytes_per_s={"ram": 2e10, "ssd": 5e9, "peer": 1e10, "object": 2e9},
+        kv_bytes_per_token=131072, context_limit=131072,
+    )
+
+
+def doc_keys(d: int) -> list[bytes]:
+    return [d.to_bytes(8, "little") + c.to_bytes(8, "little") for c in range(DOC_CHUNKS)]
+
+
+def build(seed: int, policy: str) -> tuple[object, random.Random]:
+    rng = random.Random(seed)
+    state = new_router(RouterConfig(max_index_keys=1_100_000, offer_timeout_s=1e9), policy, seed)
+    for i in range(WORKERS):
+        state, _ = step(state, MessageReceived(0.0, heartbeat(i)))
+    seqs = [1] * WORKERS
+    for d in range(DOCS):
+        keys = tuple(doc_keys(d))
+        for tier in ("gpu", "ram", "ssd"):
+            w = rng.randrange(WORKERS)
+            seqs[w] += 1
+            msg = Residency(worker_id=f"w{w:02d}", epoch=1, seq=seqs[w], tier=tier, model="m",
+                            stored=keys[: rng.randrange(DOC_CHUNKS // 4, DOC_CHUNKS + 1)])
+            state, _ = step(state, MessageReceived(0.0, msg))
+    return state, rng
+
+
+def bytes_per_entry(n: int = 200_000) -> float:
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    ix = ResidencyIndex(max_keys=n)
+    for d in range(n // DOC_CHUNKS):
+        ix.store(f"w{d % WORKERS}", "gpu", doc_keys(d))
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return (after - before) / len(ix)
+
+
+def run(requests: int, seed: int, policy: str) -> tuple[list[float], int]:
+    state, rng = build(seed, policy)
+    lat: list[float] = []
+    prompts = []
+    for r in range(requests):
+        d = rng.randrange(DOCS)
+        n = rng.randrange(8, DOC_CHUNKS)
+        chain = tuple(doc_keys(d)[:n])
+        prompts.append(Request(f"r{r}", "m", tuple(range(n * 64 + 200)), 64, chain=chain))
+    # The prepared requests (tuples of up to 16k token ids) are the benchmark's input,
+    # not router state: keep the cyclic GC from re-scanning them during timed steps.
+    gc.collect()
+    gc.freeze()
+    perf = time.perf_counter
+    for r, req in enumerate(prompts):
+        t0 = perf()
+        state, fx = step(state, RequestArrived(float(r), req))
+        lat.append(perf() - t0)
+        offer = next(e for e in fx if isinstance(e, SendOffer)).offer
+        state, _ = step(state, MessageReceived(float(r), OfferResult(
+            assignment=offer.assignment, worker_id=offer.worker_id, epoch=1, accepted=True)))
+        state, _ = step(state, MessageReceived(float(r), Result(
+            assignment=offer.assignment, worker_id=offer.worker_id, tokens=(1,), finish_reason="stop")))
+        w = int(offer.worker_id[1:])
+        state, _ = step(state, MessageReceived(float(r), heartbeat(w, seq=r + 2)))
+    gc.unfreeze()
+    return lat, len(state.index)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    figures: list[Figure] = []
+    for policy in ("kvrelay", "round_robin"):
+        lat, index_size = run(args.requests, args.seed, policy)
+        lat_sorted = sorted(lat)
+        rate = len(lat) / sum(lat)
+        p50 = statistics.median(lat_sorted) * 1e3
+        p99 = lat_sorted[int(0.99 * (len(lat_sorted) - 1))] * 1e3
+        if policy == "kvrelay":
+            figures += [
+                Figure("decisions_per_s", rate, "1/s", "goal", 5000),
+                Figure("decision_p50", p50, "ms"),
+                Figure("decision_p99", p99, "ms", "goal", 2.0),
+                Figure("index_keys", index_size, "keys"),
+                Figure("workers", WORKERS, "workers"),
+            ]
+        else:
+            figures.append(Figure("decisions_per_s_round_robin", rate, "1/s", "kvrelay", figures[0].value))
+    figures.append(Figure("index_bytes_per_entry", bytes_per_entry(), "B"))
+    report(f"router decisions ({args.requests} requests, 1 core, seed {args.seed})", figures, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""Candidate planning and the predicted-TTFT score (DESIGN.md section 6).
+
+For one request and every worker, walk the request's chunk chain and take, per
+chunk, the fastest tier that worker can reach (its own gpu, ram, ssd; a peer's
+ram or ssd; the shared object tier). Every boundary where the tier changes is
+a candidate, and so is recomputing everything. Each candidate's predicted time
+to first token is
+
+    max(queue delay, lower-tier load if the route restores)        (queue_s)
+      + restore bytes / restore rate of each tier used              (restore_s)
+      + uncached prompt tokens * prefill seconds per token           (prefill_s)
+      + one decode step                                              (decode_s)
+
+Cost is linear inside a segment, so the optimum always lies on a boundary.
+Hard constraints (model, epoch, context limit, page capacity, exactness of the
+chain) filter first; ``Plan.excluded`` says which one removed each worker.
+Everything here is pure: same inputs, same plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvrelay.controller.index import GPU, LOCAL_MASK, OBJECT, RAM, SSD, ResidencyIndex
+from kvrelay.protocol.messages import Heartbeat, RouteSegment
+
+TIER_OF_BIT = {GPU: "gpu", RAM: "ram", SSD: "ssd"}
+
+
+class Terms(msgspec.Struct, frozen=True):
+    """The predicted TTFT of a candidate, term by term (seconds)."""
+
+    queue_s: float
+    restore_s: dict[str, float]
+    prefill_s: float
+    decode_s: float
+
+
+class Candidate(msgspec.Struct, frozen=True):
+    """One way to serve a request on one worker; an empty route recomputes everything."""
+
+    worker_id: str
+    epoch: int
+    route: tuple[RouteSegment, ...]
+    cached_tokens: int
+    predicted_ttft_s: float
+    terms: Terms
+
+    @property
+    def tiers(self) -> frozenset[str]:
+        return frozenset(s.tier for s in self.route)
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """What the router itself knows of a worker's load beyond its last heartbeat."""
+
+    outstanding_s: float = 0.0
+    """Predicted restore + prefill seconds of offers sent there whose first token has not arrived."""
+    inflight_pages: int = 0
+    """Pages demanded by offers sent there and not yet answered."""
+    accepted_pages: int = 0
+    """Pages of offers accepted since that worker's last heartbeat."""
+    active: int = 0
+    """Assignments currently offered to or running on the worker."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """A live worker as candidate planning sees it."""
+
+    heartbeat: Heartbeat
+    load: WorkerLoad
+    fingerprints: dict[str, bytes]
+    """Model name -> fingerprint of the KV this worker produces for it."""
+
+
+def reported_fingerprints(hb: Heartbeat) -> dict[str, bytes]:
+    """Fingerprints a heartbeat reports per model; a model without one is fingerprinted by its name."""
+    out = {m: m.encode() for m in hb.models}
+    for model, hex_fp in zip(hb.models, hb.model_fingerprints):
+        try:
+            out[model] = bytes.fromhex(hex_fp) if hex_fp else out[model]
+        except ValueError:
+            continue
+    return out
+
+
+class WorkerRoute:
+    """The longest route a worker can reach for a chain and its cheapest boundary.
+
+    ``best`` materializes that boundary's ``Candidate`` on first use (most
+    workers' candidates are compared by ``best_ttft_s`` alone);
+    ``alternatives`` lists all of them.
+    """
+
+    __slots__ = ("worker_id", "segments", "bounds", "best_ttft_s", "best_index", "view", "prompt_len",
+                 "chunk_tokens", "_best")
+
+    def __init__(self, view: WorkerView, segments: tuple[RouteSegment, ...], bounds: list[Boundary],
+                 best_ttft_s: float, best_index: int, prompt_len: int, chunk_tokens: int) -> None:
+        self.worker_id = view.heartbeat.worker_id
+        self.view = view
+        self.segments = segments
+        self.bounds = bounds
+        self.best_ttft_s = best_ttft_s
+        self.best_index = best_index
+        self.prompt_len = prompt_len
+        self.chunk_tokens = chunk_tokens
+        self._best: Candidate | None = None
+
+    @property
+    def best(self) -> Candidate:
+        if self._best is None:
+            self._best = make_candidate(self.view, self.segments, self.bounds[self.best_index], self.prompt_len,
+                                        self.chunk_tokens)
+        return self._best
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.bounds[self.best_index][0]
+
+
+@dataclass(slots=True)
+class Plan:
+    routes: list[WorkerRoute] = field(default_factory=list)
+    excluded: dict[str, str] = field(default_factory=dict)
+
+    def best(self) -> Candidate | None:
+        """The lowest predicted TTFT; ties broken by worker id."""
+        if not self.routes:
+            return None
+        return min(self.routes, key=lambda r: (r.best_ttft_s, r.worker_id)).best
+
+
+def pages_needed(tokens: int, page_tokens: int) -> int:
+    return -(-tokens // page_tokens)
+
+
+def page_demand(prompt_len: int, max_new: int, gpu_cached_tokens: int, page_tokens: int) -> int:
+    """Pages for prompt plus maximum generation, minus shared resident prefix pages, plus a
+    copy-on-write page when the shared prefix ends inside a page (DESIGN.md section 7)."""
+    shared = gpu_cached_tokens // page_tokens
+    cow = 1 if gpu_cached_tokens % page_tokens else 0
+    return pages_needed(prompt_len + max_new, page_tokens) - shared + cow
+
+
+def walk_route(
+    values: Sequence[int],
+    index: ResidencyIndex,
+    shift: int | None,
+    allowed_local: int,
+    allow_peer: bool,
+    allow_object: bool,
+) -> tuple[RouteSegment, ...]:
+    """Per chunk, the fastest tier a worker reaches, run-length encoded; stops at the first unreachable chunk.
+
+    A peer segment names the peer holding its last chunk (a holder of a later
+    chunk of a chain almost always holds the earlier ones).
+    """
+    peer_bits = index.all_peer_bits
+    if shift is not None:
+        peer_bits &= ~(LOCAL_MASK << shift)
+    segments: list[list] = []
+    last_tier = ""
+    for value in values:
+        local = (value >> shift) & allowed_local if shift is not None else 0
+        if local & GPU:
+            tier = "gpu"
+        elif local & RAM:
+            tier = "ram"
+        elif local & SSD:
+            tier = "ssd"
+        elif allow_peer and value & peer_bits:
+            tier = "peer"
+        elif allow_object and value & OBJECT:
+            tier = "object"
+        else:
+            break
+        if tier == last_tier:
+            segments[-1][1] += 1
+            segments[-1][2] = value
+        else:
+            segments.append([tier, 1, value])
+            last_tier = tier
+    return tuple(
+        RouteSegment(t, n, index.first_peer(v, peer_bits) if t == "peer" else "") for t, n, v in segments
+    )
+
+
+Boundary = tuple[int, int, tuple[tuple[str, int], ...], int]
+"""``(cached tokens, gpu prefix tokens, chunks restored per lower tier, segments used)``."""
+
+
+def boundaries_of(segments: tuple[RouteSegment, ...], chunk_tokens: int) -> list[Boundary]:
+    """Recompute-everything, then the end of every segment of a route."""
+    out: list[Boundary] = [(0, 0, (), 0)]
+    cached = gpu = 0
+    restored: dict[str, int] = {}
+    for i, seg in enumerate(segments, 1):
+        if seg.tier == "gpu":
+            if cached == gpu:
+                gpu += seg.chunks * chunk_tokens
+        else:
+            restored[seg.tier] = restored.get(seg.tier, 0) + seg.chunks
+        cached += seg.chunks * chunk_tokens
+        out.append((cached, gpu, tuple(restored.items()), i))
+    return out
+
+
+def _evaluate(
+    worker: WorkerView, boundaries: list[Boundary], prompt_len: int, max_new: int, chunk_tokens: int
+) -> list[tuple[float, int]]:
+    """``(predicted TTFT, boundary index)`` of every boundary that fits the worker's capacity.
+
+    Keep in step with ``make_candidate``, which computes the same sum term by term.
+    """
+    hb, load = worker.heartbeat, worker.load
+    pt = hb.page_tokens
+    available = hb.pages_free + hb.pages_evictable - load.inflight_pages - load.accepted_pages
+    chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
+    base_queue = max(hb.queue_delay_s, load.outstanding_s)
+    lower_queue = max(base_queue, hb.lower_tier_load_s)
+    fixed = hb.decode_s_per_token + prompt_len * hb.prefill_s_per_token
+    per_token = hb.prefill_s_per_token
+    rates = hb.restore_bytes_per_s
+    total_pages = -(-(prompt_len + max_new) // pt)
+    out: list[tuple[float, int]] = []
+    for i, (cached, gpu, restored, _) in enumerate(boundaries):
+        restore = 0.0
+        for tier, chunks in restored:
+            rate = rates.get(tier, 0.0)
+            if rate <= 0.0:
+                return out
+            restore += chunks * chunk_bytes / rate
+        if total_pages - gpu // pt + (1 if gpu % pt else 0) > available:
+            continue
+        out.append(((lower_queue if restore else base_queue) + restore + fixed - cached * per_token, i))
+    return out
+
+
+def make_candidate(
+    worker: WorkerView, segments: tuple[RouteSegment, ...], boundary: Boundary, prompt_len: int, chunk_tokens: int
+) -> Candidate:
+    """The candidate of one boundary, with its predicted TTFT broken into terms."""
+    hb, load = worker.heartbeat, worker.load
+    cached, _, restored, used = boundary
+    chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
+    restore = {tier: chunks * chunk_bytes / hb.restore_bytes_per_s[tier] for tier, chunks in restored}
+    base_queue = max(hb.queue_delay_s, load.outstanding_s)
+    queue = max(base_queue, hb.lower_tier_load_s) if restore else base_queue
+    prefill = (prompt_len - cached) * hb.prefill_s_per_token
+    decode = hb.decode_s_per_token
+    return Candidate(
+        worker_id=hb.worker_id,
+        epoch=hb.epoch,
+        route=segments[:used],
+        cached_tokens=cached,
+        predicted_ttft_s=queue + sum(restore.values()) + prefill + decode,
+        terms=Terms(queue, restore, prefill, decode),
+    )
+
+
+def alternatives(route: WorkerRoute, worker: WorkerView, prompt_len: int, max_new: int, chunk_tokens: int
+                 ) -> list[Candidate]:
+    """Every feasible boundary candidate of one worker, cheapest first."""
+    bounds = boundaries_of(route.segments, chunk_tokens)
+    scored = sorted(_evaluate(worker, bounds, prompt_len, max_new, chunk_tokens), key=lambda x: (x[0], -x[1]))
+    return [make_candidate(worker, route.segments, bounds[i], prompt_len, chunk_tokens) for _, i in scored]
+
+
+def plan(
+    request_model: str,
+    prompt_len: int,
+    max_new: int,
+    chain: Sequence[bytes],
+    chain_fingerprint: bytes,
+    chunk_tokens: int,
+    workers: Sequence[WorkerView],
+    index: ResidencyIndex,
+    excluded_workers: frozenset[str] | set[str] = frozenset(),
+    excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
+) -> Plan:
+    """Candidates of every eligible worker for one request (see the module docstring)."""
+    result = Plan()
+    values = index.lookup(chain)
+    present = 0
+    for v in values:
+        present |= v
+    shared: tuple[tuple[RouteSegment, ...], list[Boundary]] | None = None
+    for worker in workers:
+        hb = worker.heartbeat
+        wid = hb.worker_id
+        if wid in excluded_workers:
+            result.excluded[wid] = "excluded after an earlier failure of this request"
+            continue
+        if request_model not in hb.models:
+            result.excluded[wid] = f"model '{request_model}' not served"
+            continue
+        if prompt_len + max_new > hb.context_limit:
+            result.excluded[wid] = f"context limit {hb.context_limit} < {prompt_len + max_new}"
+            continue
+        exact = worker.fingerprints.get(request_model) == chain_fingerprint and hb.chunk_tokens == chunk_tokens
+        if not exact:
+            segments: tuple[RouteSegment, ...] = ()
+            bounds = boundaries_of(segments, chunk_tokens)
+        else:
+            allowed, allow_peer, allow_object = LOCAL_MASK, True, True
+            if excluded_pairs:
+                for tier, bit in (("gpu", GPU), ("ram", RAM), ("ssd", SSD)):
+                    if (wid, tier) in excluded_pairs:
+                        allowed &= ~bit
+                allow_peer = (wid, "peer") not in excluded_pairs
+                allow_object = (wid, "object") not in excluded_pairs
+            shift = index.shift_of(wid)
+            local = shift is not None and (present >> shift) & LOCAL_MASK
+            if not local and allow_peer and allow_object:
+                if shared is None:
+                    shared_segments = walk_route(values, index, None, 0, True, True)
+                    shared = (shared_segments, boundaries_of(shared_segments, chunk_tokens))
+                segments, bounds = shared
+            else:
+                segments = walk_route(values, index, shift, allowed, allow_peer, allow_object)
+                bounds = boundaries_of(segments, chunk_tokens)
+        scored = _evaluate(worker, bounds, prompt_len, max_new, chunk_tokens)
+        if not scored:
+            result.excluded[wid] = "capacity"
+            continue
+        best_t, best_i = min(scored, key=lambda x: (x[0], -x[1])) if len(scored) > 1 else scored[0]
+        result.routes.append(WorkerRoute(worker, segments, bounds, best_t, best_i, prompt_len, chunk_tokens))
+    return result

@@ -1,0 +1,143 @@
+"""The router's in-memory residency index: which worker holds which chunk key on which tier.
+
+Residency events (``protocol.messages.Residency``) are its only input. Each key
+maps to one packed integer: nibble 0 holds the shared object tier (``OBJECT``),
+nibble ``slot + 1`` holds the local tiers (``GPU | RAM | SSD``) of the worker
+in that slot. Memory is bounded by ``max_keys``: an LRU over keys by the time of
+their last store event; the oldest key is forgotten first (the router then
+merely under-estimates a cache hit; the worker stays authoritative).
+
+Contract:
+- after ``store(w, tier, keys)``, ``lookup`` reports ``tier`` for ``w`` on each key;
+- after ``remove`` it does not; after ``drop_worker(w)`` nothing of ``w`` remains;
+- ``len(index) <= max_keys`` always.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+GPU, RAM, SSD, OBJECT = 1, 2, 4, 8
+TIER_BITS: dict[str, int] = {"gpu": GPU, "ram": RAM, "ssd": SSD, "object": OBJECT}
+LOCAL_MASK = GPU | RAM | SSD
+PEER_SERVABLE = RAM | SSD
+"""A peer serves its ram and ssd chunks, not its device pages."""
+
+
+class ResidencyIndex:
+    def __init__(self, max_keys: int = 2_000_000) -> None:
+        if max_keys <= 0:
+            raise ValueError(f"max_keys must be positive, got {max_keys}")
+        self.max_keys = max_keys
+        self._entries: dict[bytes, int] = {}
+        self._slots: dict[str, int] = {}
+        self._worker_keys: dict[str, set[bytes]] = {}
+        self.workers_by_slot: list[str] = []
+        self.all_peer_bits = 0
+        """Peer-servable bits of every known worker."""
+        self.forgotten = 0
+        """Keys dropped by the LRU bound."""
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def slot(self, worker_id: str) -> int:
+        """The stable slot of a worker (assigned on first sight)."""
+        s = self._slots.get(worker_id)
+        if s is None:
+            s = self._slots[worker_id] = len(self._slots)
+            self._worker_keys[worker_id] = set()
+            self.workers_by_slot.append(worker_id)
+            self.all_peer_bits |= PEER_SERVABLE << (4 * (s + 1))
+        return s
+
+    def store(self, worker_id: str, tier: str, keys: Iterable[bytes]) -> None:
+        bit = TIER_BITS.get(tier)
+        if bit is None:
+            return
+        shift = 0 if bit == OBJECT else 4 * (self.slot(worker_id) + 1)
+        mine = self._worker_keys[worker_id] if bit != OBJECT else None
+        entries = self._entries
+        for key in keys:
+            value = entries.pop(key, 0) | (bit << shift)
+            entries[key] = value
+            if mine is not None:
+                mine.add(key)
+        while len(entries) > self.max_keys:
+            self._forget(next(iter(entries)))
+
+    def remove(self, worker_id: str, tier: str, keys: Iterable[bytes]) -> None:
+        bit = TIER_BITS.get(tier)
+        if bit is None:
+            return
+        shift = 0 if bit == OBJECT else 4 * (self.slot(worker_id) + 1)
+        entries = self._entries
+        for key in keys:
+            value = entries.get(key)
+            if value is None:
+                continue
+            value &= ~(bit << shift)
+            if value:
+                entries[key] = value
+            else:
+                del entries[key]
+            if bit != OBJECT and not (value >> shift) & LOCAL_MASK:
+                self._worker_keys[worker_id].discard(key)
+
+    def drop_worker(self, worker_id: str) -> int:
+        """Forget every local residency of ``worker_id`` (an epoch ended); returns how many keys."""
+        keys = self._worker_keys.get(worker_id)
+        if not keys:
+            return 0
+        clear = ~(0xF << (4 * (self._slots[worker_id] + 1)))
+        entries = self._entries
+        for key in keys:
+            value = entries.get(key)
+            if value is None:
+                continue
+            value &= clear
+            if value:
+                entries[key] = value
+            else:
+                del entries[key]
+        n = len(keys)
+        self._worker_keys[worker_id] = set()
+        return n
+
+    def _forget(self, key: bytes) -> None:
+        value = self._entries.pop(key)
+        self.forgotten += 1
+        for wid, s in self._slots.items():
+            if (value >> (4 * (s + 1))) & LOCAL_MASK:
+                self._worker_keys[wid].discard(key)
+
+    def lookup(self, chain: Iterable[bytes]) -> list[int]:
+        """Packed values of the chain's leading keys, stopping at the first key nobody holds."""
+        out: list[int] = []
+        get = self._entries.get
+        for key in chain:
+            value = get(key)
+            if not value:
+                break
+            out.append(value)
+        return out
+
+    def tiers_of(self, value: int, worker_id: str) -> int:
+        """The local tier bits ``worker_id`` holds in a packed value."""
+        s = self._slots.get(worker_id)
+        return 0 if s is None else (value >> (4 * (s + 1))) & LOCAL_MASK
+
+    def holders(self, value: int) -> list[tuple[str, int]]:
+        """``(worker_id, local tier bits)`` for every worker holding the key."""
+        return [(wid, bits) for wid, s in self._slots.items() if (bits := (value >> (4 * (s + 1))) & LOCAL_MASK)]
+
+    def shift_of(self, worker_id: str) -> int | None:
+        """Bit offset of a worker's nibble, or None for a worker never seen."""
+        s = self._slots.get(worker_id)
+        return None if s is None else 4 * (s + 1)
+
+    def first_peer(self, value: int, peer_bits: int) -> str:
+        """The lowest-slot worker whose peer-servable bits are set in ``value & peer_bits``."""
+        bits = value & peer_bits
+        low = (bits & -bits).bit_length() - 1
+        return self.workers_by_slot[low // 4 - 1]

@@ -1,0 +1,47 @@
+"""The routing policy interface.
+
+A policy picks one worker for a request from the planned candidates. It sees
+the ``RoutingContext`` (the request's chain, every eligible worker's longest
+reachable route, its best candidate and its observations) and returns the
+``Candidate`` to offer, or None when it declines to choose. A policy is
+deterministic: any randomness comes from ``ctx.rng``, seeded in the router
+state. ``on_routed`` lets stateful policies (round-robin's cursor, SGLang's
+approximate tree) learn the choice; it is called exactly once per offer sent.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvrelay.controller.candidates import Candidate, Plan, WorkerRoute, WorkerView
+from kvrelay.controller.events import Request
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingContext:
+    request: Request
+    prompt: tuple[int, ...]
+    chain: tuple[bytes, ...]
+    chunk_tokens: int
+    plan: Plan
+    workers: dict[str, WorkerView]
+    rng: random.Random
+    now: float
+
+    @property
+    def routes(self) -> Sequence[WorkerRoute]:
+        return self.plan.routes
+
+
+class Policy(ABC):
+    name: str = "abstract"
+
+    @abstractmethod
+    def choose(self, ctx: RoutingContext) -> Candidate | None:
+        """The candidate to offer among ``ctx.routes`` (each worker's alternatives), or None."""
+
+    def on_routed(self, ctx: RoutingContext, chosen: Candidate) -> None:
+        """Learn that ``chosen`` was offered (default: nothing to learn)."""

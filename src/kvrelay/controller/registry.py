@@ -1,0 +1,90 @@
+"""The discovery registry: which workers exist, in which epoch, and what they last observed.
+
+Pure data and functions, no clock (``now`` arrives as an argument).
+
+Contract:
+- ``accept_heartbeat`` accepts a heartbeat only if its ``(epoch, seq)`` is
+  strictly newer than the last accepted one of that worker, and not of an epoch
+  already fenced; it reports whether an older epoch was replaced, so the caller
+  can fence everything of that epoch.
+- ``fence`` marks a worker's epoch unavailable: heartbeats of that epoch or
+  older are rejected afterwards; only a newer epoch brings the worker back.
+- ``expire`` fences every live worker not heard from for ``expiry_s``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvrelay.protocol.messages import Heartbeat
+
+
+@dataclass(slots=True)
+class WorkerEntry:
+    """The registry's view of one worker: its newest accepted heartbeat."""
+
+    heartbeat: Heartbeat
+    last_seen: float
+    live: bool = True
+    fenced_epoch: int = -1
+
+    @property
+    def epoch(self) -> int:
+        return self.heartbeat.epoch
+
+
+@dataclass(slots=True)
+class Registry:
+    workers: dict[str, WorkerEntry] = field(default_factory=dict)
+    fenced: dict[str, int] = field(default_factory=dict)
+    """Highest fenced epoch per worker, kept even after the entry is gone."""
+
+    def live_entry(self, worker_id: str) -> WorkerEntry | None:
+        entry = self.workers.get(worker_id)
+        return entry if entry is not None and entry.live else None
+
+
+class HeartbeatVerdict(NamedTuple):
+    accepted: bool
+    replaced_epoch: int | None
+    """The older live epoch this heartbeat replaced, if any."""
+    reason: str
+
+
+def accept_heartbeat(registry: Registry, hb: Heartbeat, now: float) -> HeartbeatVerdict:
+    """Accept ``hb`` if it is newer than anything seen from its worker."""
+    if hb.epoch <= registry.fenced.get(hb.worker_id, -1):
+        return HeartbeatVerdict(False, None, f"epoch {hb.epoch} of {hb.worker_id} is fenced")
+    entry = registry.workers.get(hb.worker_id)
+    if entry is None:
+        registry.workers[hb.worker_id] = WorkerEntry(hb, now)
+        return HeartbeatVerdict(True, None, "new worker")
+    old = entry.heartbeat
+    if (hb.epoch, hb.seq) <= (old.epoch, old.seq):
+        return HeartbeatVerdict(False, None, f"(epoch, seq) {(hb.epoch, hb.seq)} not newer than {(old.epoch, old.seq)}")
+    replaced = old.epoch if hb.epoch > old.epoch and entry.live else None
+    entry.heartbeat = hb
+    entry.last_seen = now
+    entry.live = True
+    return HeartbeatVerdict(True, replaced, "newer")
+
+
+def fence(registry: Registry, worker_id: str, epoch: int) -> bool:
+    """Fence ``epoch`` of ``worker_id``; True if a live entry of that epoch (or older) went down."""
+    registry.fenced[worker_id] = max(epoch, registry.fenced.get(worker_id, -1))
+    entry = registry.workers.get(worker_id)
+    if entry is not None and entry.live and entry.epoch <= epoch:
+        entry.live = False
+        return True
+    return False
+
+
+def expire(registry: Registry, now: float, expiry_s: float) -> list[tuple[str, int]]:
+    """Fence every live worker silent for longer than ``expiry_s``; returns ``(worker_id, epoch)`` pairs."""
+    expired = [
+        (wid, e.epoch) for wid, e in registry.workers.items() if e.live and now - e.last_seen > expiry_s
+    ]
+    for wid, epoch in expired:
+        fence(registry, wid, epoch)
+    return expired

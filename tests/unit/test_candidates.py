@@ -1,0 +1,126 @@
+"""The predicted-TTFT scorer on hand-computed cases (DESIGN.md section 6).
+
+Every heartbeat here has kv_bytes_per_token = 1000 and chunk_tokens = 64, so a
+chunk is 64,000 bytes; prefill costs 1 ms per token; a decode step 20 ms. The
+prompt has 513 tokens: 8 cacheable chunks plus the last token.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.controller import candidates as cand
+from kvrelay.controller.index import ResidencyIndex
+from kvrelay.store.keys import prompt_chain
+from tests.support.router_driver import Driver, heartbeat, offers
+
+PROMPT = tuple(range(1, 64 * 8 + 2))
+CHAIN = prompt_chain(b"m", PROMPT, 64)
+RECOMPUTE_ALL = 513 * 1e-3 + 0.02
+
+
+def plan_for(workers: list, residency: list[tuple[str, str, int]]) -> cand.Plan:
+    index = ResidencyIndex()
+    for wid, tier, n in residency:
+        index.store(wid, tier, CHAIN[:n])
+    views = [cand.WorkerView(hb, cand.WorkerLoad(), cand.reported_fingerprints(hb)) for hb in workers]
+    return cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index)
+
+
+def test_recompute_everything_is_scored_exactly() -> None:
+    plan = plan_for([heartbeat("w0")], [])
+    best = plan.best()
+    assert best is not None and best.route == () and best.cached_tokens == 0
+    assert best.predicted_ttft_s == pytest.approx(RECOMPUTE_ALL)
+    assert best.terms.prefill_s == pytest.approx(0.513) and best.terms.queue_s == 0.0
+
+
+def test_ssd_prefix_slower_to_restore_than_to_recompute_loses() -> None:
+    # 64,000 B / 500,000 B/s = 128 ms per chunk from ssd, 64 ms to recompute it.
+    slow_ssd = heartbeat("w0", restore_bytes_per_s={"ssd": 5e5})
+    plan = plan_for([slow_ssd], [("w0", "ssd", 8)])
+    (route,) = plan.routes
+    assert [s.tier for s in route.segments] == ["ssd"] and route.segments[0].chunks == 8
+    assert route.best.route == ()
+    view = cand.WorkerView(slow_ssd, cand.WorkerLoad(), cand.reported_fingerprints(slow_ssd))
+    alternatives = cand.alternatives(route, view, len(PROMPT), 4, 64)
+    assert [c.cached_tokens for c in alternatives] == [0, 512]
+    ssd = alternatives[1]
+    assert ssd.predicted_ttft_s == pytest.approx(8 * 0.128 + 1e-3 + 0.02)
+    assert route.best.predicted_ttft_s < ssd.predicted_ttft_s
+
+
+def test_ssd_prefix_faster_than_recompute_wins() -> None:
+    plan = plan_for([heartbeat("w0")], [("w0", "ssd", 8)])  # 2.5e8 B/s: 0.256 ms per chunk
+    best = plan.best()
+    assert best is not None and [(s.tier, s.chunks) for s in best.route] == [("ssd", 8)]
+    assert best.predicted_ttft_s == pytest.approx(8 * 64000 / 2.5e8 + 1e-3 + 0.02)
+    assert best.terms.restore_s == {"ssd": pytest.approx(8 * 64000 / 2.5e8)}
+
+
+def test_warm_worker_with_a_long_queue_loses_to_a_cold_idle_one() -> None:
+    plan = plan_for([heartbeat("w0", queue_delay_s=1.0), heartbeat("w1")], [("w0", "gpu", 8)])
+    best = plan.best()
+    assert best is not None and best.worker_id == "w1" and best.cached_tokens == 0
+    assert best.predicted_ttft_s == pytest.approx(RECOMPUTE_ALL)
+
+
+def test_warm_worker_with_a_short_queue_wins() -> None:
+    plan = plan_for([heartbeat("w0", queue_delay_s=0.3), heartbeat("w1")], [("w0", "gpu", 8)])
+    best = plan.best()
+    assert best is not None and best.worker_id == "w0" and best.cached_tokens == 512
+    assert best.predicted_ttft_s == pytest.approx(0.3 + 1e-3 + 0.02)
+
+
+def test_a_lower_tier_on_an_idle_worker_beats_a_gpu_prefix_behind_a_queue() -> None:
+    plan = plan_for([heartbeat("w0", queue_delay_s=2.0), heartbeat("w1")], [("w0", "gpu", 8), ("w1", "ram", 8)])
+    best = plan.best()
+    assert best is not None and best.worker_id == "w1"
+    assert [(s.tier, s.chunks) for s in best.route] == [("ram", 8)]
+
+
+def test_peer_and_object_tiers_extend_a_local_prefix() -> None:
+    # w0 holds 3 chunks in gpu; w1 holds 6 in ram (servable to w0 as a peer); the object tier holds all 8.
+    plan = plan_for([heartbeat("w0"), heartbeat("w1", queue_delay_s=9.0)],
+                    [("w0", "gpu", 3), ("w1", "ram", 6), ("w1", "object", 8)])
+    route = next(r for r in plan.routes if r.worker_id == "w0")
+    assert [(s.tier, s.chunks, s.source) for s in route.segments] == [
+        ("gpu", 3, ""), ("peer", 3, "w1"), ("object", 2, "")]
+    assert route.best.cached_tokens == 512
+
+
+def test_hard_constraints_say_why_a_worker_was_removed() -> None:
+    plan = plan_for([
+        heartbeat("small", pages_free=2, pages_total=2),
+        heartbeat("short", context_limit=100),
+        heartbeat("other", models=("x",)),
+        heartbeat("ok"),
+    ], [])
+    assert plan.excluded == {
+        "small": "capacity",
+        "short": "context limit 100 < 517",
+        "other": "model 'm' not served",
+    }
+    assert [r.worker_id for r in plan.routes] == ["ok"]
+
+
+def test_page_demand_counts_a_copy_on_write_page_for_a_partial_shared_page() -> None:
+    assert cand.page_demand(100, 28, 0, 16) == 8
+    assert cand.page_demand(100, 28, 64, 16) == 4
+    assert cand.page_demand(100, 28, 40, 16) == 8 - 2 + 1
+
+
+def test_ties_break_by_worker_id() -> None:
+    plan = plan_for([heartbeat("w1"), heartbeat("w0")], [])
+    best = plan.best()
+    assert best is not None and best.worker_id == "w0"
+
+
+@pytest.mark.parametrize(("queue", "winner"), [(1.0, "w1"), (0.3, "w0")])
+def test_router_follows_the_score_on_locality_against_load(queue: float, winner: str) -> None:
+    d = Driver()
+    d.message(heartbeat("w0", queue_delay_s=queue))
+    d.message(heartbeat("w1"))
+    d.residency("w0", "gpu", CHAIN)
+    (offer,) = offers(d.request("r", PROMPT))
+    assert offer.worker_id == winner

@@ -1,0 +1,54 @@
+"""The residency index follows store / remove events, stays within its key bound, and drops epochs."""
+
+from __future__ import annotations
+
+from kvrelay.controller.index import GPU, OBJECT, RAM, SSD, ResidencyIndex
+
+
+def keys(n: int, tag: bytes = b"k") -> list[bytes]:
+    return [tag + i.to_bytes(15, "little") for i in range(n)]
+
+
+def test_store_remove_and_lookup_per_worker_and_tier() -> None:
+    ix = ResidencyIndex()
+    ks = keys(4)
+    ix.store("a", "gpu", ks[:3])
+    ix.store("b", "ram", ks[:2])
+    ix.store("b", "object", ks)
+    values = ix.lookup(ks)
+    assert len(values) == 4
+    assert [ix.tiers_of(v, "a") for v in values] == [GPU, GPU, GPU, 0]
+    assert [ix.tiers_of(v, "b") for v in values] == [RAM, RAM, 0, 0]
+    assert all(v & OBJECT for v in values)
+    ix.remove("a", "gpu", ks[1:2])
+    assert ix.tiers_of(ix.lookup(ks)[1], "a") == 0
+    assert ix.holders(ix.lookup(ks)[0]) == [("a", GPU), ("b", RAM)]
+
+
+def test_lookup_stops_at_the_first_key_nobody_holds() -> None:
+    ix = ResidencyIndex()
+    ks = keys(5)
+    ix.store("a", "ssd", ks[:2] + ks[3:])
+    assert len(ix.lookup(ks)) == 2
+    assert ix.tiers_of(ix.lookup(ks)[0], "a") == SSD
+
+
+def test_bound_forgets_the_least_recently_stored_keys() -> None:
+    ix = ResidencyIndex(max_keys=3)
+    ks = keys(5)
+    ix.store("a", "gpu", ks[:3])
+    ix.store("a", "gpu", ks[0:1])  # refresh k0
+    ix.store("a", "gpu", ks[3:5])
+    assert len(ix) == 3 and ix.forgotten == 2
+    assert ix.lookup([ks[1]]) == [] and ix.lookup([ks[2]]) == []
+    assert len(ix.lookup([ks[0]])) == 1 and len(ix.lookup(ks[3:])) == 2
+
+
+def test_drop_worker_forgets_only_that_worker() -> None:
+    ix = ResidencyIndex()
+    ks = keys(3)
+    ix.store("a", "gpu", ks)
+    ix.store("b", "gpu", ks[:1])
+    assert ix.drop_worker("a") == 3
+    assert len(ix) == 1 and ix.tiers_of(ix.lookup(ks)[0], "b") == GPU
+    assert ix.tiers_of(ix.lookup(ks)[0], "a") == 0

@@ -1,0 +1,206 @@
+"""The pure router: fencing, re-routing, continuations, cancellation, registry and index."""
+
+from __future__ import annotations
+
+from kvrelay.controller.events import (
+    CancelTimer,
+    ConsumerCancelled,
+    DeliverResult,
+    Record,
+    StartTimer,
+    Tick,
+    TimerFired,
+    WorkerUnavailable,
+)
+from kvrelay.controller.router import RouterConfig
+from kvrelay.protocol.messages import Assignment
+from kvrelay.store.keys import prompt_chain
+from tests.support.router_driver import Driver, cancels, heartbeat, offers
+
+PROMPT = tuple(range(1, 64 * 8 + 2))  # 8 cacheable chunks
+CHAIN = prompt_chain(b"m", PROMPT, 64)
+
+
+def two_workers(**config: object) -> Driver:
+    d = Driver(RouterConfig(**config))  # type: ignore[arg-type]
+    d.message(heartbeat("w0"))
+    d.message(heartbeat("w1"))
+    return d
+
+
+def test_happy_path_delivers_one_gapless_stream_and_one_result() -> None:
+    d = two_workers()
+    (offer,) = offers(d.request("r", PROMPT, max_new=4))
+    assert offer.offer.assignment == Assignment("r", 1)
+    assert offer.offer.prompt == PROMPT and offer.offer.max_new_tokens == 4
+    fx = d.accept(offer)
+    assert any(isinstance(e, CancelTimer) for e in fx) and any(isinstance(e, StartTimer) for e in fx)
+    a, w = offer.offer.assignment, offer.worker_id
+    d.delta(a, w, 0, (10, 11))
+    d.delta(a, w, 1, (12,))
+    d.result(a, w, (10, 11, 12, 13))
+    assert d.streams["r"] == [10, 11, 12, 13]
+    (res,) = d.results["r"]
+    assert res.outcome.finish_reason == "length" and res.outcome.tokens == (10, 11, 12, 13)
+    assert "r" not in d.state.requests
+
+
+def test_out_of_order_and_duplicate_deltas_are_reassembled() -> None:
+    d = two_workers()
+    (offer,) = offers(d.request("r", PROMPT, max_new=4))
+    d.accept(offer)
+    a, w = offer.offer.assignment, offer.worker_id
+    d.delta(a, w, 1, (12,))
+    assert d.streams.get("r", []) == []
+    d.delta(a, w, 0, (10, 11))
+    d.delta(a, w, 0, (10, 11))
+    assert d.streams["r"] == [10, 11, 12]
+    assert d.state.counters["duplicate_dropped"] == 1
+
+
+def test_offer_timeout_reroutes_and_late_messages_of_attempt_1_complete_nothing() -> None:
+    d = two_workers(offer_timeout_s=1.0)
+    (first,) = offers(d.request("r", PROMPT))
+    d.now = 1.0
+    fx = d.feed(TimerFired(1.0, ("offer", "r", 1)))
+    (cancel,) = cancels(fx)
+    assert cancel.worker_id == first.worker_id and cancel.cancel.assignment == Assignment("r", 1)
+    (second,) = offers(fx)
+    assert second.offer.assignment == Assignment("r", 2)
+    assert second.worker_id != first.worker_id
+    # The late acceptance of attempt 1 is stale: it gets a cancel back; its result completes nothing.
+    fx = d.accept(first)
+    assert [c.cancel.assignment for c in cancels(fx)] == [Assignment("r", 1)]
+    d.result(first.offer.assignment, first.worker_id, (1, 2, 3, 4))
+    assert "r" not in d.results and d.streams.get("r", []) == []
+    assert d.state.counters["stale_dropped"] == 2 and d.state.counters["stale_accept_cancelled"] == 1
+    d.accept(second)
+    d.result(second.offer.assignment, second.worker_id, (5, 6, 7, 8))
+    assert d.streams["r"] == [5, 6, 7, 8] and len(d.results["r"]) == 1
+
+
+def test_worker_loss_mid_decode_continues_as_a_continuation_elsewhere() -> None:
+    d = two_workers()
+    (first,) = offers(d.request("r", PROMPT, max_new=5))
+    d.accept(first)
+    d.delta(first.offer.assignment, first.worker_id, 0, (7, 8))
+    fx = d.feed(WorkerUnavailable(d.now, first.worker_id, 1))
+    (second,) = offers(fx)
+    o = second.offer
+    assert second.worker_id != first.worker_id
+    assert o.prompt == PROMPT + (7, 8) and o.generated_before == 2 and o.max_new_tokens == 3
+    d.accept(second)
+    d.delta(o.assignment, second.worker_id, 0, (9,))
+    # A delta from the lost attempt arrives late: dropped, never delivered.
+    d.delta(first.offer.assignment, first.worker_id, 1, (99,))
+    d.result(o.assignment, second.worker_id, (9, 10, 11))
+    assert d.streams["r"] == [7, 8, 9, 10, 11]
+    (res,) = d.results["r"]
+    assert res.outcome.tokens == (7, 8, 9, 10, 11) and res.outcome.attempts == 2
+
+
+def test_consumer_cancel_fences_at_once() -> None:
+    d = two_workers()
+    (offer,) = offers(d.request("r", PROMPT))
+    d.accept(offer)
+    fx = d.feed(ConsumerCancelled(d.now, "r"))
+    assert [c.cancel.assignment for c in cancels(fx)] == [Assignment("r", 1)]
+    (res,) = d.results["r"]
+    assert res.outcome.finish_reason == "cancelled"
+    d.delta(offer.offer.assignment, offer.worker_id, 0, (1,))
+    d.result(offer.offer.assignment, offer.worker_id, (1, 2, 3, 4))
+    assert len(d.results["r"]) == 1 and d.streams.get("r", []) == []
+
+
+def test_cancel_before_acceptance_and_twice() -> None:
+    d = two_workers()
+    (offer,) = offers(d.request("r", PROMPT))
+    d.feed(ConsumerCancelled(d.now, "r"))
+    d.feed(ConsumerCancelled(d.now, "r"))
+    assert len(d.results["r"]) == 1
+    assert cancels(d.accept(offer))  # the late acceptance is answered with a cancel
+
+
+def test_stale_gpu_decline_keeps_lower_tier_alternatives_of_the_same_worker() -> None:
+    d = Driver()
+    d.message(heartbeat("w0", queue_delay_s=0.0))
+    d.message(heartbeat("w1", queue_delay_s=5.0))  # far worse
+    d.residency("w0", "gpu", CHAIN)
+    d.residency("w0", "ram", CHAIN, seq=2)
+    (offer,) = offers(d.request("r", PROMPT))
+    assert offer.worker_id == "w0" and [s.tier for s in offer.offer.route] == ["gpu"]
+    (again,) = offers(d.decline(offer, "stale_route"))
+    assert again.worker_id == "w0" and [s.tier for s in again.offer.route] == ["ram"]
+    assert again.offer.assignment.attempt == 2
+    assert d.state.requests["r"].reasons == ["w0: declined: stale_route"]
+
+
+def test_unserved_model_fails_with_the_served_models_named() -> None:
+    d = two_workers()
+    d.request("r", PROMPT, model="nope")
+    (res,) = d.results["r"]
+    assert res.outcome.finish_reason == "error"
+    assert "model 'nope' is not served; served models: m" in (res.outcome.error or "")
+
+
+def test_capacity_shortage_parks_until_a_heartbeat_shows_room() -> None:
+    d = Driver()
+    d.message(heartbeat("w0", pages_free=3, pages_total=3))
+    assert not offers(d.request("r", PROMPT))
+    assert d.state.requests["r"].phase == "parked"
+    fx = d.message(heartbeat("w0", seq=2, pages_free=1000))
+    assert len(offers(fx)) == 1
+
+
+def test_registry_rejects_old_heartbeats_and_a_new_epoch_fences_the_old() -> None:
+    d = two_workers()
+    assert not d.message(heartbeat("w0", seq=1))
+    assert d.state.counters["stale_heartbeat"] == 1
+    (offer,) = offers(d.request("r", PROMPT))
+    d.accept(offer)
+    fx = d.message(heartbeat(offer.worker_id, epoch=2, seq=1))
+    (again,) = offers(fx)
+    assert again.offer.assignment.attempt == 2
+    # The old epoch can no longer come back.
+    d.message(heartbeat(offer.worker_id, epoch=1, seq=99))
+    assert d.state.views[offer.worker_id].heartbeat.epoch == 2
+
+
+def test_silent_worker_expires_on_tick_and_its_residency_is_dropped() -> None:
+    d = two_workers(worker_expiry_s=3.0)
+    d.residency("w0", "gpu", CHAIN)
+    assert len(d.state.index) == len(CHAIN)
+    d.now = 2.0
+    d.message(heartbeat("w1", seq=2))
+    d.now = 4.0
+    d.feed(Tick(4.0))
+    assert "w0" not in d.state.views and "w1" in d.state.views
+    assert len(d.state.index) == 0
+
+
+def test_residency_of_an_old_epoch_is_ignored() -> None:
+    d = two_workers()
+    d.message(heartbeat("w0", epoch=2, seq=1))
+    d.residency("w0", "gpu", CHAIN, epoch=1, seq=5)
+    assert len(d.state.index) == 0 and d.state.counters["stale_residency"] == 1
+
+
+def test_every_offer_is_recorded_as_a_decision_with_terms() -> None:
+    d = two_workers()
+    d.request("r", PROMPT)
+    (rec,) = [e for e in d.effects if isinstance(e, Record) and e.kind == "decision"]
+    chosen = rec.data["chosen"]
+    assert rec.data["policy"] == "kvrelay" and len(rec.data["candidates"]) >= 2
+    terms = chosen.terms
+    assert abs(chosen.predicted_ttft_s - (terms.queue_s + sum(terms.restore_s.values()) + terms.prefill_s
+                                          + terms.decode_s)) < 1e-12
+
+
+def test_max_attempts_ends_the_request_with_an_error() -> None:
+    d = two_workers(max_attempts=2)
+    d.request("r", PROMPT)
+    d.feed(TimerFired(5.0, ("offer", "r", 1)))
+    d.feed(TimerFired(10.0, ("offer", "r", 2)))
+    (res,) = d.results["r"]
+    assert res.outcome.finish_reason == "error" and "gave up after 2 attempts" in (res.outcome.error or "")
+    assert isinstance(res, DeliverResult)
