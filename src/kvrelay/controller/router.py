@@ -27,27 +27,33 @@ from kvrelay.controller.events import (
     RequestArrived,
     RouterEvent,
     SendCancel,
-    SendOffer,
     StartTimer,
     Tick,
     TimerFired,
     WorkerUnavailable,
 )
-from kvrelay.controller.policy import RoutingContext
 from kvrelay.controller.registry import accept_heartbeat, expire, fence
-from kvrelay.controller.router_state import RequestState, RouterConfig, RouterState, new_router, usage_of
+from kvrelay.controller.router_attempts import (
+    abandon,
+    finish,
+    retry_parked,
+    route,
+)
+from kvrelay.controller.router_state import (
+    RequestState,
+    RouterConfig,
+    RouterState,
+    new_router,
+)
 from kvrelay.protocol.messages import (
     Assignment,
     Cancel,
     Delta,
-    FinishReason,
     Heartbeat,
-    Offer,
     OfferResult,
     Residency,
     Result,
 )
-from kvrelay.store.keys import cacheable_chunks, prompt_chain
 
 __all__ = ["RouterConfig", "RouterState", "new_router", "step"]
 
@@ -73,7 +79,7 @@ def step(state: RouterState, event: RouterEvent) -> tuple[RouterState, Effects]:
             for wid, epoch in expire(state.registry, now, state.config.worker_expiry_s):
                 state.count("workers_expired")
                 _worker_lost(state, wid, epoch, now, fx, "heartbeats stopped")
-            _retry_parked(state, now, fx)
+            retry_parked(state, now, fx)
     return state, fx
 
 
@@ -89,167 +95,8 @@ def _on_request(state: RouterState, request, now: float, fx: Effects) -> None:
     fp = state.fingerprints.get(request.model) or request.model.encode()
     rs = RequestState(request=request, arrived=now, fingerprint=fp)
     state.requests[request.request_id] = rs
-    _route(state, rs, now, fx)
+    route(state, rs, now, fx)
 
-
-def _route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None:
-    """Offer the request's next attempt to the best candidate, park it, or end it."""
-    request, config = rs.request, state.config
-    remaining = request.max_new_tokens - len(rs.delivered)
-    if remaining <= 0:
-        _finish(state, rs, "length", now, fx)
-        return
-    if rs.attempt >= config.max_attempts:
-        _finish(state, rs, "error", now, fx, f"gave up after {rs.attempt} attempts: {'; '.join(rs.reasons[-3:])}")
-        return
-    prompt = request.prompt + tuple(rs.delivered) if rs.delivered else request.prompt
-    if request.chain is not None:
-        chain = request.chain[: cacheable_chunks(len(prompt), config.chunk_tokens)]
-    else:
-        chain = prompt_chain(rs.fingerprint, prompt, config.chunk_tokens)
-    plan = cand.plan(
-        request.model, len(prompt), remaining, chain, rs.fingerprint, config.chunk_tokens,
-        list(state.views.values()), state.index, rs.excluded_workers, rs.excluded_pairs,
-    )
-    ctx = RoutingContext(request, prompt, chain, config.chunk_tokens, plan, state.views, state.rng, now)
-    chosen = state.policy.choose(ctx) if plan.routes else None
-    if chosen is None:
-        _no_candidate(state, rs, plan, now, fx)
-        return
-    state.policy.on_routed(ctx, chosen)
-    rs.attempt += 1
-    rs.phase, rs.worker_id, rs.epoch, rs.candidate = "offered", chosen.worker_id, chosen.epoch, chosen
-    rs.attempt_start, rs.next_seq, rs.pending = len(rs.delivered), 0, {}
-    rs.last_progress = now
-    if rs.parked_since is not None:
-        state.parked.pop(request.request_id, None)
-        rs.parked_since = None
-    gpu = sum(s.chunks for s in chosen.route if s.tier == "gpu") * config.chunk_tokens
-    view = state.views[chosen.worker_id]
-    rs.demand_pages = cand.page_demand(len(prompt), remaining, gpu, view.heartbeat.page_tokens)
-    rs.estimate_s = chosen.predicted_ttft_s - chosen.terms.queue_s
-    load = view.load
-    load.outstanding_s += rs.estimate_s
-    load.inflight_pages += rs.demand_pages
-    load.active += 1
-    rs.holds_outstanding = rs.holds_inflight = True
-    state.by_worker.setdefault(chosen.worker_id, set()).add(request.request_id)
-    assignment = Assignment(request.request_id, rs.attempt)
-    fx.append(SendOffer(chosen.worker_id, Offer(
-        assignment=assignment, worker_id=chosen.worker_id, epoch=chosen.epoch, model=request.model,
-        model_fingerprint=rs.fingerprint.hex(), prompt=prompt, max_new_tokens=remaining,
-        generated_before=len(rs.delivered), sampling=request.sampling, route=chosen.route,
-        chain=chain[: sum(s.chunks for s in chosen.route)],
-    )))
-    fx.append(StartTimer(("offer", request.request_id, rs.attempt), now + config.offer_timeout_s))
-    chosen_route = next(r for r in plan.routes if r.worker_id == chosen.worker_id)
-    fx.append(Record("decision", request.request_id, rs.attempt, now, {
-        "policy": state.policy.name, "model": request.model, "chosen": chosen,
-        "alternatives": cand.alternatives(chosen_route, view, len(prompt), remaining, config.chunk_tokens),
-        "candidates": [
-            {"worker_id": r.worker_id, "predicted_ttft_s": r.best_ttft_s, "cached_tokens": r.cached_tokens}
-            for r in plan.routes
-        ],
-        "excluded": plan.excluded,
-    }))
-    if rs.attempt > 1:
-        state.count("retries")
-
-
-def _no_candidate(state: RouterState, rs: RequestState, plan: cand.Plan, now: float, fx: Effects) -> None:
-    model = rs.request.model
-    serving = [w for w, v in state.views.items() if model in v.heartbeat.models]
-    if not serving:
-        served = sorted({m for v in state.views.values() for m in v.heartbeat.models})
-        _finish(state, rs, "error", now, fx,
-                f"no_worker: model '{model}' is not served; served models: {', '.join(served) or 'none'}")
-        return
-    reasons = [plan.excluded.get(w, "") for w in serving]
-    if all(r.startswith("context limit") for r in reasons):
-        _finish(state, rs, "error", now, fx, f"over_context_limit: {reasons[0]}")
-        return
-    if all(r.startswith("excluded") for r in reasons):
-        # Every server of the model failed this request once: forget the exclusions
-        # and wait for fresh heartbeats rather than fail while attempts remain.
-        rs.excluded_workers.clear()
-        rs.excluded_pairs.clear()
-    if rs.parked_since is None:
-        rs.parked_since = now
-        state.count("parked")
-    elif now - rs.parked_since > state.config.max_queue_wait_s:
-        state.parked.pop(rs.request.request_id, None)
-        _finish(state, rs, "error", now, fx, f"no_capacity: waited {now - rs.parked_since:.1f} s for a worker")
-        return
-    rs.phase = "parked"
-    state.parked[rs.request.request_id] = None
-
-
-def _retry_parked(state: RouterState, now: float, fx: Effects) -> None:
-    for rid in list(state.parked):
-        rs = state.requests.get(rid)
-        if rs is None or rs.phase != "parked":
-            state.parked.pop(rid, None)
-            continue
-        _route(state, rs, now, fx)
-
-
-def _release(state: RouterState, rs: RequestState) -> None:
-    """Return the router-side load the current attempt holds on its worker."""
-    wid = rs.worker_id
-    if wid is None:
-        return
-    view = state.views.get(wid)
-    if view is not None:
-        load = view.load
-        if rs.holds_outstanding:
-            load.outstanding_s = max(0.0, load.outstanding_s - rs.estimate_s)
-        if rs.holds_inflight:
-            load.inflight_pages = max(0, load.inflight_pages - rs.demand_pages)
-        load.active = max(0, load.active - 1)
-    rs.holds_outstanding = rs.holds_inflight = False
-    state.by_worker.get(wid, set()).discard(rs.request.request_id)
-    rs.worker_id = None
-
-
-def _abandon(state: RouterState, rs: RequestState, now: float, fx: Effects, outcome: str, reason: str,
-             send_cancel: bool, exclude: tuple[str, str] | None = None) -> None:
-    """End the current attempt (cancel it at the worker if asked) and route the next one."""
-    wid = rs.worker_id
-    assert wid is not None
-    fx.append(CancelTimer(("offer", rs.request.request_id, rs.attempt)))
-    if send_cancel:
-        fx.append(SendCancel(wid, Cancel(assignment=Assignment(rs.request.request_id, rs.attempt),
-                                         worker_id=wid, reason=reason[:200])))
-    fx.append(Record("offer_outcome", rs.request.request_id, rs.attempt, now,
-                     {"worker_id": wid, "outcome": outcome, "reason": reason}))
-    if exclude is not None:
-        rs.excluded_pairs.add(exclude)
-    else:
-        rs.excluded_workers.add(wid)
-    rs.reasons.append(f"{wid}: {reason}")
-    _release(state, rs)
-    rs.phase = "new"
-    _route(state, rs, now, fx)
-
-
-def _finish(state: RouterState, rs: RequestState, reason: FinishReason, now: float, fx: Effects,
-            error: str | None = None) -> None:
-    rid = rs.request.request_id
-    if rs.worker_id is not None:
-        fx.append(CancelTimer(("offer", rid, rs.attempt)))
-        _release(state, rs)
-    rs.phase = "done"
-    state.requests.pop(rid, None)
-    state.parked.pop(rid, None)
-    ttft = None if rs.first_token_at is None else rs.first_token_at - rs.arrived
-    usage = usage_of(rs)
-    fx.append(DeliverResult(rid, Outcome(rid, reason, tuple(rs.delivered), rs.attempt, usage, ttft, error)))
-    fx.append(Record("outcome", rid, rs.attempt, now, {
-        "finish_reason": reason, "ttft_s": ttft, "inter_token_s": [], "cached_tokens": usage.cached_tokens,
-        "recomputed_tokens": usage.recomputed_tokens, "generated_tokens": usage.generated_tokens,
-        "bytes_by_tier": {}, "attempts": rs.attempt, "error": error,
-    }))
-    state.count(f"finished_{reason}")
 
 
 def _on_consumer_cancel(state: RouterState, rid: str, now: float, fx: Effects) -> None:
@@ -262,7 +109,7 @@ def _on_consumer_cancel(state: RouterState, rid: str, now: float, fx: Effects) -
         fx.append(SendCancel(wid, Cancel(assignment=Assignment(rid, rs.attempt), worker_id=wid, reason="consumer")))
         fx.append(Record("offer_outcome", rid, rs.attempt, now,
                          {"worker_id": wid, "outcome": "cancelled", "reason": "consumer"}))
-    _finish(state, rs, "cancelled", now, fx)
+    finish(state, rs, "cancelled", now, fx)
 
 
 # --- timers and workers ---------------------------------------------------------
@@ -275,7 +122,7 @@ def _on_timer(state: RouterState, timer: tuple[str, str, int], now: float, fx: E
         return
     if rs.phase == "offered":
         state.count("offer_timeouts")
-        _abandon(state, rs, now, fx, "timed_out", "offer timed out", send_cancel=True)
+        abandon(state, rs, now, fx, "timed_out", "offer timed out", send_cancel=True)
     elif rs.phase == "running":
         grace = state.config.progress_timeout_s
         if rs.first_token_at is None and rs.candidate is not None:
@@ -283,7 +130,7 @@ def _on_timer(state: RouterState, timer: tuple[str, str, int], now: float, fx: E
         deadline = rs.last_progress + grace
         if now >= deadline:
             state.count("progress_timeouts")
-            _abandon(state, rs, now, fx, "timed_out", "no progress after acceptance", send_cancel=True)
+            abandon(state, rs, now, fx, "timed_out", "no progress after acceptance", send_cancel=True)
         else:
             fx.append(StartTimer(("offer", rid, attempt), deadline))
 
@@ -299,7 +146,7 @@ def _worker_lost(state: RouterState, wid: str, epoch: int, now: float, fx: Effec
         rs = state.requests.get(rid)
         if rs is not None and rs.worker_id == wid and rs.epoch <= epoch:
             state.count("worker_lost_assignments")
-            _abandon(state, rs, now, fx, "worker_lost", f"{reason} (epoch {epoch})", send_cancel=False)
+            abandon(state, rs, now, fx, "worker_lost", f"{reason} (epoch {epoch})", send_cancel=False)
 
 
 # --- worker messages ------------------------------------------------------------
@@ -346,7 +193,7 @@ def _on_heartbeat(state: RouterState, hb: Heartbeat, now: float, fx: Effects) ->
     load.accepted_pages = 0
     state.views[hb.worker_id] = cand.WorkerView(hb, load, fps)
     if state.parked:
-        _retry_parked(state, now, fx)
+        retry_parked(state, now, fx)
 
 
 def _on_residency(state: RouterState, msg: Residency) -> None:
@@ -386,17 +233,7 @@ def _on_offer_result(state: RouterState, rs: RequestState, msg: OfferResult, now
     if msg.reason in ("stale_route", "no_capacity") and "gpu" in route_tiers:
         exclude = (msg.worker_id, "gpu")
     reason = f"declined: {msg.reason}" + (f" ({msg.detail})" if msg.detail else "")
-    fx.append(CancelTimer(("offer", rs.request.request_id, rs.attempt)))
-    if exclude is not None:
-        rs.excluded_pairs.add(exclude)
-    else:
-        rs.excluded_workers.add(msg.worker_id)
-    fx.append(Record("offer_outcome", rs.request.request_id, rs.attempt, now,
-                     {"worker_id": msg.worker_id, "outcome": "declined", "reason": msg.reason}))
-    rs.reasons.append(f"{msg.worker_id}: {reason}")
-    _release(state, rs)
-    rs.phase = "new"
-    _route(state, rs, now, fx)
+    abandon(state, rs, now, fx, "declined", reason, send_cancel=False, exclude=exclude)
 
 
 def _deliver(state: RouterState, rs: RequestState, tokens: tuple[int, ...], now: float, fx: Effects) -> None:
@@ -454,8 +291,8 @@ def _on_result(state: RouterState, rs: RequestState, msg: Result, now: float, fx
         rs.cached_tokens[tier] = rs.cached_tokens.get(tier, 0) + n
     rs.recomputed_tokens += msg.usage.recomputed_tokens
     if msg.finish_reason in ("stop", "length"):
-        _finish(state, rs, msg.finish_reason, now, fx)
+        finish(state, rs, msg.finish_reason, now, fx)
         return
     state.count(f"worker_{msg.finish_reason}")
-    _abandon(state, rs, now, fx, "worker_lost", f"worker ended the attempt: {msg.finish_reason} {msg.error or ''}",
+    abandon(state, rs, now, fx, "worker_lost", f"worker ended the attempt: {msg.finish_reason} {msg.error or ''}",
              send_cancel=False)
