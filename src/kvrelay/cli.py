@@ -14,6 +14,8 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("kvrelay.controller.sim_cli", "replay a Mooncake-format trace through the router under logical time"),
+    "explain": ("kvrelay.facts.explain", "print the recorded candidates, winner, losers and outcome of one request"),
+    "generate": ("kvrelay.models.generate_cli", "continue a prompt with a local model through the paged runtime"),
 }
 
 

@@ -204,3 +204,19 @@ def test_max_attempts_ends_the_request_with_an_error() -> None:
     (res,) = d.results["r"]
     assert res.outcome.finish_reason == "error" and "gave up after 2 attempts" in (res.outcome.error or "")
     assert isinstance(res, DeliverResult)
+
+
+def test_durable_replica_facts_arriving_with_a_request_feed_the_candidates() -> None:
+    from kvrelay.controller.events import Request, RequestArrived
+    from kvrelay.controller.router import request_chain
+
+    d = Driver()
+    rates = {"ram": 1e9, "ssd": 2.5e8, "peer": 1e7, "object": 1e7}
+    d.message(heartbeat("w0", restore_bytes_per_s=rates))
+    d.message(heartbeat("w1", restore_bytes_per_s=rates))
+    request = Request("r", "m", PROMPT, 4)
+    chain = request_chain(d.state, request)
+    assert chain == CHAIN
+    facts = tuple((k, "ssd", "w1") for k in chain) + ((chain[0], "ssd", "gone-worker"),)
+    (offer,) = offers(d.feed(RequestArrived(d.now, request, facts)))
+    assert offer.worker_id == "w1" and [(s.tier, s.chunks) for s in offer.offer.route] == [("ssd", 8)]

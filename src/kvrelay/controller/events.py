@@ -40,10 +40,17 @@ TimerKey = tuple[str, str, int]
 """``(kind, request_id, attempt)``; kind ``"offer"`` is the offer timeout."""
 
 
+Replica = tuple[bytes, str, str]
+"""``(chunk key, tier, location)`` of a durable replica fact: location is a worker id or a bucket."""
+
+
 @dataclass(frozen=True, slots=True)
 class RequestArrived:
+    """A new request, with the durable replica facts of its chain the shell fetched in one batch."""
+
     now: float
     request: Request
+    replicas: tuple[Replica, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from kvrelay.controller.events import (
     MessageReceived,
     Outcome,
     Record,
+    Request,
     RequestArrived,
     RouterEvent,
     SendCancel,
@@ -54,6 +55,7 @@ from kvrelay.protocol.messages import (
     Residency,
     Result,
 )
+from kvrelay.store.keys import prompt_chain
 
 __all__ = ["RouterConfig", "RouterState", "new_router", "step"]
 
@@ -64,7 +66,8 @@ def step(state: RouterState, event: RouterEvent) -> tuple[RouterState, Effects]:
     """Apply one event; return the updated state and the effects to carry out, in order."""
     fx: Effects = []
     match event:
-        case RequestArrived(now=now, request=request):
+        case RequestArrived(now=now, request=request, replicas=replicas):
+            _learn_replicas(state, replicas)
             _on_request(state, request, now, fx)
         case MessageReceived(now=now, message=message):
             _on_message(state, message, now, fx)
@@ -86,7 +89,24 @@ def step(state: RouterState, event: RouterEvent) -> tuple[RouterState, Effects]:
 # --- requests -----------------------------------------------------------------
 
 
-def _on_request(state: RouterState, request, now: float, fx: Effects) -> None:
+def _learn_replicas(state: RouterState, replicas: tuple[tuple[bytes, str, str], ...]) -> None:
+    """Merge durable replica facts into the index: object replicas always, local ones of live workers."""
+    for key, tier, location in replicas:
+        if tier == "object":
+            state.index.store(location, "object", (key,))
+        elif tier in ("ram", "ssd") and location in state.views:
+            state.index.store(location, tier, (key,))
+
+
+def request_chain(state: RouterState, request: Request) -> tuple[bytes, ...]:
+    """The routable chunk chain of a new request, as the router will plan it (for fact lookups)."""
+    if request.chain is not None:
+        return request.chain
+    fp = state.fingerprints.get(request.model) or request.model.encode()
+    return prompt_chain(fp, request.prompt, state.config.chunk_tokens)
+
+
+def _on_request(state: RouterState, request: Request, now: float, fx: Effects) -> None:
     if request.request_id in state.requests:
         state.count("duplicate_request")
         fx.append(DeliverResult(request.request_id, Outcome(

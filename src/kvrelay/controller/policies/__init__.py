@@ -5,13 +5,21 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvrelay.controller.policies.baselines import LeastLoaded, RoundRobin
+from kvrelay.controller.policies.dynamo_kv import DynamoKV
 from kvrelay.controller.policies.kvrelay_ttft import PredictedTTFT
+from kvrelay.controller.policies.llmd_scorer import LlmdScorer
+from kvrelay.controller.policies.mooncake_conductor import MooncakeConductor
+from kvrelay.controller.policies.sglang_cache_aware import SGLangCacheAware
 from kvrelay.controller.policy import Policy
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "kvrelay": PredictedTTFT,
     "round_robin": RoundRobin,
     "least_loaded": LeastLoaded,
+    "sglang_cache_aware": SGLangCacheAware,
+    "dynamo": DynamoKV,
+    "llm_d": LlmdScorer,
+    "mooncake": MooncakeConductor,
 }
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 
