@@ -97,13 +97,15 @@ class WorkerRoute:
     ``alternatives`` lists all of them.
     """
 
-    __slots__ = ("worker_id", "segments", "bounds", "best_ttft_s", "best_index", "view", "prompt_len",
-                 "chunk_tokens", "_best")
+    __slots__ = ("worker_id", "segments", "bounds", "best_ttft_s", "best_index", "heartbeat", "base_queue_s",
+                 "prompt_len", "chunk_tokens", "_best")
 
     def __init__(self, view: WorkerView, segments: tuple[RouteSegment, ...], bounds: list[Boundary],
                  best_ttft_s: float, best_index: int, prompt_len: int, chunk_tokens: int) -> None:
         self.worker_id = view.heartbeat.worker_id
-        self.view = view
+        self.heartbeat = view.heartbeat
+        self.base_queue_s = queue_of(view)
+        """Captured now: the route stays a true snapshot after the worker's load changes."""
         self.segments = segments
         self.bounds = bounds
         self.best_ttft_s = best_ttft_s
@@ -115,8 +117,8 @@ class WorkerRoute:
     @property
     def best(self) -> Candidate:
         if self._best is None:
-            self._best = make_candidate(self.view, self.segments, self.bounds[self.best_index], self.prompt_len,
-                                        self.chunk_tokens)
+            self._best = make_candidate(self.heartbeat, self.base_queue_s, self.segments,
+                                        self.bounds[self.best_index], self.prompt_len, self.chunk_tokens)
         return self._best
 
     @property
@@ -222,7 +224,7 @@ def _evaluate(
     pt = hb.page_tokens
     available = hb.pages_free + hb.pages_evictable - load.inflight_pages - load.accepted_pages
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
-    base_queue = max(hb.queue_delay_s, load.outstanding_s)
+    base_queue = queue_of(worker)
     lower_queue = max(base_queue, hb.lower_tier_load_s)
     fixed = hb.decode_s_per_token + prompt_len * hb.prefill_s_per_token
     per_token = hb.prefill_s_per_token
@@ -242,15 +244,19 @@ def _evaluate(
     return out
 
 
+def queue_of(worker: WorkerView) -> float:
+    """The queue term without restores: the larger of the reported and the router-known backlog."""
+    return max(worker.heartbeat.queue_delay_s, worker.load.outstanding_s)
+
+
 def make_candidate(
-    worker: WorkerView, segments: tuple[RouteSegment, ...], boundary: Boundary, prompt_len: int, chunk_tokens: int
+    hb: Heartbeat, base_queue: float, segments: tuple[RouteSegment, ...], boundary: Boundary, prompt_len: int,
+    chunk_tokens: int,
 ) -> Candidate:
     """The candidate of one boundary, with its predicted TTFT broken into terms."""
-    hb, load = worker.heartbeat, worker.load
     cached, _, restored, used = boundary
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
     restore = {tier: chunks * chunk_bytes / hb.restore_bytes_per_s[tier] for tier, chunks in restored}
-    base_queue = max(hb.queue_delay_s, load.outstanding_s)
     queue = max(base_queue, hb.lower_tier_load_s) if restore else base_queue
     prefill = (prompt_len - cached) * hb.prefill_s_per_token
     decode = hb.decode_s_per_token
@@ -269,7 +275,9 @@ def alternatives(route: WorkerRoute, worker: WorkerView, prompt_len: int, max_ne
     """Every feasible boundary candidate of one worker, cheapest first."""
     bounds = boundaries_of(route.segments, chunk_tokens)
     scored = sorted(_evaluate(worker, bounds, prompt_len, max_new, chunk_tokens), key=lambda x: (x[0], -x[1]))
-    return [make_candidate(worker, route.segments, bounds[i], prompt_len, chunk_tokens) for _, i in scored]
+    base_queue = queue_of(worker)
+    return [make_candidate(worker.heartbeat, base_queue, route.segments, bounds[i], prompt_len, chunk_tokens)
+            for _, i in scored]
 
 
 def plan(

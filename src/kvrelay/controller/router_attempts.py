@@ -53,6 +53,9 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         no_candidate(state, rs, plan, now, fx)
         return
     state.policy.on_routed(ctx, chosen)
+    view = state.views[chosen.worker_id]
+    chosen_route = next(r for r in plan.routes if r.worker_id == chosen.worker_id)
+    alternatives = cand.alternatives(chosen_route, view, len(prompt), remaining, config.chunk_tokens)
     rs.attempt += 1
     rs.phase, rs.worker_id, rs.epoch, rs.candidate = "offered", chosen.worker_id, chosen.epoch, chosen
     rs.attempt_start, rs.next_seq, rs.pending = len(rs.delivered), 0, {}
@@ -61,7 +64,6 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         state.parked.pop(request.request_id, None)
         rs.parked_since = None
     gpu = sum(s.chunks for s in chosen.route if s.tier == "gpu") * config.chunk_tokens
-    view = state.views[chosen.worker_id]
     rs.demand_pages = cand.page_demand(len(prompt), remaining, gpu, view.heartbeat.page_tokens)
     rs.estimate_s = chosen.predicted_ttft_s - chosen.terms.queue_s
     load = view.load
@@ -78,14 +80,9 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         chain=chain[: sum(s.chunks for s in chosen.route)],
     )))
     fx.append(StartTimer(("offer", request.request_id, rs.attempt), now + config.offer_timeout_s))
-    chosen_route = next(r for r in plan.routes if r.worker_id == chosen.worker_id)
     fx.append(Record("decision", request.request_id, rs.attempt, now, {
         "policy": state.policy.name, "model": request.model, "chosen": chosen,
-        "alternatives": cand.alternatives(chosen_route, view, len(prompt), remaining, config.chunk_tokens),
-        "candidates": [
-            {"worker_id": r.worker_id, "predicted_ttft_s": r.best_ttft_s, "cached_tokens": r.cached_tokens}
-            for r in plan.routes
-        ],
+        "candidates": (*plan.routes, *alternatives[1:]),
         "excluded": plan.excluded,
     }))
     if rs.attempt > 1:
