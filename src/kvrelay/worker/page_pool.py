@@ -157,12 +157,13 @@ class PagePool:
         return Reservation(owner, pages)
 
     def take(self, reservation: Reservation, n: int) -> list[int]:
-        """Move ``n`` reserved pages to the sequence (reference count 1)."""
+        """Move the first ``n`` reserved pages, in order, to the sequence (reference count 1)."""
         if reservation.released:
             raise PagePoolError(f"reservation of {reservation.owner} was already released")
         if n > len(reservation.pages):
             raise PagePoolError(f"{reservation.owner} takes {n} pages but holds {len(reservation.pages)}")
-        pages = [reservation.pages.pop() for _ in range(n)]
+        pages = reservation.pages[:n]
+        del reservation.pages[:n]
         for p in pages:
             self._reserved.discard(p)
             self._refcount[p] = 1

@@ -1,0 +1,120 @@
+"""A real worker controller on a tiny real model, with helpers to send offers and collect replies."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvrelay.models.fingerprint import model_fingerprint
+from kvrelay.models.kv_pages import KVPages
+from kvrelay.models.loader import load_artifacts
+from kvrelay.models.registry import build_model
+from kvrelay.protocol.messages import (
+    Assignment,
+    Cancel,
+    Delta,
+    Offer,
+    OfferResult,
+    Result,
+    RouteSegment,
+    Sampling,
+    WireMessage,
+)
+from kvrelay.worker.admission import WorkerIdentity
+from kvrelay.worker.controller import WorkerController
+from kvrelay.worker.handlers import RestoreHandler
+from kvrelay.worker.iteration import PolicyConfig
+from kvrelay.worker.jobs import Job
+from kvrelay.worker.page_pool import PagePool
+from kvrelay.worker.runtime import PagedRuntime
+
+
+@dataclass
+class Replies:
+    """Everything the worker sent back for one assignment, with an event per arrival."""
+
+    messages: list[WireMessage] = field(default_factory=list)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __call__(self, message: WireMessage) -> None:
+        self.messages.append(message)
+        self.arrived.set()
+
+    @property
+    def deltas(self) -> list[Delta]:
+        return [m for m in self.messages if isinstance(m, Delta)]
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for d in self.deltas for t in d.tokens]
+
+    def of(self, kind: type) -> list[WireMessage]:
+        return [m for m in self.messages if isinstance(m, kind)]
+
+    async def wait_for(self, kind: type, timeout: float = 30.0) -> WireMessage:
+        async def until() -> WireMessage:
+            while True:
+                found = self.of(kind)
+                if found:
+                    return found[0]
+                self.arrived.clear()
+                await self.arrived.wait()
+
+        return await asyncio.wait_for(until(), timeout)
+
+    async def wait_tokens(self, n: int, timeout: float = 30.0) -> None:
+        async def until() -> None:
+            while len(self.tokens) < n and not self.of(Result):
+                self.arrived.clear()
+                await self.arrived.wait()
+
+        await asyncio.wait_for(until(), timeout)
+
+
+class WorkerHarness:
+    """Model, KV pages, runtime, pool and controller of one worker (call inside a running loop)."""
+
+    def __init__(self, model_dir: Path, num_pages: int = 64, lanes: int = 4, restore: RestoreHandler | None = None,
+                 epoch: int = 1, context_limit: int = 4096) -> None:
+        self.artifacts = load_artifacts(model_dir, torch.float32)
+        config = self.artifacts.config
+        self.model = build_model(config, self.artifacts.weights, torch.float32)
+        self.kv = KVPages.allocate(config, num_pages, 16, torch.float32)
+        self.runtime = PagedRuntime(self.model, self.kv, PolicyConfig(num_lanes=lanes, token_budget=256))
+        self.fingerprint = self.artifacts.fingerprint
+        self.identity = WorkerIdentity("w0", epoch, "tiny", self.fingerprint, context_limit)
+        self.published: list[WireMessage] = []
+        self.controller = WorkerController(self.identity, PagePool(num_pages, 16, 64), self.runtime,
+                                           config.kv_bytes_per_token(4), restore, self.published.append)
+        self.controller.pool._on_residency = self.controller.publish_residency
+        self.pool = self.controller.pool
+
+    def offer(self, rid: str, prompt: tuple[int, ...], max_new: int, attempt: int = 1,
+              route: tuple[RouteSegment, ...] = (), sampling: Sampling = Sampling()) -> tuple[Offer, Replies]:
+        offer = Offer(assignment=Assignment(rid, attempt), worker_id="w0", epoch=self.identity.epoch, model="tiny",
+                      model_fingerprint=self.fingerprint.hex(), prompt=prompt, max_new_tokens=max_new,
+                      sampling=sampling, route=route)
+        replies = Replies()
+        self.controller.on_offer(offer, replies)
+        return offer, replies
+
+    def cancel(self, offer: Offer) -> None:
+        self.controller.on_cancel(Cancel(assignment=offer.assignment, worker_id="w0"))
+
+    def reference(self, prompt: tuple[int, ...], max_new: int) -> list[int]:
+        """Greedy tokens of the runtime alone, on pages nobody else uses (the highest ones)."""
+        pages = -(-(len(prompt) + max_new) // 16)
+        table = tuple(range(self.kv.num_pages - pages, self.kv.num_pages))
+        return list(self.runtime.generate(Job(prompt, table, 0, max_new), timeout=60).tokens)
+
+    async def quiesce(self, timeout: float = 30.0) -> None:
+        await asyncio.wait_for(self.controller.quiesced.wait(), timeout)
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+__all__ = ["OfferResult", "Replies", "Result", "WorkerHarness", "model_fingerprint"]
