@@ -134,3 +134,103 @@ def test_admits_until_decline_and_every_admitted_request_finishes_its_budget(mod
         h.pool.check()
 
     run(model_dir, body, num_pages=24)
+
+
+def cold_chunks(model_dir: Path) -> tuple[list[int], dict]:
+    """Run PROMPT cold on a fresh worker; return its tokens and the KV of its two full chunks."""
+    from tests.support.restore_double import capture
+
+    captured: dict = {}
+    tokens: list[int] = []
+
+    async def body(h: WorkerHarness) -> None:
+        _, replies = h.offer("cold", PROMPT, 8)
+        tokens.extend((await replies.wait_for(Result)).tokens)
+        await h.quiesce()
+        for key in (m.stored[0] for m in h.published if m.stored):
+            (pages,) = h.pool.resident_prefix([key]) or [None]
+            if pages is not None:
+                captured[key] = capture(h.kv, pages)
+
+    run(model_dir, body)
+    return tokens, captured
+
+
+def test_restored_prefix_gives_the_cold_answer_and_usage_by_tier(model_dir: Path) -> None:
+    from tests.support.restore_double import KnownKVRestore
+
+    cold_tokens, chunks = cold_chunks(model_dir)
+    assert len(chunks) == 2
+
+    async def body(h: WorkerHarness) -> None:
+        h.controller.restorer = KnownKVRestore(h.kv, chunks, "ssd")
+        _, replies = h.offer("r", PROMPT, 8, route=(RouteSegment("ssd", 2),))
+        result = await replies.wait_for(Result)
+        assert list(result.tokens) == cold_tokens
+        assert result.usage.cached_tokens == {"ssd": 128} and result.usage.recomputed_tokens == 22
+        await h.quiesce()
+        h.pool.check()
+
+    run(model_dir, body)
+
+
+def test_cancel_during_a_slow_restore_releases_only_after_the_copy_finished(model_dir: Path) -> None:
+    from tests.support.restore_double import KnownKVRestore
+
+    _, chunks = cold_chunks(model_dir)
+
+    async def body(h: WorkerHarness) -> None:
+        restore = KnownKVRestore(h.kv, chunks)
+        restore.gate.clear()
+        h.controller.restorer = restore
+        offer, replies = h.offer("r", PROMPT, 8, route=(RouteSegment("ram", 2),))
+        assert await asyncio.to_thread(restore.started.wait, 10)
+        h.cancel(offer)
+        assert h.pool.num_reserved > 0, "pages under an in-flight restore are not released at the fence"
+        restore.log.append("cancelled")
+        restore.gate.set()
+        await h.quiesce()
+        restore.log.append("released")
+        assert restore.log == ["restore_started", "cancelled", "restore_done", "released"]
+        assert not replies.deltas and not replies.of(Result)
+        h.pool.check()
+        assert h.pool.num_reserved == 0 and h.pool.num_referenced == 0
+        assert h.pool.num_cached == 8, "the restored chunks stay resident as cache"
+
+    run(model_dir, body)
+
+
+def test_a_slow_restore_does_not_stall_a_running_decode(model_dir: Path) -> None:
+    from tests.support.restore_double import KnownKVRestore
+
+    _, chunks = cold_chunks(model_dir)
+
+    async def body(h: WorkerHarness) -> None:
+        restore = KnownKVRestore(h.kv, chunks)
+        restore.gate.clear()
+        h.controller.restorer = restore
+        _, decoding = h.offer("busy", tuple(range(300, 340)), 40)
+        await decoding.wait_tokens(1)
+        _, restoring = h.offer("r", PROMPT, 4, route=(RouteSegment("ram", 2),))
+        assert await asyncio.to_thread(restore.started.wait, 10)
+        done = await decoding.wait_for(Result)
+        assert len(done.tokens) == 40, "the other lane decoded to its budget while the restore was held"
+        assert not restoring.deltas
+        restore.gate.set()
+        assert (await restoring.wait_for(Result)).usage.cached_tokens == {"ram": 128}
+
+    run(model_dir, body)
+
+
+def test_cancel_during_prefill(model_dir: Path) -> None:
+    async def body(h: WorkerHarness) -> None:
+        long_prompt = tuple(i % 250 + 4 for i in range(900))
+        offer, replies = h.offer("r", long_prompt, 4)
+        await replies.wait_for(OfferResult)
+        h.cancel(offer)
+        await h.quiesce()
+        assert not replies.of(Result)
+        h.pool.check()
+        assert h.pool.num_reserved == 0 and h.pool.num_referenced == 0
+
+    run(model_dir, body, num_pages=96)
