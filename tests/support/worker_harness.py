@@ -89,7 +89,7 @@ class WorkerHarness:
         self.published: list[WireMessage] = []
         self.controller = WorkerController(self.identity, PagePool(num_pages, 16, 64), self.runtime,
                                            config.kv_bytes_per_token(4), restore, self.published.append)
-        self.controller.pool._on_residency = self.controller.publish_residency
+        self.controller.pool.on_residency = self.controller.publish_residency
         self.pool = self.controller.pool
 
     def offer(self, rid: str, prompt: tuple[int, ...], max_new: int, attempt: int = 1,

@@ -125,6 +125,19 @@ class WorkerRoute:
     def cached_tokens(self) -> int:
         return self.bounds[self.best_index][0]
 
+    # The best candidate's fields, so a decision record can hold routes and expand them off the routing path.
+    @property
+    def route(self) -> tuple[RouteSegment, ...]:
+        return self.best.route
+
+    @property
+    def predicted_ttft_s(self) -> float:
+        return self.best_ttft_s
+
+    @property
+    def terms(self) -> Terms:
+        return self.best.terms
+
 
 @dataclass(slots=True)
 class Plan:

@@ -78,7 +78,7 @@ class PagePool:
         self._chunks: dict[bytes, tuple[int, ...]] = {}
         self._page_key: dict[int, bytes] = {}
         self._durable: set[bytes] = set()
-        self._on_residency = on_residency
+        self.on_residency = on_residency
         self.evictions: list[Eviction] = []
         """Every eviction so far, with its reason (the caller may drain it)."""
 
@@ -152,8 +152,8 @@ class PagePool:
             removed.append(ev.key)
         pages = [self._free.pop() for _ in range(n)]
         self._reserved.update(pages)
-        if removed and self._on_residency is not None:
-            self._on_residency((), tuple(removed))
+        if removed and self.on_residency is not None:
+            self.on_residency((), tuple(removed))
         return Reservation(owner, pages)
 
     def take(self, reservation: Reservation, n: int) -> list[int]:
@@ -203,8 +203,8 @@ class PagePool:
         self._chunks[key] = tuple(pages)
         for p in pages:
             self._page_key[p] = key
-        if self._on_residency is not None:
-            self._on_residency((key,), ())
+        if self.on_residency is not None:
+            self.on_residency((key,), ())
         return True
 
     def mark_durable(self, key: bytes) -> None:

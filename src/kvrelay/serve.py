@@ -1,0 +1,149 @@
+"""``kvrelay serve``: the embedded default, everything in one process.
+
+One asyncio loop holds the HTTP ingress, the router (``ClusterRouter``) and
+one worker controller; a device thread runs the model. The router and the
+worker talk through the same protocol messages as over WebSockets, handed
+over with ``loop.call_soon`` so neither re-enters the other. Facts go to
+SQLite under the data directory unless ``--db`` names another URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+import uvicorn
+
+from kvrelay.api.app import create_app
+from kvrelay.api.ingress import Ingress, ServedModel
+from kvrelay.api.metrics import Metrics
+from kvrelay.controller.cluster import ClusterRouter
+from kvrelay.controller.router import RouterConfig, new_router
+from kvrelay.facts.store import FactStore
+from kvrelay.models.kv_pages import KVPages
+from kvrelay.models.loader import load_artifacts
+from kvrelay.models.registry import build_model
+from kvrelay.protocol.messages import Cancel, Offer, WireMessage
+from kvrelay.worker.admission import WorkerIdentity
+from kvrelay.worker.controller import WorkerController
+from kvrelay.worker.iteration import PolicyConfig
+from kvrelay.worker.page_pool import PagePool
+from kvrelay.worker.runtime import PagedRuntime
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None
+    """A model directory or GGUF file; None: the default Gemma 3 270M."""
+    dtype: str = "bfloat16"
+    kv_tokens: int = 65536
+    page_tokens: int = 16
+    chunk_tokens: int = 64
+    lanes: int = 16
+    token_budget: int = 512
+    db_url: str | None = None
+    heartbeat_s: float = 0.5
+    worker_id: str = "local-0"
+
+
+@dataclass
+class Embedded:
+    """The parts of one embedded server, wired; ``close`` stops them in order."""
+
+    router: ClusterRouter
+    controller: WorkerController
+    runtime: PagedRuntime
+    ingress: Ingress
+    facts: FactStore
+    served: ServedModel
+
+    async def close(self) -> None:
+        await self.router.close()
+        self.runtime.close()
+        self.facts.close()
+
+
+@contextlib.asynccontextmanager
+async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
+    """Load the model and wire router, worker and ingress on the running loop."""
+    dtype = DTYPES[options.dtype]
+    artifacts = await asyncio.to_thread(load_artifacts, options.model, dtype)
+    config = artifacts.config
+    model = build_model(config, artifacts.weights, dtype)
+    pages = max(1, options.kv_tokens // options.page_tokens)
+    kv = KVPages.allocate(config, pages, options.page_tokens, dtype)
+    runtime = PagedRuntime(model, kv, PolicyConfig(num_lanes=options.lanes, token_budget=options.token_budget))
+    facts = FactStore(options.db_url)
+    loop = asyncio.get_running_loop()
+    context_limit = min(config.max_position_embeddings, options.kv_tokens)
+    identity = WorkerIdentity(options.worker_id, time.time_ns() // 1_000_000, artifacts.name, artifacts.fingerprint,
+                              context_limit, options.chunk_tokens)
+    controller: WorkerController | None = None
+
+    def to_worker(worker_id: str, message: WireMessage) -> None:
+        assert controller is not None
+        if isinstance(message, Offer):
+            loop.call_soon(controller.on_offer, message, to_router)
+        elif isinstance(message, Cancel):
+            loop.call_soon(controller.on_cancel, message)
+
+    def to_router(message: WireMessage) -> None:
+        loop.call_soon(router.receive, message)
+
+    router = ClusterRouter(new_router(RouterConfig(chunk_tokens=options.chunk_tokens)), to_worker, facts.submit)
+    pool = PagePool(pages, options.page_tokens, options.chunk_tokens)
+    controller = WorkerController(identity, pool, runtime, config.kv_bytes_per_token(kv.k.element_size()),
+                                  publish=to_router)
+    pool.on_residency = controller.publish_residency
+    served = ServedModel(artifacts.name, artifacts.tokenizer, config.architecture, context_limit,
+                         tuple(config.eos_token_ids))
+
+    def serving(name: str) -> bool:
+        return any(name in v.heartbeat.models for v in router.state.views.values())
+
+    metrics = Metrics()
+    metrics.gauge("kvrelay_pages_reserved", lambda: {(("worker", identity.worker_id),): pool.num_reserved},
+                  "pages held by reservations")
+    metrics.gauge("kvrelay_pages_free", lambda: {(("worker", identity.worker_id),): pool.num_free}, "free pages")
+    metrics.gauge("kvrelay_pages_cached", lambda: {(("worker", identity.worker_id),): pool.num_cached},
+                  "unreferenced pages holding cached chunks")
+    metrics.gauge("kvrelay_pages_in_use", lambda: {(("worker", identity.worker_id),): pool.num_referenced},
+                  "pages referenced by running sequences")
+    metrics.gauge("kvrelay_router_events", lambda: {(("counter", k),): v for k, v in router.state.counters.items()},
+                  "router counters (stale messages dropped, retries, declines by reason, ...)")
+    ingress = Ingress(router, {served.name: served}, metrics, serving)
+    router.start()
+    router.receive(controller.heartbeat())
+    beat = loop.create_task(_heartbeats(router, controller, options.heartbeat_s))
+    parts = Embedded(router, controller, runtime, ingress, facts, served)
+    try:
+        yield parts
+    finally:
+        beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beat
+        await parts.close()
+
+
+async def _heartbeats(router: ClusterRouter, controller: WorkerController, every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        router.receive(controller.heartbeat())
+
+
+async def serve(options: ServeOptions) -> None:
+    async with embedded(options) as parts:
+        app = create_app(parts.ingress)
+        server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="info"))
+        log.info("serving %s on http://%s:%d", parts.served.name, options.host, options.port)
+        await server.serve()
