@@ -23,7 +23,8 @@ def plan_for(workers: list, residency: list[tuple[str, str, int]]) -> cand.Plan:
     index = ResidencyIndex()
     for wid, tier, n in residency:
         index.store(wid, tier, CHAIN[:n])
-    views = [cand.WorkerView(hb, cand.WorkerLoad(), cand.reported_fingerprints(hb)) for hb in workers]
+    views = [cand.WorkerView(hb, cand.WorkerLoad(backlog_s=hb.queue_delay_s, restore_backlog_s=hb.lower_tier_load_s), cand.reported_fingerprints(hb))
+             for hb in workers]
     return cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index)
 
 
@@ -43,7 +44,7 @@ def test_ssd_prefix_slower_to_restore_than_to_recompute_loses() -> None:
     assert [s.tier for s in route.segments] == ["ssd"] and route.segments[0].chunks == 8
     assert route.best.route == ()
     view = cand.WorkerView(slow_ssd, cand.WorkerLoad(), cand.reported_fingerprints(slow_ssd))
-    alternatives = cand.alternatives(route, view, len(PROMPT), 4, 64)
+    alternatives = cand.alternatives(route, view, len(PROMPT), 4, 64, 0.0)
     assert [c.cached_tokens for c in alternatives] == [0, 512]
     ssd = alternatives[1]
     assert ssd.predicted_ttft_s == pytest.approx(8 * 0.128 + 1e-3 + 0.02)
@@ -124,3 +125,17 @@ def test_router_follows_the_score_on_locality_against_load(queue: float, winner:
     d.residency("w0", "gpu", CHAIN)
     (offer,) = offers(d.request("r", PROMPT))
     assert offer.worker_id == winner
+
+
+def test_a_restore_overlaps_the_device_queue() -> None:
+    # Queue 0.5 s; 8 ssd chunks take 8 * 64,000 / 1e6 = 0.512 s: only 12 ms of it shows.
+    hb = heartbeat("w0", queue_delay_s=0.5, restore_bytes_per_s={"ssd": 1e6})
+    plan = plan_for([hb], [("w0", "ssd", 8)])
+    best = plan.best()
+    assert best is not None and best.cached_tokens == 512
+    assert best.predicted_ttft_s == pytest.approx(0.512 + 1e-3 + 0.02)
+    assert best.terms.overlap_s == pytest.approx(0.5) and best.terms.total_s == pytest.approx(best.predicted_ttft_s)
+    # With a lower-tier backlog of 0.3 s the restore starts later: 0.3 + 0.512 > 0.5.
+    busy = heartbeat("w0", queue_delay_s=0.5, lower_tier_load_s=0.3, restore_bytes_per_s={"ssd": 1e6})
+    best = plan_for([busy], [("w0", "ssd", 8)]).best()
+    assert best is not None and best.predicted_ttft_s == pytest.approx(0.3 + 0.512 + 1e-3 + 0.02)

@@ -46,7 +46,8 @@ def context(workers: list[Heartbeat], residency: Sequence[tuple[str, str, int]] 
     for wid, tier, n in residency:
         index.store(wid, tier, chain[:n])
     loads = loads or {}
-    views = [cand.WorkerView(hb, loads.get(hb.worker_id, cand.WorkerLoad()), cand.reported_fingerprints(hb))
+    views = [cand.WorkerView(hb, loads.get(hb.worker_id, cand.WorkerLoad(backlog_s=hb.queue_delay_s, restore_backlog_s=hb.lower_tier_load_s)),
+                             cand.reported_fingerprints(hb))
              for hb in workers]
     plan = cand.plan("m", len(prompt), 4, chain, b"m", 64, views, index)
     return RoutingContext(Request("r", "m", prompt, 4), prompt, chain, 64, plan,

@@ -6,10 +6,17 @@ ram or ssd; the shared object tier). Every boundary where the tier changes is
 a candidate, and so is recomputing everything. Each candidate's predicted time
 to first token is
 
-    max(queue delay, lower-tier load if the route restores)        (queue_s)
-      + restore bytes / restore rate of each tier used              (restore_s)
-      + uncached prompt tokens * prefill seconds per token           (prefill_s)
-      + one decode step                                              (decode_s)
+    max(queue delay, lower-tier load + restore bytes / restore rate of each tier used)
+      + uncached prompt tokens * prefill seconds per token
+      + one decode step
+
+Restores run off the device loop (DESIGN.md section 8), so a restore overlaps
+the device queue instead of adding to it; DESIGN.md section 6 adds them, which
+over-charges every lower-tier route on a busy worker. The terms say it
+exactly: ``queue_s`` (the larger of the queue and the lower-tier load),
+``restore_s`` per tier, ``prefill_s``, ``decode_s``, and ``overlap_s``, the
+restore time hidden behind the queue; the prediction is
+``queue_s + sum(restore_s) - overlap_s + prefill_s + decode_s``.
 
 Cost is linear inside a segment, so the optimum always lies on a boundary.
 Hard constraints (model, epoch, context limit, page capacity, exactness of the
@@ -31,12 +38,17 @@ TIER_OF_BIT = {GPU: "gpu", RAM: "ram", SSD: "ssd"}
 
 
 class Terms(msgspec.Struct, frozen=True):
-    """The predicted TTFT of a candidate, term by term (seconds)."""
+    """The predicted TTFT of a candidate, term by term (seconds; see the module docstring)."""
 
     queue_s: float
     restore_s: dict[str, float]
     prefill_s: float
     decode_s: float
+    overlap_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.queue_s + sum(self.restore_s.values()) - self.overlap_s + self.prefill_s + self.decode_s
 
 
 class Candidate(msgspec.Struct, frozen=True):
@@ -58,6 +70,13 @@ class Candidate(msgspec.Struct, frozen=True):
 class WorkerLoad:
     """What the router itself knows of a worker's load beyond its last heartbeat."""
 
+    backlog_s: float = 0.0
+    """Device work (seconds) queued at ``backlog_at``: the last heartbeat's queue delay plus the predicted
+    prefill of every offer sent since; it drains at one second per second (a fluid FIFO model)."""
+    backlog_at: float = 0.0
+    restore_backlog_s: float = 0.0
+    """The same for the worker's restore channel (lower tiers), from ``lower_tier_load_s``."""
+    restore_backlog_at: float = 0.0
     outstanding_s: float = 0.0
     """Predicted restore + prefill seconds of offers sent there whose first token has not arrived."""
     inflight_pages: int = 0
@@ -98,13 +117,14 @@ class WorkerRoute:
     """
 
     __slots__ = ("worker_id", "segments", "bounds", "best_ttft_s", "best_index", "heartbeat", "base_queue_s",
-                 "prompt_len", "chunk_tokens", "_best")
+                 "lower_load_s", "prompt_len", "chunk_tokens", "_best")
 
     def __init__(self, view: WorkerView, segments: tuple[RouteSegment, ...], bounds: list[Boundary],
-                 best_ttft_s: float, best_index: int, prompt_len: int, chunk_tokens: int) -> None:
+                 best_ttft_s: float, best_index: int, prompt_len: int, chunk_tokens: int, now: float) -> None:
         self.worker_id = view.heartbeat.worker_id
         self.heartbeat = view.heartbeat
-        self.base_queue_s = queue_of(view)
+        self.base_queue_s = queue_of(view, now)
+        self.lower_load_s = lower_load_of(view, now)
         """Captured now: the route stays a true snapshot after the worker's load changes."""
         self.segments = segments
         self.bounds = bounds
@@ -117,7 +137,7 @@ class WorkerRoute:
     @property
     def best(self) -> Candidate:
         if self._best is None:
-            self._best = make_candidate(self.heartbeat, self.base_queue_s, self.segments,
+            self._best = make_candidate(self.heartbeat, self.base_queue_s, self.lower_load_s, self.segments,
                                         self.bounds[self.best_index], self.prompt_len, self.chunk_tokens)
         return self._best
 
@@ -227,7 +247,7 @@ def boundaries_of(segments: tuple[RouteSegment, ...], chunk_tokens: int) -> list
 
 
 def _evaluate(
-    worker: WorkerView, boundaries: list[Boundary], prompt_len: int, max_new: int, chunk_tokens: int
+    worker: WorkerView, boundaries: list[Boundary], prompt_len: int, max_new: int, chunk_tokens: int, now: float
 ) -> list[tuple[float, int]]:
     """``(predicted TTFT, boundary index)`` of every boundary that fits the worker's capacity.
 
@@ -237,8 +257,8 @@ def _evaluate(
     pt = hb.page_tokens
     available = hb.pages_free + hb.pages_evictable - load.inflight_pages - load.accepted_pages
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
-    base_queue = queue_of(worker)
-    lower_queue = max(base_queue, hb.lower_tier_load_s)
+    base_queue = queue_of(worker, now)
+    lower_load = lower_load_of(worker, now)
     fixed = hb.decode_s_per_token + prompt_len * hb.prefill_s_per_token
     per_token = hb.prefill_s_per_token
     rates = hb.restore_bytes_per_s
@@ -253,24 +273,34 @@ def _evaluate(
             restore += chunks * chunk_bytes / rate
         if total_pages - gpu // pt + (1 if gpu % pt else 0) > available:
             continue
-        out.append(((lower_queue if restore else base_queue) + restore + fixed - cached * per_token, i))
+        wait = max(base_queue, lower_load + restore) if restore else base_queue
+        out.append((wait + fixed - cached * per_token, i))
     return out
 
 
-def queue_of(worker: WorkerView) -> float:
-    """The queue term without restores: the larger of the reported and the router-known backlog."""
-    return max(worker.heartbeat.queue_delay_s, worker.load.outstanding_s)
+def queue_of(worker: WorkerView, now: float) -> float:
+    """The device queue a new request would wait behind at ``now``: the drained backlog."""
+    load = worker.load
+    return max(0.0, load.backlog_s - max(0.0, now - load.backlog_at))
+
+
+def lower_load_of(worker: WorkerView, now: float) -> float:
+    """How long a new restore would wait for the worker's restore channel at ``now``."""
+    load = worker.load
+    return max(0.0, load.restore_backlog_s - max(0.0, now - load.restore_backlog_at))
 
 
 def make_candidate(
-    hb: Heartbeat, base_queue: float, segments: tuple[RouteSegment, ...], boundary: Boundary, prompt_len: int,
-    chunk_tokens: int,
+    hb: Heartbeat, base_queue: float, lower_load: float, segments: tuple[RouteSegment, ...], boundary: Boundary,
+    prompt_len: int, chunk_tokens: int,
 ) -> Candidate:
     """The candidate of one boundary, with its predicted TTFT broken into terms."""
     cached, _, restored, used = boundary
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
     restore = {tier: chunks * chunk_bytes / hb.restore_bytes_per_s[tier] for tier, chunks in restored}
-    queue = max(base_queue, hb.lower_tier_load_s) if restore else base_queue
+    total_restore = sum(restore.values())
+    queue = max(base_queue, lower_load) if restore else base_queue
+    overlap = queue + total_restore - max(base_queue, lower_load + total_restore) if restore else 0.0
     prefill = (prompt_len - cached) * hb.prefill_s_per_token
     decode = hb.decode_s_per_token
     return Candidate(
@@ -278,19 +308,19 @@ def make_candidate(
         epoch=hb.epoch,
         route=segments[:used],
         cached_tokens=cached,
-        predicted_ttft_s=queue + sum(restore.values()) + prefill + decode,
-        terms=Terms(queue, restore, prefill, decode),
+        predicted_ttft_s=queue + total_restore - overlap + prefill + decode,
+        terms=Terms(queue, restore, prefill, decode, overlap),
     )
 
 
-def alternatives(route: WorkerRoute, worker: WorkerView, prompt_len: int, max_new: int, chunk_tokens: int
-                 ) -> list[Candidate]:
-    """Every feasible boundary candidate of one worker, cheapest first."""
+def alternatives(route: WorkerRoute, worker: WorkerView, prompt_len: int, max_new: int, chunk_tokens: int,
+                 now: float) -> list[Candidate]:
+    """Every feasible boundary candidate of one worker at ``now``, cheapest first."""
     bounds = boundaries_of(route.segments, chunk_tokens)
-    scored = sorted(_evaluate(worker, bounds, prompt_len, max_new, chunk_tokens), key=lambda x: (x[0], -x[1]))
-    base_queue = queue_of(worker)
-    return [make_candidate(worker.heartbeat, base_queue, route.segments, bounds[i], prompt_len, chunk_tokens)
-            for _, i in scored]
+    scored = sorted(_evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now), key=lambda x: (x[0], -x[1]))
+    base_queue, lower_load = queue_of(worker, now), lower_load_of(worker, now)
+    return [make_candidate(worker.heartbeat, base_queue, lower_load, route.segments, bounds[i], prompt_len,
+                           chunk_tokens) for _, i in scored]
 
 
 def plan(
@@ -304,8 +334,9 @@ def plan(
     index: ResidencyIndex,
     excluded_workers: frozenset[str] | set[str] = frozenset(),
     excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
+    now: float = 0.0,
 ) -> Plan:
-    """Candidates of every eligible worker for one request (see the module docstring)."""
+    """Candidates of every eligible worker for one request at ``now`` (see the module docstring)."""
     result = Plan()
     values = index.lookup(chain)
     present = 0
@@ -346,10 +377,10 @@ def plan(
             else:
                 segments = walk_route(values, index, shift, allowed, allow_peer, allow_object)
                 bounds = boundaries_of(segments, chunk_tokens)
-        scored = _evaluate(worker, bounds, prompt_len, max_new, chunk_tokens)
+        scored = _evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now)
         if not scored:
             result.excluded[wid] = "capacity"
             continue
         best_t, best_i = min(scored, key=lambda x: (x[0], -x[1])) if len(scored) > 1 else scored[0]
-        result.routes.append(WorkerRoute(worker, segments, bounds, best_t, best_i, prompt_len, chunk_tokens))
+        result.routes.append(WorkerRoute(worker, segments, bounds, best_t, best_i, prompt_len, chunk_tokens, now))
     return result

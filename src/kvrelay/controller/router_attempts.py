@@ -45,7 +45,7 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         chain = prompt_chain(rs.fingerprint, prompt, config.chunk_tokens)
     plan = cand.plan(
         request.model, len(prompt), remaining, chain, rs.fingerprint, config.chunk_tokens,
-        list(state.views.values()), state.index, rs.excluded_workers, rs.excluded_pairs,
+        list(state.views.values()), state.index, rs.excluded_workers, rs.excluded_pairs, now,
     )
     ctx = RoutingContext(request, prompt, chain, config.chunk_tokens, plan, state.views, state.rng, now)
     chosen = state.policy.choose(ctx) if plan.routes else None
@@ -55,7 +55,7 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
     state.policy.on_routed(ctx, chosen)
     view = state.views[chosen.worker_id]
     chosen_route = next(r for r in plan.routes if r.worker_id == chosen.worker_id)
-    alternatives = cand.alternatives(chosen_route, view, len(prompt), remaining, config.chunk_tokens)
+    alternatives = cand.alternatives(chosen_route, view, len(prompt), remaining, config.chunk_tokens, now)
     rs.attempt += 1
     rs.phase, rs.worker_id, rs.epoch, rs.candidate = "offered", chosen.worker_id, chosen.epoch, chosen
     rs.attempt_start, rs.next_seq, rs.pending = len(rs.delivered), 0, {}
@@ -65,9 +65,15 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         rs.parked_since = None
     gpu = sum(s.chunks for s in chosen.route if s.tier == "gpu") * config.chunk_tokens
     rs.demand_pages = cand.page_demand(len(prompt), remaining, gpu, view.heartbeat.page_tokens)
-    rs.estimate_s = chosen.predicted_ttft_s - chosen.terms.queue_s
+    rs.estimate_s = chosen.terms.prefill_s + chosen.terms.decode_s
     load = view.load
     load.outstanding_s += rs.estimate_s
+    load.backlog_s = cand.queue_of(view, now) + rs.estimate_s
+    load.backlog_at = now
+    restore_s = sum(chosen.terms.restore_s.values())
+    if restore_s:
+        load.restore_backlog_s = cand.lower_load_of(view, now) + restore_s
+        load.restore_backlog_at = now
     load.inflight_pages += rs.demand_pages
     load.active += 1
     rs.holds_outstanding = rs.holds_inflight = True

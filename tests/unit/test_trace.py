@@ -1,0 +1,97 @@
+"""Mooncake trace loading, the infinite-cache bound, and prompt/chain synthesis."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvrelay.controller.trace import (
+    PromptSynthesizer,
+    TraceError,
+    TraceRequest,
+    infinite_cache_bound,
+    load_trace,
+)
+from kvrelay.store.keys import prompt_chain
+
+DEV_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+
+
+def write(tmp_path: Path, lines: list[str]) -> Path:
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def line(ts: int, inp: int, out: int, ids: list[int]) -> str:
+    return json.dumps({"timestamp": ts, "input_length": inp, "output_length": out, "hash_ids": ids})
+
+
+def test_loads_sorted_by_timestamp_and_honours_limit(tmp_path: Path) -> None:
+    p = write(tmp_path, [line(20, 5, 1, [1]), "", line(10, 9, 2, [1, 2]), line(30, 4, 1, [3])])
+    got = load_trace(p, block_tokens=8)
+    assert [r.line for r in got] == [3, 1, 4]
+    assert got[0] == TraceRequest(3, 10.0, 9, 2, (1, 2))
+    assert len(load_trace(p, block_tokens=8, limit=2)) == 2
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("{not json", "t.jsonl:2: not a JSON object"),
+        ("[1, 2]", "t.jsonl:2: expected a JSON object"),
+        ('{"timestamp": 1, "input_length": 3}', "t.jsonl:2: missing field(s) output_length, hash_ids"),
+        (line(-1, 3, 1, [1]), "t.jsonl:2: 'timestamp' must be non-negative"),
+        ('{"timestamp": 1, "input_length": "3", "output_length": 1, "hash_ids": [1]}', "'input_length' must be"),
+        ('{"timestamp": 1, "input_length": 3, "output_length": 1, "hash_ids": [1.5]}', "list of integers"),
+        (line(1, 20, 1, [1]), "t.jsonl:2: 1 hash_ids but input_length 20 at 8 tokens per block needs 3; pass"),
+    ],
+)
+def test_malformed_lines_are_rejected_naming_the_line(tmp_path: Path, bad: str, message: str) -> None:
+    p = write(tmp_path, [line(0, 3, 1, [1]), bad])
+    with pytest.raises(TraceError) as info:
+        load_trace(p, block_tokens=8)
+    assert message in str(info.value)
+
+
+def test_missing_and_empty_files_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="does not exist"):
+        load_trace(tmp_path / "nope.jsonl")
+    with pytest.raises(TraceError, match="holds no requests"):
+        load_trace(write(tmp_path, [""]))
+
+
+def test_infinite_cache_bound_counts_blocks_seen_before() -> None:
+    reqs = [TraceRequest(1, 0, 20, 1, (1, 2, 3)), TraceRequest(2, 1, 18, 1, (1, 2, 4)), TraceRequest(3, 2, 4, 1, (9,))]
+    bound = infinite_cache_bound(reqs, block_tokens=8)
+    assert (bound.blocks, bound.hit_blocks) == (7, 2)
+    assert (bound.tokens, bound.hit_tokens) == (42, 16)
+
+
+@pytest.mark.skipif(not DEV_TRACE.is_file(), reason=f"the development trace is not at {DEV_TRACE}")
+def test_dev_trace_bound_matches_its_readme() -> None:
+    reqs = load_trace(DEV_TRACE)
+    bound = infinite_cache_bound(reqs, 512)
+    assert len(reqs) == 3993
+    assert round(bound.block_share * 100, 1) == 64.0
+    assert round(bound.token_share * 100, 1) == 65.1
+
+
+def test_synthesized_chain_is_the_key_rule_over_the_synthesized_prompt() -> None:
+    syn = PromptSynthesizer(b"fp", block_tokens=128, chunk_tokens=64)
+    a = TraceRequest(1, 0, 300, 5, (7, 8, 9))
+    b = TraceRequest(2, 0, 257, 5, (7, 8, 11))
+    pa, pb = syn.prompt(a), syn.prompt(b)
+    assert len(pa) == 300 and pa[:256] == pb[:256] and pa[256:] != pb[256:257]
+    assert syn.chain(a) == prompt_chain(b"fp", pa, 64)
+    assert syn.chain(b) == prompt_chain(b"fp", pb, 64)
+    assert len(syn.chain(a)) == 4 and syn.chain(a)[:4] == syn.chain(b)[:4]
+    req = syn.request(a, "r1", "m")
+    assert req.chain == syn.chain(a) and req.max_new_tokens == 5 and req.sampling.seed == 1
+
+
+def test_block_size_must_be_a_multiple_of_the_chunk() -> None:
+    with pytest.raises(TraceError, match="not a multiple of chunk_tokens 64"):
+        PromptSynthesizer(b"fp", block_tokens=100, chunk_tokens=64)
