@@ -11,13 +11,20 @@ import pytest
 
 from kvrelay.controller import candidates as cand
 from kvrelay.controller.index import ResidencyIndex
+from kvrelay.protocol.messages import Heartbeat
 from kvrelay.store.keys import prompt_chain
-from tests.support.router_driver import Driver, heartbeat, offers
+from tests.support.router_driver import Driver, offers
+from tests.support.router_driver import heartbeat as idle_heartbeat
 
 PROMPT = tuple(range(1, 64 * 8 + 2))
 CHAIN = prompt_chain(b"m", PROMPT, 64)
 RECOMPUTE_ALL = 513 * 1e-3 + 0.02
 
+
+
+def heartbeat(worker_id: str, **overrides: object) -> Heartbeat:
+    """A worker that is decoding (one 20 ms decode step per prefill iteration, prompts in one iteration)."""
+    return idle_heartbeat(worker_id, **{"active_lanes": 1, **overrides})
 
 def plan_for(workers: list, residency: list[tuple[str, str, int]]) -> cand.Plan:
     index = ResidencyIndex()
@@ -127,15 +134,30 @@ def test_router_follows_the_score_on_locality_against_load(queue: float, winner:
     assert offer.worker_id == winner
 
 
-def test_a_restore_overlaps_the_device_queue() -> None:
-    # Queue 0.5 s; 8 ssd chunks take 8 * 64,000 / 1e6 = 0.512 s: only 12 ms of it shows.
-    hb = heartbeat("w0", queue_delay_s=0.5, restore_bytes_per_s={"ssd": 1e6})
-    plan = plan_for([hb], [("w0", "ssd", 8)])
-    best = plan.best()
-    assert best is not None and best.cached_tokens == 512
-    assert best.predicted_ttft_s == pytest.approx(0.512 + 1e-3 + 0.02)
-    assert best.terms.overlap_s == pytest.approx(0.5) and best.terms.total_s == pytest.approx(best.predicted_ttft_s)
-    # With a lower-tier backlog of 0.3 s the restore starts later: 0.3 + 0.512 > 0.5.
-    busy = heartbeat("w0", queue_delay_s=0.5, lower_tier_load_s=0.3, restore_bytes_per_s={"ssd": 1e6})
-    best = plan_for([busy], [("w0", "ssd", 8)]).best()
-    assert best is not None and best.predicted_ttft_s == pytest.approx(0.3 + 0.512 + 1e-3 + 0.02)
+def test_a_restore_adds_to_the_queue_and_waits_for_the_restore_channel() -> None:
+    # Queue 0.5 s; 8 ssd chunks take 8 * 64,000 / 5e5 = 1.024 s, added to the queue (not hidden behind it).
+    hb = heartbeat("w0", queue_delay_s=0.5, restore_bytes_per_s={"ssd": 5e5})
+    best = plan_for([hb], [("w0", "ssd", 8)]).best()
+    assert best is not None and best.cached_tokens == 0
+    assert best.predicted_ttft_s == pytest.approx(0.5 + 0.513 + 0.02)
+    # With a restore channel busy for 0.8 s the queue term is 0.8 s.
+    fast = heartbeat("w0", queue_delay_s=0.5, lower_tier_load_s=0.8, restore_bytes_per_s={"ssd": 1e9})
+    plan = plan_for([fast], [("w0", "ssd", 8)])
+    view = cand.WorkerView(fast, cand.WorkerLoad(backlog_s=0.5, restore_backlog_s=0.8), {})
+    ssd = cand.alternatives(plan.routes[0], view, len(PROMPT), 4, 64, 0.0)
+    restored = next(c for c in ssd if c.cached_tokens == 512)
+    assert restored.terms.queue_s == pytest.approx(0.8)
+    assert restored.predicted_ttft_s == pytest.approx(0.8 + 8 * 64000 / 1e9 + 1e-3 + 0.02)
+    assert restored.terms.total_s == pytest.approx(restored.predicted_ttft_s)
+
+
+def test_decode_steps_interleave_with_a_chunked_prefill_only_on_a_busy_worker() -> None:
+    # 513 uncached tokens in chunks of 128: 5 iterations, each with a 20 ms decode step.
+    busy = heartbeat("w0", prefill_chunk_tokens=128)
+    best = plan_for([busy], []).best()
+    assert best is not None and best.terms.decode_s == pytest.approx(5 * 0.02)
+    assert best.predicted_ttft_s == pytest.approx(0.513 + 0.1)
+    # The same worker with nothing decoding and nothing queued runs the prefill alone.
+    idle = idle_heartbeat("w1", prefill_chunk_tokens=128)
+    best = plan_for([busy, idle], []).best()
+    assert best is not None and best.worker_id == "w1" and best.terms.decode_s == 0.0

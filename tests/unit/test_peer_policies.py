@@ -30,12 +30,18 @@ from kvrelay.controller.policies.sglang_cache_aware import (
 from kvrelay.controller.policy import RoutingContext
 from kvrelay.protocol.messages import Heartbeat
 from kvrelay.store.keys import prompt_chain
-from tests.support.router_driver import Driver, heartbeat, offers
+from tests.support.router_driver import Driver, offers
+from tests.support.router_driver import heartbeat as idle_heartbeat
 
 PROMPT = tuple(range(1, 64 * 8 + 2))
 CHAIN = prompt_chain(b"m", PROMPT, 64)
 PEERS = ("sglang_cache_aware", "dynamo", "llm_d", "mooncake")
 
+
+
+def heartbeat(worker_id: str, **overrides: object) -> Heartbeat:
+    """A worker that is decoding (one 20 ms decode step per prefill iteration, prompts in one iteration)."""
+    return idle_heartbeat(worker_id, **{"active_lanes": 1, **overrides})
 
 def context(workers: list[Heartbeat], residency: Sequence[tuple[str, str, int]] = (),
             loads: dict[str, cand.WorkerLoad] | None = None, prompt: tuple[int, ...] = PROMPT,
@@ -219,7 +225,7 @@ def test_dynamo_gives_no_credit_for_a_peer_copy_and_breaks_ties_by_worker_id() -
 
 def test_llmd_weighted_sum_on_a_hand_computed_case() -> None:
     workers = [heartbeat("w0", pages_free=600, pages_evictable=100, active_lanes=1),
-               heartbeat("w1", pages_free=900), heartbeat("w2")]
+               idle_heartbeat("w1", pages_free=900), idle_heartbeat("w2")]
     residency = [("w0", "gpu", 4), ("w0", "ram", 6), ("w1", "ssd", 8)]
     ctx = context(workers, residency, loads={"w0": active(3), "w1": active(5)})
     scores = LlmdScorer().scores(ctx)

@@ -6,17 +6,23 @@ ram or ssd; the shared object tier). Every boundary where the tier changes is
 a candidate, and so is recomputing everything. Each candidate's predicted time
 to first token is
 
-    max(queue delay, lower-tier load + restore bytes / restore rate of each tier used)
-      + uncached prompt tokens * prefill seconds per token
-      + one decode step
+    max(queue delay, lower-tier load if the route restores)          (queue_s)
+      + restore bytes / restore rate of each tier used                (restore_s)
+      + uncached prompt tokens * prefill seconds per token             (prefill_s)
+      + the decode steps interleaved with that prefill                 (decode_s)
 
-Restores run off the device loop (DESIGN.md section 8), so a restore overlaps
-the device queue instead of adding to it; DESIGN.md section 6 adds them, which
-over-charges every lower-tier route on a busy worker. The terms say it
-exactly: ``queue_s`` (the larger of the queue and the lower-tier load),
-``restore_s`` per tier, ``prefill_s``, ``decode_s``, and ``overlap_s``, the
-restore time hidden behind the queue; the prediction is
-``queue_s + sum(restore_s) - overlap_s + prefill_s + decode_s``.
+The restore is added to the queue, not overlapped with it: a worker hands a
+restored route to its device queue only when the copy has completed (DESIGN.md
+section 8), behind whatever arrived meanwhile, so under load the queue it
+meets is about the queue it would have met at once. (Measured in the
+simulator on the dev trace: modelling the overlap instead raised mean TTFT.)
+
+``decode_s`` refines DESIGN.md's "one decode step": a continuously batching
+worker runs one decode step for its running sequences in every iteration, and
+a prompt of ``u`` uncached tokens needs ``ceil(u / prefill_chunk_tokens)``
+iterations; a worker with nothing decoding and nothing queued runs the
+prefill alone (``decode_s`` = 0). The first token comes out of the last
+prefill iteration itself.
 
 Cost is linear inside a segment, so the optimum always lies on a boundary.
 Hard constraints (model, epoch, context limit, page capacity, exactness of the
@@ -44,11 +50,10 @@ class Terms(msgspec.Struct, frozen=True):
     restore_s: dict[str, float]
     prefill_s: float
     decode_s: float
-    overlap_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.queue_s + sum(self.restore_s.values()) - self.overlap_s + self.prefill_s + self.decode_s
+        return self.queue_s + sum(self.restore_s.values()) + self.prefill_s + self.decode_s
 
 
 class Candidate(msgspec.Struct, frozen=True):
@@ -259,7 +264,9 @@ def _evaluate(
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
     base_queue = queue_of(worker, now)
     lower_load = lower_load_of(worker, now)
-    fixed = hb.decode_s_per_token + prompt_len * hb.prefill_s_per_token
+    fixed = prompt_len * hb.prefill_s_per_token
+    step = hb.decode_s_per_token if (hb.active_lanes or base_queue > 0.0) else 0.0
+    chunk = hb.prefill_chunk_tokens
     per_token = hb.prefill_s_per_token
     rates = hb.restore_bytes_per_s
     total_pages = -(-(prompt_len + max_new) // pt)
@@ -273,8 +280,9 @@ def _evaluate(
             restore += chunks * chunk_bytes / rate
         if total_pages - gpu // pt + (1 if gpu % pt else 0) > available:
             continue
-        wait = max(base_queue, lower_load + restore) if restore else base_queue
-        out.append((wait + fixed - cached * per_token, i))
+        wait = max(base_queue, lower_load) + restore if restore else base_queue
+        decode = step * (-(-(prompt_len - cached) // chunk) if chunk else 1)
+        out.append((wait + fixed - cached * per_token + decode, i))
     return out
 
 
@@ -282,6 +290,14 @@ def queue_of(worker: WorkerView, now: float) -> float:
     """The device queue a new request would wait behind at ``now``: the drained backlog."""
     load = worker.load
     return max(0.0, load.backlog_s - max(0.0, now - load.backlog_at))
+
+
+def decode_steps(hb: Heartbeat, base_queue: float, uncached: int) -> float:
+    """Seconds of decode steps interleaved with a prefill of ``uncached`` tokens (see the module docstring)."""
+    if not (hb.active_lanes or base_queue > 0.0):
+        return 0.0
+    chunk = hb.prefill_chunk_tokens
+    return hb.decode_s_per_token * (-(-uncached // chunk) if chunk else 1)
 
 
 def lower_load_of(worker: WorkerView, now: float) -> float:
@@ -300,16 +316,15 @@ def make_candidate(
     restore = {tier: chunks * chunk_bytes / hb.restore_bytes_per_s[tier] for tier, chunks in restored}
     total_restore = sum(restore.values())
     queue = max(base_queue, lower_load) if restore else base_queue
-    overlap = queue + total_restore - max(base_queue, lower_load + total_restore) if restore else 0.0
     prefill = (prompt_len - cached) * hb.prefill_s_per_token
-    decode = hb.decode_s_per_token
+    decode = decode_steps(hb, base_queue, prompt_len - cached)
     return Candidate(
         worker_id=hb.worker_id,
         epoch=hb.epoch,
         route=segments[:used],
         cached_tokens=cached,
-        predicted_ttft_s=queue + total_restore - overlap + prefill + decode,
-        terms=Terms(queue, restore, prefill, decode, overlap),
+        predicted_ttft_s=queue + total_restore + prefill + decode,
+        terms=Terms(queue, restore, prefill, decode),
     )
 
 

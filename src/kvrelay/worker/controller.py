@@ -24,6 +24,7 @@ pool accounts them as taken when a token event shows the position reached.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -85,6 +86,7 @@ class WorkerController:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.quiesced = asyncio.Event()
         self.pool_callback_errors = 0
+        self._handing_over = False
 
     # --- transport-facing host interface ------------------------------------------
 
@@ -99,6 +101,7 @@ class WorkerController:
             queue_delay_s=self._pending_prefill_tokens * self.prefill_s_per_token,
             active_lanes=self.runtime.num_active, max_lanes=self.runtime.policy.num_lanes,
             prefill_s_per_token=self.prefill_s_per_token, decode_s_per_token=self.decode_s_per_token,
+            prefill_chunk_tokens=self.runtime.policy.token_budget,
             restore_bytes_per_s=self.restore_bytes_per_s, kv_bytes_per_token=self.kv_bytes_per_token,
             context_limit=self.me.context_limit,
         )
@@ -114,6 +117,37 @@ class WorkerController:
     def shut_down(self) -> None:
         """Decline every later offer (``shutting_down``); running work continues."""
         self._step(machine.ShutdownRequested(self.clock()))
+
+    def on_disconnect(self, router_url: str) -> None:
+        """A router connection ended, so that router fenced this epoch: move to a newer one.
+
+        Every assignment of the old epoch is fenced at once through the machine
+        (as a cancel would: nothing more is sent for it, its pages are released
+        once the step in flight has finished); later heartbeats and offers carry
+        the new epoch. Pages already filled stay resident as cache.
+        """
+        now = self.clock()
+        for assignment in list(self.state.slots):
+            self._step(machine.CancelReceived(now, Cancel(assignment=assignment, worker_id=self.worker_id,
+                                                          reason=f"connection to {router_url} lost")))
+        self.epoch = max(self.epoch + 1, time.time_ns() // 1_000_000)
+        self.state.epoch = self.epoch
+        self.me = dataclasses.replace(self.me, epoch=self.epoch)
+        log.info("worker %s: connection to %s lost; now epoch %d", self.worker_id, router_url, self.epoch)
+
+    def hand_over(self) -> int:
+        """Stop every running assignment and end it with a ``cancelled`` Result carrying its tokens so far.
+
+        The router continues such a request elsewhere as a continuation. Work
+        not yet on the device is stopped as soon as it is submitted. Returns
+        how many assignments were handed over.
+        """
+        self._handing_over = True
+        running = [run for run in self.runs.values() if not run.fenced]
+        for run in running:
+            if run.handle is not None:
+                run.handle.cancel()
+        return len(running)
 
     def publish_residency(self, stored: tuple[bytes, ...], removed: tuple[bytes, ...]) -> None:
         """The pool's gpu residency callback: one Residency message per change."""
@@ -142,6 +176,10 @@ class WorkerController:
                 case machine.ReleaseReservation(assignment=a):
                     self._release(a)
         if not machine.holds_reservations(self.state):
+            if not self.quiesced.is_set():
+                counters = self.state.counters
+                log.info("worker %s holds no reservations (epoch %d; assignments finished %d, cancelled %d)",
+                         self.worker_id, self.epoch, counters.get("finished", 0), counters.get("cancelled", 0))
             self.quiesced.set()
         else:
             self.quiesced.clear()
@@ -209,6 +247,8 @@ class WorkerController:
             loop.call_soon_threadsafe(self._on_runtime_event, run, event)
 
         run.handle = self.runtime.submit(job, on_event, timeout=0)
+        if self._handing_over:
+            run.handle.cancel()
 
     def _on_runtime_event(self, run: Run, event: RuntimeEvent) -> None:
         a = run.offer.assignment

@@ -24,12 +24,14 @@ anything is reachable (the ratio is unbounded).
 Mapping to kvrelay: the local prefix is the worker's own gpu/ram/ssd run from
 the start of the chain; the remote prefix is the whole reachable route (a
 peer's ram/ssd and the shared object tier, Mooncake Store's role). Each
-branch's TTFT is the cost model's prediction for that boundary
-(``make_candidate``): queue (``max(heartbeat queue, router's outstanding
-prefill)``), transfer of the restored tiers (the local lower tiers are loaded
-into the device too), prefill of the uncached tokens and one decode step; so
-this policy dictates the restore route (local boundary or full route), not
-only the worker. SLO-based early rejection (HTTP 429) is not modelled: the
+branch's TTFT is Algorithm 1's sum, ``T_transfer + T_queue + T_prefill``,
+built from the same observations kvrelay's model uses: the transfer of the
+restored tiers (``terms.restore_s``; local lower tiers are loaded into the
+device too), the worker's queued prefill (the router's drained backlog,
+``candidates.queue_of``) and the prefill of the uncached tokens. It has no
+term for a transfer overlapping the queue or for decode steps interleaved with
+the prefill, as the paper has none. This policy dictates the restore route
+(local boundary or full route), not only the worker. SLO-based early rejection (HTTP 429) is not modelled: the
 router parks requests instead. Ties go to the lower worker id.
 """
 
@@ -75,8 +77,13 @@ class MooncakeConductor(Policy):
         fitting = [c for c in feasible if len(c.route) <= want]
         return max(fitting, key=lambda c: len(c.route), default=None)
 
+    def ttft(self, ctx: RoutingContext, c: Candidate) -> float:
+        """Algorithm 1's estimate: ``T_transfer + T_queue + T_prefill``."""
+        queue = cand.queue_of(ctx.workers[c.worker_id], ctx.now)
+        return sum(c.terms.restore_s.values()) + queue + c.terms.prefill_s
+
     def choose(self, ctx: RoutingContext) -> Candidate | None:
         options = [c for c in (self.candidate(ctx, r) for r in ctx.routes) if c is not None]
         if not options:
             return None
-        return min(options, key=lambda c: (c.predicted_ttft_s, c.worker_id))
+        return min(options, key=lambda c: (self.ttft(ctx, c), c.worker_id))
