@@ -13,9 +13,13 @@ import logging
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("kvrelay.serve_cli", "serve the OpenAI-compatible API with a router and one worker in one process"),
     "sim": ("kvrelay.controller.sim_cli", "replay a Mooncake-format trace through the router under logical time"),
     "explain": ("kvrelay.facts.explain", "print the recorded candidates, winner, losers and outcome of one request"),
     "generate": ("kvrelay.models.generate_cli", "continue a prompt with a local model through the paged runtime"),
+    "router": ("kvrelay.processes.router_cli", "run the HTTP ingress and router; workers connect over WebSocket"),
+    "worker": ("kvrelay.processes.worker_cli", "run one worker that serves a model for one or several routers"),
+    "cluster": ("kvrelay.processes.cluster_cli", "run a router and N worker processes on this machine"),
 }
 
 
