@@ -88,7 +88,8 @@ class WorkerHarness:
         self.identity = WorkerIdentity("w0", epoch, "tiny", self.fingerprint, context_limit)
         self.published: list[WireMessage] = []
         self.controller = WorkerController(self.identity, PagePool(num_pages, 16, 64), self.runtime,
-                                           config.kv_bytes_per_token(4), restore, self.published.append)
+                                           config.kv_bytes_per_token(4), restore=restore,
+                                           publish=self.published.append)
         self.controller.pool.on_residency = self.controller.publish_residency
         self.pool = self.controller.pool
 

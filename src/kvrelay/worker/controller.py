@@ -38,13 +38,15 @@ from kvrelay.protocol.messages import (
     OfferResult,
     Residency,
     Result,
+    Tier,
     Timings,
     Usage,
     WireMessage,
 )
 from kvrelay.store.keys import chunk_key, root_key
 from kvrelay.worker.admission import WorkerIdentity, admit
-from kvrelay.worker.handlers import Reply, RestoreHandler, Run
+from kvrelay.worker.checkpoint import Checkpointer
+from kvrelay.worker.handlers import Reply, RestoreHandler, RestoreReport, Run
 from kvrelay.worker.jobs import Job, JobResult, RuntimeEvent, TokenEvent
 from kvrelay.worker.page_pool import PagePool
 from kvrelay.worker.runtime import PagedRuntime
@@ -60,6 +62,7 @@ class WorkerController:
         runtime: PagedRuntime,
         kv_bytes_per_token: int,
         restore: RestoreHandler | None = None,
+        checkpointer: Checkpointer | None = None,
         publish: Callable[[WireMessage], None] = lambda m: None,
         prefill_s_per_token: float = 1e-3,
         decode_s_per_token: float = 0.05,
@@ -72,6 +75,8 @@ class WorkerController:
         self.runtime = runtime
         self.kv_bytes_per_token = kv_bytes_per_token
         self.restorer = restore
+        self.checkpointer = checkpointer
+        self.peer_url = ""
         self.publish = publish
         self.prefill_s_per_token = prefill_s_per_token
         self.decode_s_per_token = decode_s_per_token
@@ -103,7 +108,7 @@ class WorkerController:
             prefill_s_per_token=self.prefill_s_per_token, decode_s_per_token=self.decode_s_per_token,
             prefill_chunk_tokens=self.runtime.policy.token_budget,
             restore_bytes_per_s=self.restore_bytes_per_s, kv_bytes_per_token=self.kv_bytes_per_token,
-            context_limit=self.me.context_limit,
+            context_limit=self.me.context_limit, peer_url=self.peer_url,
         )
 
     def on_offer(self, offer: Offer, reply: Reply) -> None:
@@ -149,10 +154,10 @@ class WorkerController:
                 run.handle.cancel()
         return len(running)
 
-    def publish_residency(self, stored: tuple[bytes, ...], removed: tuple[bytes, ...]) -> None:
-        """The pool's gpu residency callback: one Residency message per change."""
+    def publish_residency(self, stored: tuple[bytes, ...], removed: tuple[bytes, ...], tier: Tier = "gpu") -> None:
+        """One Residency message per change of a tier (the pool's gpu callback; lower tiers via the loop)."""
         self._residency_seq += 1
-        self.publish(Residency(worker_id=self.worker_id, epoch=self.epoch, seq=self._residency_seq, tier="gpu",
+        self.publish(Residency(worker_id=self.worker_id, epoch=self.epoch, seq=self._residency_seq, tier=tier,
                                model=self.me.model, stored=stored, removed=removed))
 
     # --- the machine and its effects ------------------------------------------------
@@ -222,6 +227,7 @@ class WorkerController:
         run.restoring = False
         if report is not None:
             run.restore_s = report.seconds
+            self._learn_restore_rates(report)
             for tier, n in report.bytes_by_tier.items():
                 run.bytes_by_tier[tier] = run.bytes_by_tier.get(tier, 0) + n
             for tier in report.tiers:
@@ -311,7 +317,9 @@ class WorkerController:
         while run.registered < chunks:
             i = run.registered
             key = chunk_key(run.parent_key, tokens[i * ct : (i + 1) * ct])
-            self.pool.register(key, run.page_table[i * ppc : (i + 1) * ppc])
+            pages = run.page_table[i * ppc : (i + 1) * ppc]
+            if self.pool.register(key, pages) and self.checkpointer is not None:
+                self.checkpointer.capture(key, pages)
             run.parent_key = key
             run.registered += 1
 
@@ -331,6 +339,18 @@ class WorkerController:
             ttft_s=(times[0] - run.accepted_at) if times else 0.0,
             inter_token_s=tuple(b - a for a, b in zip(times, times[1:])),
         )
+
+    def _learn_restore_rates(self, report: RestoreReport) -> None:
+        """Moving averages of restore bytes per second per tier, for heartbeats."""
+        if report.seconds <= 0:
+            return
+        total = sum(report.bytes_by_tier.values())
+        for tier, nbytes in report.bytes_by_tier.items():
+            if nbytes < 1 << 16:
+                continue
+            rate = total / report.seconds
+            old = self.restore_bytes_per_s.get(tier)
+            self.restore_bytes_per_s[tier] = rate if old is None else 0.8 * old + 0.2 * rate
 
     def _learn_speeds(self, run: Run, result: JobResult) -> None:
         """Exponential moving averages of measured prefill and decode speeds, for heartbeats."""
