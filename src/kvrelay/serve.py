@@ -12,11 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import torch
 import uvicorn
 
 from kvrelay.api.app import create_app
@@ -25,18 +23,12 @@ from kvrelay.api.metrics import Metrics
 from kvrelay.controller.cluster import ClusterRouter
 from kvrelay.controller.router import RouterConfig, new_router
 from kvrelay.facts.store import FactStore
-from kvrelay.models.kv_pages import KVPages
-from kvrelay.models.loader import load_artifacts
-from kvrelay.models.registry import build_model
+from kvrelay.processes.assembly import WorkerSpec, build_worker
 from kvrelay.protocol.messages import Cancel, Offer, WireMessage
-from kvrelay.worker.admission import WorkerIdentity
 from kvrelay.worker.controller import WorkerController
-from kvrelay.worker.iteration import PolicyConfig
-from kvrelay.worker.page_pool import PagePool
 from kvrelay.worker.runtime import PagedRuntime
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,22 +68,17 @@ class Embedded:
 @contextlib.asynccontextmanager
 async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
     """Load the model and wire router, worker and ingress on the running loop."""
-    dtype = DTYPES[options.dtype]
-    artifacts = await asyncio.to_thread(load_artifacts, options.model, dtype)
-    config = artifacts.config
-    model = build_model(config, artifacts.weights, dtype)
-    pages = max(1, options.kv_tokens // options.page_tokens)
-    kv = KVPages.allocate(config, pages, options.page_tokens, dtype)
-    runtime = PagedRuntime(model, kv, PolicyConfig(num_lanes=options.lanes, token_budget=options.token_budget))
+    worker = await build_worker(WorkerSpec(options.worker_id, options.model, options.dtype, options.kv_tokens,
+                                          options.page_tokens, options.chunk_tokens, options.lanes,
+                                          options.token_budget))
+    artifacts, config, runtime, pool, controller = (worker.artifacts, worker.config, worker.runtime, worker.pool,
+                                                    worker.controller)
+    context_limit = worker.context_limit
+    identity = controller.me
     facts = FactStore(options.db_url)
     loop = asyncio.get_running_loop()
-    context_limit = min(config.max_position_embeddings, options.kv_tokens)
-    identity = WorkerIdentity(options.worker_id, time.time_ns() // 1_000_000, artifacts.name, artifacts.fingerprint,
-                              context_limit, options.chunk_tokens)
-    controller: WorkerController | None = None
 
     def to_worker(worker_id: str, message: WireMessage) -> None:
-        assert controller is not None
         if isinstance(message, Offer):
             loop.call_soon(controller.on_offer, message, to_router)
         elif isinstance(message, Cancel):
@@ -101,10 +88,7 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
         loop.call_soon(router.receive, message)
 
     router = ClusterRouter(new_router(RouterConfig(chunk_tokens=options.chunk_tokens)), to_worker, facts.submit)
-    pool = PagePool(pages, options.page_tokens, options.chunk_tokens)
-    controller = WorkerController(identity, pool, runtime, config.kv_bytes_per_token(kv.k.element_size()),
-                                  publish=to_router)
-    pool.on_residency = controller.publish_residency
+    controller.publish = to_router
     served = ServedModel(artifacts.name, artifacts.tokenizer, config.architecture, context_limit,
                          tuple(config.eos_token_ids))
 

@@ -13,7 +13,7 @@ from kvrelay.controller.events import (
     WorkerUnavailable,
 )
 from kvrelay.controller.router import RouterConfig
-from kvrelay.protocol.messages import Assignment
+from kvrelay.protocol.messages import Assignment, Residency
 from kvrelay.store.keys import prompt_chain
 from tests.support.router_driver import Driver, cancels, heartbeat, offers
 
@@ -218,3 +218,11 @@ def test_durable_replica_facts_arriving_with_a_request_feed_the_candidates() -> 
     facts = tuple((k, "ssd", "w1") for k in chain) + ((chain[0], "ssd", "gone-worker"),)
     (offer,) = offers(d.feed(RequestArrived(d.now, request, facts)))
     assert offer.worker_id == "w1" and [(s.tier, s.chunks) for s in offer.offer.route] == [("ssd", 8)]
+
+
+def test_durable_residency_becomes_replica_records() -> None:
+    d = two_workers()
+    d.residency("w0", "gpu", CHAIN[:2])
+    d.message(Residency(worker_id="w0", epoch=1, seq=2, tier="ssd", stored=CHAIN[:3]))
+    (rec,) = [e for e in d.effects if isinstance(e, Record) and e.kind == "replica"]
+    assert rec.data == {"worker_id": "w0", "tier": "ssd", "stored": CHAIN[:3], "removed": ()}

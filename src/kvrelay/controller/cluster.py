@@ -26,6 +26,7 @@ from kvrelay.controller.events import (
     MessageReceived,
     Outcome,
     Record,
+    Replica,
     Request,
     RequestArrived,
     RouterEvent,
@@ -37,7 +38,7 @@ from kvrelay.controller.events import (
     TimerKey,
     WorkerUnavailable,
 )
-from kvrelay.controller.router import RouterState, step
+from kvrelay.controller.router import RouterState, request_chain, step
 from kvrelay.protocol.messages import WireMessage
 
 log = logging.getLogger(__name__)
@@ -63,12 +64,15 @@ class ClusterRouter:
         record: Callable[[Record], None] = lambda r: None,
         clock: Callable[[], float] = time.monotonic,
         tick_s: float = 0.5,
+        replicas_for: Callable[[tuple[bytes, ...]], tuple[Replica, ...]] | None = None,
     ) -> None:
         self.state = state
         self._send = send
         self._record = record
         self._clock = clock
         self._tick_s = tick_s
+        self._replicas_for = replicas_for
+        """The fact store's durable replicas of a chain, fetched in one batch (a read-through cache)."""
         self._timers: dict[TimerKey, asyncio.TimerHandle] = {}
         self._consumers: dict[str, Consumer] = {}
         self._ticker: asyncio.Task[None] | None = None
@@ -79,7 +83,13 @@ class ClusterRouter:
     def submit(self, request: Request, consumer: Consumer) -> None:
         """Route a new request; its deltas and its one outcome go to ``consumer``."""
         self._consumers[request.request_id] = consumer
-        self.feed(RequestArrived(self._clock(), request))
+        replicas: tuple[Replica, ...] = ()
+        if self._replicas_for is not None:
+            try:
+                replicas = self._replicas_for(request_chain(self.state, request))
+            except Exception:
+                log.exception("replica lookup failed; routing on the residency index alone")
+        self.feed(RequestArrived(self._clock(), request, replicas))
 
     def cancel(self, request_id: str) -> None:
         self.feed(ConsumerCancelled(self._clock(), request_id))

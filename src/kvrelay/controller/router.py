@@ -177,7 +177,7 @@ def _on_message(state: RouterState, msg, now: float, fx: Effects) -> None:
         case Heartbeat():
             _on_heartbeat(state, msg, now, fx)
         case Residency():
-            _on_residency(state, msg)
+            _on_residency(state, msg, now, fx)
         case OfferResult() | Delta() | Result():
             rs = state.requests.get(msg.assignment.request_id)
             if rs is None or rs.attempt != msg.assignment.attempt or rs.worker_id != msg.worker_id:
@@ -218,7 +218,8 @@ def _on_heartbeat(state: RouterState, hb: Heartbeat, now: float, fx: Effects) ->
         retry_parked(state, now, fx)
 
 
-def _on_residency(state: RouterState, msg: Residency) -> None:
+def _on_residency(state: RouterState, msg: Residency, now: float, fx: Effects) -> None:
+    """Follow a worker's residency in the index; durable tiers (ssd, object) also become replica facts."""
     entry = state.registry.live_entry(msg.worker_id)
     last = state.residency_seq.get(msg.worker_id, (-1, -1))
     if entry is None or msg.epoch != entry.epoch or (msg.epoch, msg.seq) <= last:
@@ -229,6 +230,9 @@ def _on_residency(state: RouterState, msg: Residency) -> None:
         state.index.store(msg.worker_id, msg.tier, msg.stored)
     if msg.removed:
         state.index.remove(msg.worker_id, msg.tier, msg.removed)
+    if msg.tier in ("ssd", "object"):
+        fx.append(Record("replica", "", 0, now, {"worker_id": msg.worker_id, "tier": msg.tier,
+                                                  "stored": msg.stored, "removed": msg.removed}))
 
 
 def _on_offer_result(state: RouterState, rs: RequestState, msg: OfferResult, now: float, fx: Effects) -> None:

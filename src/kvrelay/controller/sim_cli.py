@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="cluster config TOML (default configs/cluster-default.toml)")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--delta-tokens", type=int, default=16, help="tokens per streamed delta (default 16)")
+    parser.add_argument("--plot", dest="plot_path", default=None,
+                        help="write a PNG of the TTFT distribution per policy (default with --json and several "
+                             "policies: the JSON path with .png)")
     parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this path")
     parser.add_argument("--log", dest="log_path", default=None,
                         help="write the byte-stable event log to this path (one policy only)")
@@ -98,6 +101,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"trace {args.trace}: {len(requests)} requests, {cluster.workers} workers, seed {args.seed}, "
           f"rate x{args.rate_scale:g}")
     print(format_table(results))
+    samples = {name: m.pop("ttft_samples_s") for name, m in results.items()}
+    if args.plot_path or (args.json_path and len(policies) > 1):
+        from kvrelay.controller.sim_plot import plot_ttft
+
+        png = args.plot_path or str(Path(args.json_path).with_suffix(".png"))
+        plot_ttft(samples, png, f"{Path(args.trace).name}, {cluster.workers} workers, rate x{args.rate_scale:g}")
+        print(f"wrote {png}")
     if args.json_path:
         doc = {"trace": str(args.trace), "workers": cluster.workers, "seed": args.seed, "policies": results}
         Path(args.json_path).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

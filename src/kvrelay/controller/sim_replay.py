@@ -118,6 +118,7 @@ def _metrics(sim: Simulation, requests: list[TraceRequest], options: ReplayOptio
         "per_worker": workers, "errors": errors, "drained": finished,
         "router_counters": dict(sorted(sim.router.counters.items())),
         "simulated_s": sim.now, "wall_s": wall_s,
+        "ttft_samples_s": sorted(ttfts),
     }
 
 

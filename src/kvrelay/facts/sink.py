@@ -1,0 +1,31 @@
+"""The router's ``Record`` effects into a ``FactStore``: decisions and outcomes as records, replicas as facts.
+
+``record_sink(store)`` returns the callable an interpreter hands every Record
+to. Kinds ``decision``, ``offer_outcome`` and ``outcome`` go to
+``FactStore.submit``; kind ``replica`` (a durable tier's residency change, data
+``{worker_id, tier, stored, removed}``) becomes one replica fact per key, the
+location being the worker for ssd and the shared ``object`` tier for object.
+Like ``submit``, it never blocks and never raises for the database's sake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvrelay.controller.events import Record
+from kvrelay.facts.store import FactStore
+
+
+def record_sink(store: FactStore) -> Callable[[Record], None]:
+    def sink(record: Record) -> None:
+        if record.kind != "replica":
+            store.submit(record)
+            return
+        data = record.data
+        location = "object" if data["tier"] == "object" else data["worker_id"]
+        for key in data["stored"]:
+            store.record_replicas_stored(key, data["tier"], location, 0, record.now)
+        for key in data["removed"]:
+            store.record_replica_removed(key, data["tier"], location, "removed", record.now)
+
+    return sink

@@ -1,0 +1,1 @@
+"""The cluster faces as processes: ``kvrelay router``, ``kvrelay worker`` and ``kvrelay cluster``."""

@@ -1,0 +1,214 @@
+"""kvrelay router and worker processes for tests: start them, read their output, stop them.
+
+``ChildProcess`` runs ``python -m kvrelay.cli ...`` with stdout and stderr
+merged; a reader thread keeps every line, and ``wait_for(pattern)`` returns
+the first matching line after a mark, or fails with the output's tail when the
+timeout passes or the process exits. ``wait_until`` polls a predicate (e.g.
+an HTTP endpoint) with a timeout. Every child gets the test's shared secret
+and its own cache and data directories.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+SECRET = "kvrelay-test-secret-0123456789abcdef"
+T = TypeVar("T")
+
+
+class ChildProcess:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.argv = argv
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self.process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        bufsize=1)
+        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def mark(self) -> int:
+        """The number of lines read so far: pass it to ``wait_for`` to match only later lines."""
+        with self._changed:
+            return len(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float, after: int = 0) -> re.Match[str]:
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = after
+        with self._changed:
+            while True:
+                for line in self.lines[seen:]:
+                    match = regex.search(line)
+                    if match is not None:
+                        return match
+                seen = max(seen, len(self.lines))
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.process.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(f"{self.name}: no line matching {pattern!r} within {timeout} s "
+                                         f"(exit code {self.process.poll()}); output tail:\n{self.tail()}")
+                self._changed.wait(min(left, 0.5))
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.lines[-n:])
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.process.send_signal(sig)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM (and SIGCONT, in case it is stopped), then SIGKILL after ``timeout``; the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(signal.SIGCONT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._reader.join(5)
+        return self.process.returncode
+
+
+def stop_all(children: list[ChildProcess], timeout: float = 20.0) -> None:
+    """SIGTERM every child at once, then wait for each (``ChildProcess.stop``)."""
+    for child in children:
+        if child.process.poll() is None:
+            child.signal(signal.SIGTERM)
+            child.signal(signal.SIGCONT)
+    for child in children:
+        child.stop(timeout)
+
+
+def child_env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")}
+    env.update(KVRELAY_SECRET=SECRET, KVRELAY_CACHE_DIR=str(home / "cache"), KVRELAY_DATA_DIR=str(home / "data"),
+               PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def kvrelay(name: str, command: str, args: list[str], env: dict[str, str]) -> ChildProcess:
+    argv = [sys.executable, "-m", "kvrelay.cli", "--log-level", "INFO", command, *args]
+    return ChildProcess(name, argv, env)
+
+
+class Router:
+    """A ``kvrelay router`` child with its URLs (learned from its ready line)."""
+
+    def __init__(self, home: Path, model_dir: Path, *flags: str, port: int = 0, worker_port: int = 0) -> None:
+        self.home = home
+        self.model_dir = model_dir
+        self.child = kvrelay("router", "router", [
+            "--port", str(port), "--worker-port", str(worker_port), "--model", str(model_dir),
+            "--db", f"sqlite:///{home / 'facts.sqlite3'}", *flags], child_env(home))
+        ready = self.child.wait_for(r"kvrelay router ready http=(\S+) workers=(\S+)", 60)
+        self.http_url, self.workers_url = ready.group(1), ready.group(2)
+        self.port = int(self.http_url.rsplit(":", 1)[1])
+        self.worker_port = int(self.workers_url.rsplit(":", 1)[1].split("/")[0])
+
+    def cluster(self) -> dict[str, Any]:
+        return httpx.get(self.http_url + "/cluster", timeout=10).json()
+
+    def live_workers(self) -> dict[str, Any]:
+        return self.cluster()["workers"]
+
+
+def start_worker(home: Path, worker_id: str, router_url: str, model_dir: Path, *flags: str) -> ChildProcess:
+    return kvrelay(worker_id, "worker", [
+        "--worker-id", worker_id, "--router", router_url, "--model", str(model_dir), "--dtype", "float32",
+        "--kv-tokens", "4096", "--lanes", "4", "--heartbeat-s", "0.2", *flags], child_env(home))
+
+
+def wait_until(probe: Callable[[], T | None], timeout: float, what: str, every_s: float = 0.05) -> T:
+    """Poll ``probe`` until it returns something truthy; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        threading.Event().wait(every_s)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+def stream_completion(http_url: str, model: str, prompt: list[int], max_tokens: int) -> Iterator[dict[str, Any]]:
+    """The SSE chunks of a greedy streaming completion, parsed; the last one carries the usage."""
+    import json
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", http_url + "/v1/completions", json=body, timeout=120) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[len("data: "):])
+
+
+def complete(http_url: str, model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    response = httpx.post(http_url + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+class StreamingRequest:
+    """A streaming greedy completion consumed on a thread: ``first`` is set at the first token, ``done`` at the end."""
+
+    def __init__(self, http_url: str, model: str, prompt: list[int], max_tokens: int) -> None:
+        self.pieces: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.first = threading.Event()
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._consume, args=(http_url, model, prompt, max_tokens),
+                                        name="stream", daemon=True)
+        self._thread.start()
+
+    def _consume(self, http_url: str, model: str, prompt: list[int], max_tokens: int) -> None:
+        try:
+            for chunk in stream_completion(http_url, model, prompt, max_tokens):
+                if chunk.get("usage"):
+                    self.usage = chunk["usage"]
+                for choice in chunk.get("choices", ()):
+                    if choice.get("text"):
+                        self.pieces.append(choice["text"])
+                        self.first.set()
+                    if choice.get("finish_reason"):
+                        self.finish_reason = choice["finish_reason"]
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            self.error = exc
+        finally:
+            self.first.set()
+            self.done.set()
+
+    def result(self, timeout: float) -> str:
+        """The whole text; fails if the stream did not end within ``timeout`` or raised."""
+        if not self.done.wait(timeout):
+            raise AssertionError(f"the streaming request did not finish within {timeout} s")
+        if self.error is not None:
+            raise AssertionError(f"the streaming request failed: {self.error!r}") from self.error
+        return "".join(self.pieces)
