@@ -23,7 +23,8 @@ from kvrelay.api.metrics import Metrics
 from kvrelay.controller.cluster import ClusterRouter
 from kvrelay.controller.router import RouterConfig, new_router
 from kvrelay.facts.store import FactStore
-from kvrelay.processes.assembly import WorkerSpec, build_worker
+from kvrelay.paths import data_dir
+from kvrelay.processes.assembly import StoreSpec, WorkerSpec, build_worker
 from kvrelay.protocol.messages import Cancel, Offer, WireMessage
 from kvrelay.worker.controller import WorkerController
 from kvrelay.worker.runtime import PagedRuntime
@@ -70,7 +71,8 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
     """Load the model and wire router, worker and ingress on the running loop."""
     worker = await build_worker(WorkerSpec(options.worker_id, options.model, options.dtype, options.kv_tokens,
                                           options.page_tokens, options.chunk_tokens, options.lanes,
-                                          options.token_budget))
+                                          options.token_budget,
+                                          StoreSpec(str(data_dir() / "chunks" / options.worker_id))))
     artifacts, config, runtime, pool, controller = (worker.artifacts, worker.config, worker.runtime, worker.pool,
                                                     worker.controller)
     context_limit = worker.context_limit

@@ -22,7 +22,13 @@ from kvrelay.controller.events import (
 )
 from kvrelay.controller.policy import RoutingContext
 from kvrelay.controller.router_state import RequestState, RouterState, usage_of
-from kvrelay.protocol.messages import Assignment, Cancel, FinishReason, Offer
+from kvrelay.protocol.messages import (
+    Assignment,
+    Cancel,
+    FinishReason,
+    Offer,
+    RouteSegment,
+)
 from kvrelay.store.keys import cacheable_chunks, prompt_chain
 
 Effects = list[Effect]
@@ -82,7 +88,7 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
     fx.append(SendOffer(chosen.worker_id, Offer(
         assignment=assignment, worker_id=chosen.worker_id, epoch=chosen.epoch, model=request.model,
         model_fingerprint=rs.fingerprint.hex(), prompt=prompt, max_new_tokens=remaining,
-        generated_before=len(rs.delivered), sampling=request.sampling, route=chosen.route,
+        generated_before=len(rs.delivered), sampling=request.sampling, route=_peer_urls(state, chosen.route),
         chain=chain[: sum(s.chunks for s in chosen.route)],
     )))
     fx.append(StartTimer(("offer", request.request_id, rs.attempt), now + config.offer_timeout_s))
@@ -189,3 +195,13 @@ def finish(state: RouterState, rs: RequestState, reason: FinishReason, now: floa
         "bytes_by_tier": {}, "attempts": rs.attempt, "error": error,
     }))
     state.count(f"finished_{reason}")
+
+
+def _peer_urls(state: RouterState, route: tuple[RouteSegment, ...]) -> tuple[RouteSegment, ...]:
+    """Name each peer segment's source by the URL its worker serves chunks on (its id when it has none)."""
+    out = []
+    for seg in route:
+        view = state.views.get(seg.source) if seg.tier == "peer" else None
+        out.append(RouteSegment(seg.tier, seg.chunks, view.heartbeat.peer_url) if view and view.heartbeat.peer_url
+                   else seg)
+    return tuple(out)

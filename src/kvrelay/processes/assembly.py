@@ -1,11 +1,15 @@
-"""One worker's parts, built from a model source: model, KV pages, runtime, page pool, controller.
+"""One worker's parts, built from a model source: model, KV pages, runtime, page pool, controller, chunk store.
 
 Shared by ``kvrelay serve`` (one process) and ``kvrelay worker`` (its own
 process). ``build_worker`` loads the artifacts off the event loop, allocates
 ``kv_tokens // page_tokens`` pages, starts the device thread and returns the
 wired parts; the pool's residency callback goes to the controller, whose
 ``publish`` the caller sets (the in-process router, or the worker endpoint).
-After ``close`` the device thread has stopped.
+With a ``StoreSpec`` the worker also gets its chunk tiers (ram, a local chunk
+directory as ssd, an optional shared-directory object tier), restores from
+them and from peers, checkpoints full chunks into them, and serves its ram and
+ssd chunks to peers over HTTP; tier residency reaches the controller through
+the loop. After ``close`` the device thread and the peer server have stopped.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -20,10 +25,17 @@ from kvrelay.models.config import ModelConfig
 from kvrelay.models.kv_pages import KVPages
 from kvrelay.models.loader import LoadedArtifacts, load_artifacts
 from kvrelay.models.registry import build_model
+from kvrelay.store.files import SharedDirTier, SsdTier
+from kvrelay.store.peer import PeerServer
+from kvrelay.store.ram import RamTier
+from kvrelay.store.tier import ResidencyEvent
+from kvrelay.store.tiers import TierStack
 from kvrelay.worker.admission import WorkerIdentity
+from kvrelay.worker.checkpoint import Checkpointer
 from kvrelay.worker.controller import WorkerController
 from kvrelay.worker.iteration import PolicyConfig
 from kvrelay.worker.page_pool import PagePool
+from kvrelay.worker.restore import StoreRestore
 from kvrelay.worker.runtime import PagedRuntime
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -40,6 +52,22 @@ class WorkerSpec:
     chunk_tokens: int = 64
     lanes: int = 16
     token_budget: int = 512
+    store: StoreSpec | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSpec:
+    """The worker's chunk tiers (DESIGN.md section 5)."""
+
+    ssd_dir: str
+    ram_bytes: int = 1 << 30
+    ssd_bytes: int = 16 << 30
+    object_dir: str | None = None
+    staging_bytes: int = 64 << 20
+
+
+INITIAL_RESTORE_RATES = {"ram": 2e9, "ssd": 1e9, "peer": 2e8, "object": 1e8}
+"""Bytes per second per tier until the worker has measured its own restores (conservative for a CPU host)."""
 
 
 @dataclass
@@ -50,9 +78,14 @@ class WorkerParts:
     pool: PagePool
     controller: WorkerController
     context_limit: int
+    peer: PeerServer | None = None
 
     def close(self) -> None:
-        """Stop the device thread (call after the controller's work has quiesced)."""
+        """Stop the device thread and the peer server (call after the controller's work has quiesced)."""
+        if self.controller.checkpointer is not None:
+            self.controller.checkpointer.close()
+        if self.peer is not None:
+            self.peer.close()
         self.runtime.close()
 
 
@@ -78,4 +111,28 @@ async def build_worker(spec: WorkerSpec) -> WorkerParts:
     pool = PagePool(pages, spec.page_tokens, spec.chunk_tokens)
     controller = WorkerController(identity, pool, runtime, config.kv_bytes_per_token(kv.k.element_size()))
     pool.on_residency = controller.publish_residency
-    return WorkerParts(artifacts, config, runtime, pool, controller, context_limit)
+    peer = attach_store(spec.store, controller, kv, artifacts.fingerprint) if spec.store is not None else None
+    return WorkerParts(artifacts, config, runtime, pool, controller, context_limit, peer)
+
+
+def attach_store(store: StoreSpec, controller: WorkerController, kv: KVPages, fingerprint: bytes) -> PeerServer:
+    """Give ``controller`` its tiers, restore handler and checkpointer; return the started peer server."""
+    loop = asyncio.get_running_loop()
+
+    def residency(event: ResidencyEvent) -> None:  # called under a tier's lock, on any thread
+        loop.call_soon_threadsafe(controller.publish_residency, event.stored, event.removed, event.tier)
+
+    ssd_dir = Path(store.ssd_dir).expanduser()
+    ssd_dir.mkdir(parents=True, exist_ok=True)
+    stack = TierStack(
+        ram=RamTier(store.ram_bytes, on_residency=residency, verify_payload=False),
+        ssd=SsdTier(ssd_dir, store.ssd_bytes, on_residency=residency),
+        object_tier=SharedDirTier(store.object_dir, on_residency=residency) if store.object_dir else None,
+    )
+    controller.restorer = StoreRestore(kv, stack, fingerprint)
+    controller.checkpointer = Checkpointer(kv, controller.pool, stack, fingerprint, store.staging_bytes)
+    controller.restore_bytes_per_s = {t: r for t, r in INITIAL_RESTORE_RATES.items()
+                                      if t != "object" or store.object_dir}
+    peer = PeerServer(stack.local_tiers)
+    controller.peer_url = peer.url
+    return peer

@@ -46,11 +46,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvrelay worker: {exc}", file=sys.stderr)
         return 2
     from kvrelay.models.checkpoint import ModelLoadError
-    from kvrelay.processes.assembly import WorkerSpec
+    from kvrelay.paths import data_dir
+    from kvrelay.processes.assembly import StoreSpec, WorkerSpec
     from kvrelay.processes.worker_process import WorkerOptions, run_worker
 
     spec = WorkerSpec(values["worker_id"], values["model"], values["dtype"], values["kv_tokens"],
-                      values["page_tokens"], values["chunk_tokens"], values["lanes"], values["token_budget"])
+                      values["page_tokens"], values["chunk_tokens"], values["lanes"], values["token_budget"],
+                      StoreSpec(str(data_dir() / "chunks" / values["worker_id"])))
     options = WorkerOptions(spec, tuple(values["router"]), secret, values["heartbeat_s"], values["grace_s"])
 
     def ready(worker_id: str, epoch: int, model: str) -> None:
