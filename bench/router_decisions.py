@@ -5,7 +5,10 @@
 of one document plus a fresh suffix. Each timed step is one ``RequestArrived``
 through ``router.step``: chain lookup, candidate planning over every worker and
 tier boundary, policy choice, the offer and the decision record. The request
-is then completed (untimed) so load stays steady.
+is then completed (untimed) so load stays steady. A third run attaches the
+fact store (SQLite, with its read-through chain cache): each timed decision
+also fetches the chain's replica facts and hands the records to the store's
+non-blocking writer.
 
     .venv/bin/python bench/router_decisions.py [--requests N] [--json PATH]
 """
@@ -18,6 +21,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 import tracemalloc
 
@@ -26,9 +30,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from common import Figure, report  # noqa: E402
 
-from kvrelay.controller.events import MessageReceived, Request, RequestArrived, SendOffer  # noqa: E402
+from kvrelay.controller.events import (  # noqa: E402
+    MessageReceived,
+    Record,
+    Request,
+    RequestArrived,
+    SendOffer,
+)
 from kvrelay.controller.index import ResidencyIndex  # noqa: E402
 from kvrelay.controller.router import RouterConfig, new_router, step  # noqa: E402
+from kvrelay.facts.queries import event_replicas  # noqa: E402
+from kvrelay.facts.sink import record_sink  # noqa: E402
+from kvrelay.facts.store import FactStore  # noqa: E402
 from kvrelay.protocol.messages import Heartbeat, OfferResult, Residency, Result  # noqa: E402
 
 WORKERS = 64
@@ -77,8 +90,10 @@ def bytes_per_entry(n: int = 200_000) -> float:
     return (after - before) / len(ix)
 
 
-def run(requests: int, seed: int, policy: str) -> tuple[list[float], int]:
+def run(requests: int, seed: int, policy: str, facts: FactStore | None = None) -> tuple[list[float], int]:
+    """Time ``step(RequestArrived)`` per request; with ``facts``, also the replica lookup and the record sink."""
     state, rng = build(seed, policy)
+    sink = record_sink(facts) if facts is not None else None
     lat: list[float] = []
     prompts = []
     for r in range(requests):
@@ -93,7 +108,14 @@ def run(requests: int, seed: int, policy: str) -> tuple[list[float], int]:
     perf = time.perf_counter
     for r, req in enumerate(prompts):
         t0 = perf()
-        state, fx = step(state, RequestArrived(float(r), req))
+        if facts is not None and facts.cache is not None:
+            replicas = event_replicas(req.chain, facts.cache.replicas_for_chain(req.chain))
+            state, fx = step(state, RequestArrived(float(r), req, replicas))
+            for effect in fx:
+                if isinstance(effect, Record):
+                    sink(effect)  # type: ignore[misc]
+        else:
+            state, fx = step(state, RequestArrived(float(r), req))
         lat.append(perf() - t0)
         offer = next(e for e in fx if isinstance(e, SendOffer)).offer
         state, _ = step(state, MessageReceived(float(r), OfferResult(
@@ -129,6 +151,15 @@ def main() -> None:
             ]
         else:
             figures.append(Figure("decisions_per_s_round_robin", rate, "1/s", "kvrelay", figures[0].value))
+    with tempfile.TemporaryDirectory() as tmp, FactStore(f"sqlite:///{tmp}/facts.sqlite3",
+                                                         cache_keys=1_100_000) as facts:
+        lat, _ = run(args.requests, args.seed, "kvrelay", facts)
+        lat_sorted = sorted(lat)
+        figures += [
+            Figure("decisions_per_s_with_fact_store", len(lat) / sum(lat), "1/s", "goal", 5000),
+            Figure("decision_p99_with_fact_store", lat_sorted[int(0.99 * (len(lat_sorted) - 1))] * 1e3, "ms"),
+            Figure("fact_store_overflow", facts.stats().overflow, "records"),
+        ]
     figures.append(Figure("index_bytes_per_entry", bytes_per_entry(), "B"))
     report(f"router decisions ({args.requests} requests, 1 core, seed {args.seed})", figures, args.json)
 

@@ -161,3 +161,19 @@ def test_decode_steps_interleave_with_a_chunked_prefill_only_on_a_busy_worker() 
     idle = idle_heartbeat("w1", prefill_chunk_tokens=128)
     best = plan_for([busy, idle], []).best()
     assert best is not None and best.worker_id == "w1" and best.terms.decode_s == 0.0
+
+
+def test_pruning_skips_hopeless_workers_and_keeps_the_same_winner() -> None:
+    workers = [heartbeat(f"w{i}", queue_delay_s=0.1 * i) for i in range(8)]
+    residency = [("w3", "gpu", 8)]
+    full = plan_for(workers, residency)
+    index = ResidencyIndex()
+    for wid, tier, n in residency:
+        index.store(wid, tier, CHAIN[:n])
+    views = [cand.WorkerView(hb, cand.WorkerLoad(backlog_s=hb.queue_delay_s), cand.reported_fingerprints(hb))
+             for hb in workers]
+    pruned = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index, prune=True)
+    assert pruned.best() == full.best()
+    assert pruned.best().worker_id == "w3"  # type: ignore[union-attr]
+    assert set(pruned.pruned) == {"w4", "w5", "w6", "w7"}  # 0.4 s and more of queue alone exceed 0.321 s
+    assert all(bound > pruned.best().predicted_ttft_s for bound in pruned.pruned.values())  # type: ignore[union-attr]

@@ -168,6 +168,8 @@ class WorkerRoute:
 class Plan:
     routes: list[WorkerRoute] = field(default_factory=list)
     excluded: dict[str, str] = field(default_factory=dict)
+    pruned: dict[str, float] = field(default_factory=dict)
+    """Workers skipped because a lower bound on their TTFT exceeded the best found (with ``prune``)."""
 
     def best(self) -> Candidate | None:
         """The lowest predicted TTFT; ties broken by worker id."""
@@ -350,26 +352,42 @@ def plan(
     excluded_workers: frozenset[str] | set[str] = frozenset(),
     excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
     now: float = 0.0,
+    prune: bool = False,
 ) -> Plan:
-    """Candidates of every eligible worker for one request at ``now`` (see the module docstring)."""
+    """Candidates of every eligible worker for one request at ``now`` (see the module docstring).
+
+    With ``prune``, workers are planned in order of a lower bound on their TTFT
+    (queue + prefill of what no tier holds); a worker whose bound already
+    exceeds the best candidate found is skipped and listed in ``Plan.pruned``
+    with its bound. The best candidate is the same with or without pruning.
+    """
     result = Plan()
     values = index.lookup(chain)
     present = 0
     for v in values:
         present |= v
-    shared: tuple[tuple[RouteSegment, ...], list[Boundary]] | None = None
+    reach = min(len(values) * chunk_tokens, max(prompt_len - 1, 0))
+    eligible: list[tuple[float, str, WorkerView]] = []
     for worker in workers:
         hb = worker.heartbeat
         wid = hb.worker_id
         if wid in excluded_workers:
             result.excluded[wid] = "excluded after an earlier failure of this request"
-            continue
-        if request_model not in hb.models:
+        elif request_model not in hb.models:
             result.excluded[wid] = f"model '{request_model}' not served"
-            continue
-        if prompt_len + max_new > hb.context_limit:
+        elif prompt_len + max_new > hb.context_limit:
             result.excluded[wid] = f"context limit {hb.context_limit} < {prompt_len + max_new}"
+        else:
+            eligible.append((queue_of(worker, now) + (prompt_len - reach) * hb.prefill_s_per_token, wid, worker))
+    if prune:
+        eligible.sort(key=lambda e: (e[0], e[1]))
+    best_so_far = float("inf")
+    shared: tuple[tuple[RouteSegment, ...], list[Boundary]] | None = None
+    for bound, wid, worker in eligible:
+        if prune and bound > best_so_far:
+            result.pruned[wid] = bound
             continue
+        hb = worker.heartbeat
         exact = worker.fingerprints.get(request_model) == chain_fingerprint and hb.chunk_tokens == chunk_tokens
         if not exact:
             segments: tuple[RouteSegment, ...] = ()
@@ -397,5 +415,6 @@ def plan(
             result.excluded[wid] = "capacity"
             continue
         best_t, best_i = min(scored, key=lambda x: (x[0], -x[1])) if len(scored) > 1 else scored[0]
+        best_so_far = min(best_so_far, best_t)
         result.routes.append(WorkerRoute(worker, segments, bounds, best_t, best_i, prompt_len, chunk_tokens, now))
     return result

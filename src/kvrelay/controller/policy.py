@@ -38,6 +38,8 @@ class RoutingContext:
 
 class Policy(ABC):
     name: str = "abstract"
+    needs_all_routes: bool = True
+    """False when the policy only ever takes the lowest predicted TTFT, so planning may prune."""
 
     @abstractmethod
     def choose(self, ctx: RoutingContext) -> Candidate | None:

@@ -52,6 +52,7 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
     plan = cand.plan(
         request.model, len(prompt), remaining, chain, rs.fingerprint, config.chunk_tokens,
         list(state.views.values()), state.index, rs.excluded_workers, rs.excluded_pairs, now,
+        prune=not state.policy.needs_all_routes,
     )
     ctx = RoutingContext(request, prompt, chain, config.chunk_tokens, plan, state.views, state.rng, now)
     chosen = state.policy.choose(ctx) if plan.routes else None
@@ -95,7 +96,7 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
     fx.append(Record("decision", request.request_id, rs.attempt, now, {
         "policy": state.policy.name, "model": request.model, "chosen": chosen,
         "candidates": (*plan.routes, *alternatives[1:]),
-        "excluded": plan.excluded,
+        "excluded": plan.excluded, "pruned": plan.pruned,
     }))
     if rs.attempt > 1:
         state.count("retries")

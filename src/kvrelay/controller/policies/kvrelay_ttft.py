@@ -13,6 +13,7 @@ from kvrelay.controller.policy import Policy, RoutingContext
 
 class PredictedTTFT(Policy):
     name = "kvrelay"
+    needs_all_routes = False
 
     def choose(self, ctx: RoutingContext) -> Candidate | None:
         return ctx.plan.best()
