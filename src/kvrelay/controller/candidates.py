@@ -308,6 +308,21 @@ def lower_load_of(worker: WorkerView, now: float) -> float:
     return max(0.0, load.restore_backlog_s - max(0.0, now - load.restore_backlog_at))
 
 
+def _intrinsic(hb: Heartbeat, bounds: list[Boundary], prompt_len: int, chunk_tokens: int) -> float:
+    """The cheapest restore + prefill over ``bounds`` on a worker like ``hb``, without queue or decode steps."""
+    chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
+    best = prompt_len * hb.prefill_s_per_token
+    for cached, _, restored, _ in bounds[1:]:
+        restore = 0.0
+        for tier, chunks in restored:
+            rate = hb.restore_bytes_per_s.get(tier, 0.0)
+            if rate <= 0.0:
+                return best
+            restore += chunks * chunk_bytes / rate
+        best = min(best, restore + (prompt_len - cached) * hb.prefill_s_per_token)
+    return best
+
+
 def make_candidate(
     hb: Heartbeat, base_queue: float, lower_load: float, segments: tuple[RouteSegment, ...], boundary: Boundary,
     prompt_len: int, chunk_tokens: int,
@@ -367,6 +382,8 @@ def plan(
     for v in values:
         present |= v
     reach = min(len(values) * chunk_tokens, max(prompt_len - 1, 0))
+    shared: tuple[tuple[RouteSegment, ...], list[Boundary]] | None = None
+    intrinsic: dict[tuple[float, int, float, float], float] = {}
     eligible: list[tuple[float, str, WorkerView]] = []
     for worker in workers:
         hb = worker.heartbeat
@@ -377,12 +394,27 @@ def plan(
             result.excluded[wid] = f"model '{request_model}' not served"
         elif prompt_len + max_new > hb.context_limit:
             result.excluded[wid] = f"context limit {hb.context_limit} < {prompt_len + max_new}"
+        elif not prune:
+            eligible.append((0.0, wid, worker))
         else:
-            eligible.append((queue_of(worker, now) + (prompt_len - reach) * hb.prefill_s_per_token, wid, worker))
+            shift = index.shift_of(wid)
+            if values and (shift is None or not (present >> shift) & LOCAL_MASK):
+                # No local copy: the shared route's restore + prefill cost is a tight bound, the same for
+                # every worker with the same rates, so it is computed once per rate signature.
+                if shared is None:
+                    shared_segments = walk_route(values, index, None, 0, True, True)
+                    shared = (shared_segments, boundaries_of(shared_segments, chunk_tokens))
+                rates = hb.restore_bytes_per_s
+                sig = (hb.prefill_s_per_token, hb.kv_bytes_per_token, rates.get("peer", 0.0), rates.get("object", 0.0))
+                cost = intrinsic.get(sig)
+                if cost is None:
+                    cost = intrinsic[sig] = _intrinsic(hb, shared[1], prompt_len, chunk_tokens)
+            else:
+                cost = (prompt_len - reach) * hb.prefill_s_per_token
+            eligible.append((queue_of(worker, now) + cost, wid, worker))
     if prune:
         eligible.sort(key=lambda e: (e[0], e[1]))
     best_so_far = float("inf")
-    shared: tuple[tuple[RouteSegment, ...], list[Boundary]] | None = None
     for bound, wid, worker in eligible:
         if prune and bound > best_so_far:
             result.pruned[wid] = bound
