@@ -30,7 +30,7 @@ def plan_for(workers: list, residency: list[tuple[str, str, int]]) -> cand.Plan:
     index = ResidencyIndex()
     for wid, tier, n in residency:
         index.store(wid, tier, CHAIN[:n])
-    views = [cand.WorkerView(hb, cand.WorkerLoad(backlog_s=hb.queue_delay_s, restore_backlog_s=hb.lower_tier_load_s), cand.reported_fingerprints(hb))
+    views = [cand.WorkerView(hb, cand.WorkerLoad(restore_backlog_s=hb.lower_tier_load_s), cand.reported_fingerprints(hb))
              for hb in workers]
     return cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index)
 
@@ -143,24 +143,12 @@ def test_a_restore_adds_to_the_queue_and_waits_for_the_restore_channel() -> None
     # With a restore channel busy for 0.8 s the queue term is 0.8 s.
     fast = heartbeat("w0", queue_delay_s=0.5, lower_tier_load_s=0.8, restore_bytes_per_s={"ssd": 1e9})
     plan = plan_for([fast], [("w0", "ssd", 8)])
-    view = cand.WorkerView(fast, cand.WorkerLoad(backlog_s=0.5, restore_backlog_s=0.8), {})
+    view = cand.WorkerView(fast, cand.WorkerLoad(restore_backlog_s=0.8), {})
     ssd = cand.alternatives(plan.routes[0], view, len(PROMPT), 4, 64, 0.0)
     restored = next(c for c in ssd if c.cached_tokens == 512)
     assert restored.terms.queue_s == pytest.approx(0.8)
     assert restored.predicted_ttft_s == pytest.approx(0.8 + 8 * 64000 / 1e9 + 1e-3 + 0.02)
     assert restored.terms.total_s == pytest.approx(restored.predicted_ttft_s)
-
-
-def test_decode_steps_interleave_with_a_chunked_prefill_only_on_a_busy_worker() -> None:
-    # 513 uncached tokens in chunks of 128: 5 iterations, each with a 20 ms decode step.
-    busy = heartbeat("w0", prefill_chunk_tokens=128)
-    best = plan_for([busy], []).best()
-    assert best is not None and best.terms.decode_s == pytest.approx(5 * 0.02)
-    assert best.predicted_ttft_s == pytest.approx(0.513 + 0.1)
-    # The same worker with nothing decoding and nothing queued runs the prefill alone.
-    idle = idle_heartbeat("w1", prefill_chunk_tokens=128)
-    best = plan_for([busy, idle], []).best()
-    assert best is not None and best.worker_id == "w1" and best.terms.decode_s == 0.0
 
 
 def test_pruning_skips_hopeless_workers_and_keeps_the_same_winner() -> None:
@@ -170,7 +158,7 @@ def test_pruning_skips_hopeless_workers_and_keeps_the_same_winner() -> None:
     index = ResidencyIndex()
     for wid, tier, n in residency:
         index.store(wid, tier, CHAIN[:n])
-    views = [cand.WorkerView(hb, cand.WorkerLoad(backlog_s=hb.queue_delay_s), cand.reported_fingerprints(hb))
+    views = [cand.WorkerView(hb, cand.WorkerLoad(), cand.reported_fingerprints(hb))
              for hb in workers]
     pruned = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index, prune=True)
     assert pruned.best() == full.best()

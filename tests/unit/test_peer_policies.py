@@ -52,7 +52,7 @@ def context(workers: list[Heartbeat], residency: Sequence[tuple[str, str, int]] 
     for wid, tier, n in residency:
         index.store(wid, tier, chain[:n])
     loads = loads or {}
-    views = [cand.WorkerView(hb, loads.get(hb.worker_id, cand.WorkerLoad(backlog_s=hb.queue_delay_s, restore_backlog_s=hb.lower_tier_load_s)),
+    views = [cand.WorkerView(hb, loads.get(hb.worker_id, cand.WorkerLoad(restore_backlog_s=hb.lower_tier_load_s)),
                              cand.reported_fingerprints(hb))
              for hb in workers]
     plan = cand.plan("m", len(prompt), 4, chain, b"m", 64, views, index)

@@ -9,6 +9,7 @@ of ``api.errors``; a malformed body is a 400 naming the field.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -165,6 +166,8 @@ async def _whole(request: Request, rid: str, created: int, p: Prepared, chat: bo
         watch.cancel()
     if not work.done():
         work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work  # the cancellation closes ``events`` inside ``collect``, which cancels through the router
         await events.aclose()  # type: ignore[attr-defined]
         return JSONResponse({}, status_code=499)
     text, final = work.result()

@@ -117,9 +117,14 @@ class Ingress:
                                 f"{model.context_limit} of '{model.name}'", "invalid_request_error", "max_tokens",
                            "context_length_exceeded")
         stops = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
-        stop_ids = tuple(s for s in stops if isinstance(s, int)) + model.eos_token_ids
+        stop_ids = tuple(s for s in stops if isinstance(s, int))
+        bad = [t for t in stop_ids if not 0 <= t < len(model.tokenizer)]
+        if bad:
+            raise invalid(f"stop token ids {bad[:5]} are outside the vocabulary of {len(model.tokenizer)}", "stop")
+        stop_ids += model.eos_token_ids
         stop_strings = tuple(s for s in stops if isinstance(s, str) and s)
-        seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "little")
+        # Draws use the seed modulo 2**64 (models.sampling); reducing it here keeps every seed encodable on the wire.
+        seed = body.seed % 2**64 if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "little")
         sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=seed, stop_token_ids=stop_ids)
         return Prepared(model, ids, max_tokens, sampling, stop_strings)
 

@@ -1,10 +1,15 @@
-"""Request bodies of the OpenAI-compatible endpoints (pydantic, unknown fields ignored)."""
+"""Request bodies of the OpenAI-compatible endpoints (pydantic, unknown fields ignored).
+
+Every field's text must be valid Unicode: JSON may spell a lone UTF-16
+surrogate (``"\\ud800"``), which no tokenizer can encode and no response can
+echo, so such a body is a validation error (a 400 naming the field).
+"""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class StreamOptions(BaseModel):
@@ -27,6 +32,25 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        if _has_lone_surrogate(value):
+            raise ValueError("the text holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not valid "
+                             "Unicode; send each character whole")
+        return value
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether ``value`` (raw JSON: strings, lists, dicts, keys included) holds a surrogate code point."""
+    if isinstance(value, str):
+        return any("\ud800" <= c <= "\udfff" for c in value)
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    return False
 
 
 class CompletionRequest(SamplingFields):

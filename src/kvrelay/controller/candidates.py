@@ -9,20 +9,19 @@ to first token is
     max(queue delay, lower-tier load if the route restores)          (queue_s)
       + restore bytes / restore rate of each tier used                (restore_s)
       + uncached prompt tokens * prefill seconds per token             (prefill_s)
-      + the decode steps interleaved with that prefill                 (decode_s)
+      + one decode step                                                (decode_s)
 
-The restore is added to the queue, not overlapped with it: a worker hands a
+The queue delay is the larger of the worker's last reported queue and the
+router's own knowledge: the predicted restore + prefill of the offers it sent
+there whose first token has not come back. The lower-tier load drains like a
+fluid from the last heartbeat's value plus the restores sent since. The
+restore adds to the queue rather than overlapping it: a worker hands a
 restored route to its device queue only when the copy has completed (DESIGN.md
-section 8), behind whatever arrived meanwhile, so under load the queue it
-meets is about the queue it would have met at once. (Measured in the
-simulator on the dev trace: modelling the overlap instead raised mean TTFT.)
-
-``decode_s`` refines DESIGN.md's "one decode step": a continuously batching
-worker runs one decode step for its running sequences in every iteration, and
-a prompt of ``u`` uncached tokens needs ``ceil(u / prefill_chunk_tokens)``
-iterations; a worker with nothing decoding and nothing queued runs the
-prefill alone (``decode_s`` = 0). The first token comes out of the last
-prefill iteration itself.
+section 8), behind whatever arrived meanwhile. (Three refinements were measured
+in the simulator on the dev trace at 1x and 2x the recorded rate and dropped
+because they did not lower mean and p99 TTFT at both: a restore overlapping the
+queue, a fluid model of the device queue, and one decode step per chunked-prefill
+iteration instead of one in all.)
 
 Cost is linear inside a segment, so the optimum always lies on a boundary.
 Hard constraints (model, epoch, context limit, page capacity, exactness of the
@@ -75,12 +74,9 @@ class Candidate(msgspec.Struct, frozen=True):
 class WorkerLoad:
     """What the router itself knows of a worker's load beyond its last heartbeat."""
 
-    backlog_s: float = 0.0
-    """Device work (seconds) queued at ``backlog_at``: the last heartbeat's queue delay plus the predicted
-    prefill of every offer sent since; it drains at one second per second (a fluid FIFO model)."""
-    backlog_at: float = 0.0
     restore_backlog_s: float = 0.0
-    """The same for the worker's restore channel (lower tiers), from ``lower_tier_load_s``."""
+    """Restore work (seconds) queued at ``restore_backlog_at``: the last heartbeat's lower-tier load plus the
+    restores of every offer sent since; it drains at one second per second."""
     restore_backlog_at: float = 0.0
     outstanding_s: float = 0.0
     """Predicted restore + prefill seconds of offers sent there whose first token has not arrived."""
@@ -267,8 +263,7 @@ def _evaluate(
     base_queue = queue_of(worker, now)
     lower_load = lower_load_of(worker, now)
     fixed = prompt_len * hb.prefill_s_per_token
-    step = hb.decode_s_per_token if (hb.active_lanes or base_queue > 0.0) else 0.0
-    chunk = hb.prefill_chunk_tokens
+    decode = hb.decode_s_per_token
     per_token = hb.prefill_s_per_token
     rates = hb.restore_bytes_per_s
     total_pages = -(-(prompt_len + max_new) // pt)
@@ -283,23 +278,13 @@ def _evaluate(
         if total_pages - gpu // pt + (1 if gpu % pt else 0) > available:
             continue
         wait = max(base_queue, lower_load) + restore if restore else base_queue
-        decode = step * (-(-(prompt_len - cached) // chunk) if chunk else 1)
         out.append((wait + fixed - cached * per_token + decode, i))
     return out
 
 
 def queue_of(worker: WorkerView, now: float) -> float:
-    """The device queue a new request would wait behind at ``now``: the drained backlog."""
-    load = worker.load
-    return max(0.0, load.backlog_s - max(0.0, now - load.backlog_at))
-
-
-def decode_steps(hb: Heartbeat, base_queue: float, uncached: int) -> float:
-    """Seconds of decode steps interleaved with a prefill of ``uncached`` tokens (see the module docstring)."""
-    if not (hb.active_lanes or base_queue > 0.0):
-        return 0.0
-    chunk = hb.prefill_chunk_tokens
-    return hb.decode_s_per_token * (-(-uncached // chunk) if chunk else 1)
+    """The device queue a new request would wait behind: the larger of the reported and the router-known one."""
+    return max(worker.heartbeat.queue_delay_s, worker.load.outstanding_s)
 
 
 def lower_load_of(worker: WorkerView, now: float) -> float:
@@ -334,7 +319,7 @@ def make_candidate(
     total_restore = sum(restore.values())
     queue = max(base_queue, lower_load) if restore else base_queue
     prefill = (prompt_len - cached) * hb.prefill_s_per_token
-    decode = decode_steps(hb, base_queue, prompt_len - cached)
+    decode = hb.decode_s_per_token
     return Candidate(
         worker_id=hb.worker_id,
         epoch=hb.epoch,

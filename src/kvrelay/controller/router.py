@@ -211,7 +211,6 @@ def _on_heartbeat(state: RouterState, hb: Heartbeat, now: float, fx: Effects) ->
     view = state.views.get(hb.worker_id)
     load = view.load if view is not None else cand.WorkerLoad()
     load.accepted_pages = 0
-    load.backlog_s, load.backlog_at = hb.queue_delay_s, now
     load.restore_backlog_s, load.restore_backlog_at = hb.lower_tier_load_s, now
     state.views[hb.worker_id] = cand.WorkerView(hb, load, fps)
     if state.parked:

@@ -72,11 +72,9 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         rs.parked_since = None
     gpu = sum(s.chunks for s in chosen.route if s.tier == "gpu") * config.chunk_tokens
     rs.demand_pages = cand.page_demand(len(prompt), remaining, gpu, view.heartbeat.page_tokens)
-    rs.estimate_s = chosen.terms.prefill_s + chosen.terms.decode_s
+    rs.estimate_s = chosen.predicted_ttft_s - chosen.terms.queue_s
     load = view.load
     load.outstanding_s += rs.estimate_s
-    load.backlog_s = cand.queue_of(view, now) + rs.estimate_s
-    load.backlog_at = now
     restore_s = sum(chosen.terms.restore_s.values())
     if restore_s:
         load.restore_backlog_s = cand.lower_load_of(view, now) + restore_s

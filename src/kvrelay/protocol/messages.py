@@ -186,8 +186,6 @@ class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
     max_lanes: PositiveInt = 1
     prefill_s_per_token: NonNegFloat = 0.0
     decode_s_per_token: NonNegFloat = 0.0
-    prefill_chunk_tokens: NonNegInt = 0
-    """Prompt tokens per device iteration (chunked prefill); 0: a prompt is prefilled in one iteration."""
     restore_bytes_per_s: dict[Tier, NonNegFloat] = {}
     kv_bytes_per_token: NonNegInt = 0
     context_limit: PositiveInt = 8192

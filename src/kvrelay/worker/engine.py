@@ -102,11 +102,16 @@ class Engine:
         on_event: EventCallback | None = None,
         timeout: float | None = None,
     ) -> JobResult:
-        """Prefill ``prompt_ids`` on fresh pages, sample up to ``max_new_tokens``, free the pages."""
+        """Prefill ``prompt_ids`` on fresh pages, sample up to ``max_new_tokens``, free the pages.
+
+        On timeout or interruption the job is cancelled; its pages are freed only once it has
+        quiesced (if it does not within 30 s they stay allocated rather than be reused while written).
+        """
         sampling = sampling or Sampling(stop_token_ids=tuple(self.artifacts.config.eos_token_ids))
         pages = self.allocate_pages(len(prompt_ids) + max_new_tokens)
+        job = Job(tuple(prompt_ids), tuple(pages), max_new_tokens=max_new_tokens, sampling=sampling)
+        handle = None
         try:
-            job = Job(tuple(prompt_ids), tuple(pages), max_new_tokens=max_new_tokens, sampling=sampling)
             handle = self.runtime.submit(job, on_event)
             try:
                 return handle.result(timeout)
@@ -115,7 +120,8 @@ class Engine:
                 handle.result(30.0)
                 raise
         finally:
-            self.free_pages(pages)
+            if handle is None or handle.done:
+                self.free_pages(pages)
 
     def close(self) -> None:
         self.runtime.close()

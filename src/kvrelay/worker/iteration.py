@@ -33,8 +33,12 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.num_lanes < 1:
             raise ValueError(f"num_lanes must be at least 1, got {self.num_lanes}")
-        if self.token_budget < 1:
-            raise ValueError(f"token_budget must be at least 1, got {self.token_budget}")
+        least = 1 if self.num_lanes == 1 else 2
+        if self.token_budget < least:
+            raise ValueError(
+                f"token_budget must be at least {least} with {self.num_lanes} lane(s) "
+                f"(several lanes keep one lane-token for prefill), got {self.token_budget}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
