@@ -1,0 +1,74 @@
+"""The paged KV pool a model reads and writes (DESIGN.md section 8).
+
+A token at absolute position ``p`` of a sequence whose page table is ``T`` has
+its key and value at ``k[layer, T[p // page_tokens], p % page_tokens]`` (and the
+same index into ``v``). Pages are allocated zero-filled, so every slot holds a
+finite value: attention masks unused slots, and a masked finite value adds
+exactly nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrelay.models.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class KVPages:
+    """Keys and values of every layer, shaped ``[num_layers, num_pages, page_tokens, num_kv_heads, head_dim]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.k.shape != self.v.shape or self.k.dim() != 5:
+            raise ValueError(
+                f"KVPages needs k and v of one 5-d shape [layers, pages, page_tokens, kv_heads, head_dim]; "
+                f"got k {tuple(self.k.shape)} and v {tuple(self.v.shape)}"
+            )
+
+    @classmethod
+    def allocate(
+        cls,
+        config: ModelConfig,
+        num_pages: int,
+        page_tokens: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> KVPages:
+        """A zero-filled pool of ``num_pages`` pages of ``page_tokens`` tokens for ``config``."""
+        if num_pages < 1 or page_tokens < 1:
+            raise ValueError(f"KVPages needs num_pages >= 1 and page_tokens >= 1; got {num_pages}, {page_tokens}")
+        shape = (config.num_layers, num_pages, page_tokens, config.num_kv_heads, config.head_dim)
+        return cls(
+            k=torch.zeros(shape, dtype=dtype, device=device),
+            v=torch.zeros(shape, dtype=dtype, device=device),
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def page_tokens(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def page_bytes(self) -> int:
+        """Bytes one page occupies across all layers, keys and values together."""
+        per_layer_page = self.k[0, 0].numel() * self.k.element_size()
+        return 2 * self.num_layers * per_layer_page
