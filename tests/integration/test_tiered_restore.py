@@ -150,3 +150,24 @@ def test_a_corrupted_chunk_is_detected_counted_and_recomputed(model_dir: Path, t
         assert not corrupted_tier.contains(first), "a corrupt chunk is removed from its tier"
 
     run(model_dir, body, workers=2)
+
+
+@pytest.mark.parametrize(("when_full", "captured", "skipped"), [("wait", 2, 0), ("skip", 1, 1)])
+def test_host_staging_budget_waits_or_skips(model_dir: Path, tmp_path: Path, when_full: str, captured: int,
+                                            skipped: int) -> None:
+    async def body(a: WorkerHarness) -> None:
+        stack = TierStack(ssd=SsdTier(tmp_path / "ssd", 1 << 30))
+        checkpointer = Checkpointer(a.kv, a.pool, stack, a.fingerprint, when_full=when_full)  # type: ignore[arg-type]
+        checkpointer.budget_bytes = checkpointer._size(a.pool.pages_per_chunk)  # room for exactly one chunk
+        a.controller.checkpointer = checkpointer
+        _, replies = a.offer("r", PROMPT, 4)  # both prompt chunks are registered at the first token
+        await replies.wait_for(Result)
+        await a.quiesce()
+        await checkpointer.drain()
+        assert checkpointer.counters["captured"] == captured and checkpointer.counters["skipped_full"] == skipped
+        assert checkpointer.staged_bytes == 0
+        assert len(stack.ssd.keys()) == captured
+        a.pool.check()
+        assert a.pool.num_referenced == 0, "pages pinned for a capture are unpinned when it ends"
+
+    run(model_dir, body)
