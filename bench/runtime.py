@@ -1,0 +1,243 @@
+"""Benchmark of the paged runtime against ``transformers`` on the same weights, dtype and prompts.
+
+Figures (one run, one process; the baseline is measured in the same run, right after
+or interleaved with ours; prefill and TTFT are the best of ``--repeats`` interleaved
+runs because the CPU is shared; ``*_median`` figures give the median of the same runs):
+
+1. ``decode_tokens_per_s``: aggregate decode throughput with ``--sequences`` (32)
+   sequences resident at once (prompts spread evenly over ``--min-prompt`` ..
+   ``--max-prompt`` tokens, ``--new-tokens`` each, greedy, no early stop), timed
+   from submitting the decode jobs to the last token. Baseline: ``transformers``
+   ``generate`` at batch ``--hf-batch`` (8) over every 4th prompt, decode-only rate
+   ``batch * (new - 1) / (t(new tokens) - t(1 token))``.
+2. ``prefill_tokens_per_s``: a ``--prefill-tokens`` (1,024) prompt, prompt tokens
+   over time to first token. Baseline: ``generate(max_new_tokens=1)``.
+3. ``warm_ttft_share``: TTFT of a ``--ttft-tokens`` (2,048) prompt whose first
+   ``--resident-tokens`` (1,792) are already in pages, over its cold TTFT.
+4. ``peak_rss``: peak resident memory of the process after the kvrelay decode run
+   (before the baseline model exists), and at the end.
+
+Run: ``.venv/bin/python bench/runtime.py --json bench-runtime.json`` (options shrink it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import torch
+
+from kvrelay.models.loader import load_artifacts
+from kvrelay.protocol.messages import Sampling
+from kvrelay.worker.engine import Engine, EngineOptions, parse_dtype
+from kvrelay.worker.jobs import Job
+
+GREEDY_NO_STOP = Sampling()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model directory or GGUF (default: Gemma 3 270M)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sequences", type=int, default=32)
+    parser.add_argument("--min-prompt", type=int, default=128)
+    parser.add_argument("--max-prompt", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--hf-batch", type=int, default=8)
+    parser.add_argument("--prefill-tokens", type=int, default=1024)
+    parser.add_argument("--ttft-tokens", type=int, default=2048)
+    parser.add_argument("--resident-tokens", type=int, default=1792)
+    parser.add_argument("--token-budget", type=int, default=512, help="tokens per runtime forward")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the prefill/TTFT figures")
+    parser.add_argument("--skip-baseline", action="store_true", help="measure kvrelay only")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    dtype = parse_dtype(args.dtype)
+    t0 = time.perf_counter()
+    artifacts = load_artifacts(args.model, dtype=dtype)
+    print(f"loaded {artifacts.name} in {time.perf_counter() - t0:.1f} s; dtype {args.dtype}, {args.threads} threads")
+    vocab = artifacts.config.vocab_size
+    prompts = make_prompts(args.sequences, args.min_prompt, args.max_prompt, vocab)
+    prefill_prompt = make_prompts(1, args.prefill_tokens, args.prefill_tokens, vocab, salt=1)[0]
+    ttft_prompt = make_prompts(1, args.ttft_tokens, args.ttft_tokens, vocab, salt=2)[0]
+
+    kv_tokens = sum(len(p) + args.new_tokens for p in prompts) + 2 * args.ttft_tokens + args.prefill_tokens + 1024
+    options = EngineOptions(
+        kv_tokens=kv_tokens, num_lanes=max(args.sequences, 2), token_budget=args.token_budget, queue_capacity=64
+    )
+    figures: list[dict[str, Any]] = []
+    print(f"load average before: {os.getloadavg()[0]:.1f}")
+    with Engine.from_artifacts(artifacts, dtype, options) as engine:
+        warm_up(engine)
+        ours_decode = runtime_decode(engine, prompts, args.new_tokens)
+        rss_ours = peak_rss_mib()
+        hf = None if args.skip_baseline else hf_model(artifacts, dtype)
+        hf_prompts = prompts[:: max(1, len(prompts) // args.hf_batch)][: args.hf_batch]
+        hf_decode = None if hf is None else hf_decode_rate(hf, hf_prompts, args.new_tokens)
+        ours_prefill: list[float] = []
+        hf_prefill: list[float] = []
+        cold: list[float] = []
+        warm: list[float] = []
+        for _ in range(args.repeats):  # interleaved, best of each: the CPU is shared and noisy
+            ours_prefill.append(runtime_ttft(engine, prefill_prompt, resident=0))
+            if hf is not None:
+                hf_prefill.append(hf_prefill_time(hf, prefill_prompt))
+            cold.append(runtime_ttft(engine, ttft_prompt, resident=0))
+            warm.append(runtime_ttft(engine, ttft_prompt, resident=args.resident_tokens))
+    rss_all = peak_rss_mib()
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+    baseline_name = f"transformers generate batch {args.hf_batch}"
+    figures.append(figure("decode_tokens_per_s", ours_decode, "tokens/s", baseline_name, hf_decode))
+    figures.append(figure("decode_share_of_700_compute_limit", ours_decode / 700.0, "ratio", "compute limit", 1.0))
+    figures.append(figure("prefill_tokens_per_s", len(prefill_prompt) / min(ours_prefill), "tokens/s",
+                          "transformers generate batch 1", len(prefill_prompt) / min(hf_prefill) if hf_prefill else None))
+    figures.append(figure("prefill_tokens_per_s_median", len(prefill_prompt) / median(ours_prefill), "tokens/s",
+                          "transformers generate batch 1", len(prefill_prompt) / median(hf_prefill) if hf_prefill else None))
+    figures.append(figure("cold_ttft_s", min(cold), "s", "none", None))
+    figures.append(figure("warm_ttft_s", min(warm), "s", "cold_ttft_s", min(cold)))
+    figures.append(figure("warm_ttft_share", min(warm) / min(cold), "ratio", "goal", 0.15))
+    figures.append(figure("warm_ttft_share_median", median(warm) / median(cold), "ratio", "goal", 0.15))
+    figures.append(figure("peak_rss_kvrelay", rss_ours, "MiB", "none", None))
+    figures.append(figure("peak_rss_with_baseline", rss_all, "MiB", "peak_rss_kvrelay", rss_ours))
+    print_table(figures)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, salt: int = 0) -> list[list[int]]:
+    """``n`` deterministic prompts with lengths spread evenly over ``lo .. hi`` (ordinary token ids)."""
+    gen = torch.Generator().manual_seed(1234 + salt)
+    lengths = [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
+    lo_id, hi_id = (1000, min(vocab, 200_000)) if vocab > 2000 else (4, vocab)  # skip special ids
+    return [torch.randint(lo_id, hi_id, (length,), generator=gen).tolist() for length in lengths]
+
+
+def warm_up(engine: Engine) -> None:
+    engine.generate(make_prompts(1, 64, 64, engine.artifacts.config.vocab_size, salt=3)[0], 4, GREEDY_NO_STOP)
+
+
+def runtime_decode(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Prefill every prompt but its last token, then time ``new_tokens`` decode steps of all at once."""
+    tables = [tuple(engine.allocate_pages(len(p) + new_tokens)) for p in prompts]
+    t0 = time.perf_counter()
+    handles = [engine.runtime.submit(Job(tuple(p[:-1]), t)) for p, t in zip(prompts, tables)]
+    for h in handles:
+        h.result()
+    print(f"  kvrelay prefill of {sum(len(p) - 1 for p in prompts)} tokens: {time.perf_counter() - t0:.1f} s")
+    t0 = time.perf_counter()
+    decode = [
+        engine.runtime.submit(Job((p[-1],), t, start_pos=len(p) - 1, max_new_tokens=new_tokens, sampling=GREEDY_NO_STOP))
+        for p, t in zip(prompts, tables)
+    ]
+    generated = sum(len(h.result().tokens) for h in decode)
+    elapsed = time.perf_counter() - t0
+    for t in tables:
+        engine.free_pages(list(t))
+    rate = generated / elapsed
+    print(f"  kvrelay decode: {generated} tokens from {len(prompts)} sequences in {elapsed:.1f} s = {rate:.1f} tok/s")
+    return rate
+
+
+def runtime_ttft(engine: Engine, prompt: list[int], resident: int) -> float:
+    """Seconds to the first token of ``prompt`` when its first ``resident`` tokens are already in pages."""
+    table = tuple(engine.allocate_pages(len(prompt) + 1))
+    try:
+        if resident:
+            engine.runtime.submit(Job(tuple(prompt[:resident]), table)).result()
+        result = engine.runtime.submit(
+            Job(tuple(prompt[resident:]), table, start_pos=resident, max_new_tokens=1, sampling=GREEDY_NO_STOP)
+        ).result()
+    finally:
+        engine.free_pages(list(table))
+    assert result.first_token_s is not None
+    print(f"  kvrelay TTFT of {len(prompt)} tokens with {resident} resident: {result.first_token_s:.3f} s")
+    return result.first_token_s
+
+
+def hf_model(artifacts: Any, dtype: torch.dtype) -> Any:
+    """The ``transformers`` model of the same config and weights (no hub, no second GGUF read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    c = artifacts.config
+    config = AutoConfig.from_pretrained(artifacts.model_dir)  # a local directory: the config.json of these weights
+    config = getattr(config, "text_config", None) or config
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing, unexpected = model.load_state_dict(dict(artifacts.weights), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and c.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"baseline weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.tie_weights()
+    return model.to(dtype).eval()
+
+
+def hf_decode_rate(model: Any, prompts: list[list[int]], new_tokens: int) -> float:
+    """Decode-only tokens/s of ``generate`` on one left-padded batch of ``prompts``."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), longest), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p) :] = torch.tensor(p)
+        mask[i, longest - len(p) :] = 1
+
+    def timed(n: int) -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            )
+        assert out.shape[1] == longest + n
+        return time.perf_counter() - t0
+
+    with torch.inference_mode():  # warm-up: first-call allocations and kernel selection
+        model.generate(input_ids=ids[:, -16:], attention_mask=mask[:, -16:], max_new_tokens=2, do_sample=False, pad_token_id=0)
+    first = timed(1)
+    full = timed(new_tokens)
+    rate = len(prompts) * (new_tokens - 1) / (full - first)
+    print(f"  transformers batch {len(prompts)}: t(1)={first:.1f} s t({new_tokens})={full:.1f} s -> {rate:.1f} tok/s")
+    return rate
+
+
+def hf_prefill_time(model: Any, prompt: list[int]) -> float:
+    """Seconds of ``generate(max_new_tokens=1)`` on ``prompt``."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+        elapsed = time.perf_counter() - t0
+    print(f"  transformers prefill of {len(prompt)} tokens: {elapsed:.2f} s")
+    return elapsed
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def figure(name: str, value: float, unit: str, baseline: str, baseline_value: float | None) -> dict[str, Any]:
+    return {"name": name, "value": round(value, 4), "unit": unit, "baseline": baseline,
+            "baseline_value": None if baseline_value is None else round(baseline_value, 4)}
+
+
+def print_table(figures: list[dict[str, Any]]) -> None:
+    print(f"{'figure':36} {'value':>12} {'unit':10} {'baseline':>12}  (baseline name)  ratio")
+    for f in figures:
+        base = f["baseline_value"]
+        ratio = "" if not base else f"{f['value'] / base:.2f}x"
+        base_s = "" if base is None else f"{base:12.3f}"
+        print(f"{f['name']:36} {f['value']:12.3f} {f['unit']:10} {base_s:>12}  ({f['baseline']})  {ratio}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
