@@ -1,7 +1,7 @@
 """Routing decisions per second and decision latency of the pure router.
 
 64 workers, an index of 1,000,000 resident chunks (gpu, ram and ssd replicas of
-4,000 shared documents of 250 chunks), requests that each reuse a random prefix
+5,000 shared documents of 250 chunks), requests that each reuse a random prefix
 of one document plus a fresh suffix. Each timed step is one ``RequestArrived``
 through ``router.step``: chain lookup, candidate planning over every worker and
 tier boundary, policy choice, the offer and the decision record. The request
@@ -45,7 +45,7 @@ from kvrelay.facts.store import FactStore  # noqa: E402
 from kvrelay.protocol.messages import Heartbeat, OfferResult, Residency, Result  # noqa: E402
 
 WORKERS = 64
-DOCS = 4000
+DOCS = 5000
 DOC_CHUNKS = 250
 
 

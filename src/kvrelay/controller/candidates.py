@@ -96,6 +96,14 @@ class WorkerView:
     load: WorkerLoad
     fingerprints: dict[str, bytes]
     """Model name -> fingerprint of the KV this worker produces for it."""
+    signature: tuple[float, int, float, float] = field(init=False)
+    """What the cost of a route without local chunks depends on: workers alike share it."""
+
+    def __post_init__(self) -> None:
+        hb = self.heartbeat
+        rates = hb.restore_bytes_per_s
+        object.__setattr__(self, "signature", (hb.prefill_s_per_token, hb.kv_bytes_per_token,
+                                               rates.get("peer", 0.0), rates.get("object", 0.0)))
 
 
 def reported_fingerprints(hb: Heartbeat) -> dict[str, bytes]:
@@ -199,11 +207,14 @@ def walk_route(
     A peer segment names the peer holding its last chunk (a holder of a later
     chunk of a chain almost always holds the earlier ones).
     """
-    peer_bits = index.all_peer_bits
+    peer_bits = index.all_peer_bits if allow_peer else 0
     if shift is not None:
         peer_bits &= ~(LOCAL_MASK << shift)
-    segments: list[list] = []
+    object_bit = OBJECT if allow_object else 0
+    tiers: list[str] = []
+    counts: list[int] = []
     last_tier = ""
+    n = 0
     for value in values:
         local = (value >> shift) & allowed_local if shift is not None else 0
         if local & GPU:
@@ -212,21 +223,28 @@ def walk_route(
             tier = "ram"
         elif local & SSD:
             tier = "ssd"
-        elif allow_peer and value & peer_bits:
+        elif value & peer_bits:
             tier = "peer"
-        elif allow_object and value & OBJECT:
+        elif value & object_bit:
             tier = "object"
         else:
             break
         if tier == last_tier:
-            segments[-1][1] += 1
-            segments[-1][2] = value
-        else:
-            segments.append([tier, 1, value])
-            last_tier = tier
-    return tuple(
-        RouteSegment(t, n, index.first_peer(v, peer_bits) if t == "peer" else "") for t, n, v in segments
-    )
+            n += 1
+            continue
+        if n:
+            counts.append(n)
+        tiers.append(tier)
+        last_tier, n = tier, 1
+    if n:
+        counts.append(n)
+    segments = []
+    position = -1
+    for tier, chunks in zip(tiers, counts):
+        position += chunks
+        source = index.first_peer(values[position], peer_bits) if tier == "peer" else ""
+        segments.append(RouteSegment(tier, chunks, source))
+    return tuple(segments)
 
 
 Boundary = tuple[int, int, tuple[tuple[str, int], ...], int]
@@ -369,6 +387,7 @@ def plan(
     reach = min(len(values) * chunk_tokens, max(prompt_len - 1, 0))
     shared: tuple[tuple[RouteSegment, ...], list[Boundary]] | None = None
     intrinsic: dict[tuple[float, int, float, float], float] = {}
+    slots = index.slots
     eligible: list[tuple[float, str, WorkerView]] = []
     for worker in workers:
         hb = worker.heartbeat
@@ -382,21 +401,20 @@ def plan(
         elif not prune:
             eligible.append((0.0, wid, worker))
         else:
-            shift = index.shift_of(wid)
-            if values and (shift is None or not (present >> shift) & LOCAL_MASK):
+            slot = slots.get(wid)
+            if values and (slot is None or not (present >> (4 * slot + 4)) & LOCAL_MASK):
                 # No local copy: the shared route's restore + prefill cost is a tight bound, the same for
                 # every worker with the same rates, so it is computed once per rate signature.
                 if shared is None:
                     shared_segments = walk_route(values, index, None, 0, True, True)
                     shared = (shared_segments, boundaries_of(shared_segments, chunk_tokens))
-                rates = hb.restore_bytes_per_s
-                sig = (hb.prefill_s_per_token, hb.kv_bytes_per_token, rates.get("peer", 0.0), rates.get("object", 0.0))
-                cost = intrinsic.get(sig)
+                cost = intrinsic.get(worker.signature)
                 if cost is None:
-                    cost = intrinsic[sig] = _intrinsic(hb, shared[1], prompt_len, chunk_tokens)
+                    cost = intrinsic[worker.signature] = _intrinsic(hb, shared[1], prompt_len, chunk_tokens)
             else:
                 cost = (prompt_len - reach) * hb.prefill_s_per_token
-            eligible.append((queue_of(worker, now) + cost, wid, worker))
+            queue, known = hb.queue_delay_s, worker.load.outstanding_s
+            eligible.append(((known if known > queue else queue) + cost, wid, worker))
     if prune:
         eligible.sort(key=lambda e: (e[0], e[1]))
     best_so_far = float("inf")

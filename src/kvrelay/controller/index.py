@@ -131,6 +131,11 @@ class ResidencyIndex:
         """``(worker_id, local tier bits)`` for every worker holding the key."""
         return [(wid, bits) for wid, s in self._slots.items() if (bits := (value >> (4 * (s + 1))) & LOCAL_MASK)]
 
+    @property
+    def slots(self) -> dict[str, int]:
+        """Worker id -> slot (read-only use: the nibble of slot ``s`` starts at bit ``4 * s + 4``)."""
+        return self._slots
+
     def shift_of(self, worker_id: str) -> int | None:
         """Bit offset of a worker's nibble, or None for a worker never seen."""
         s = self._slots.get(worker_id)
