@@ -22,6 +22,7 @@ from kvrelay.api.ingress import Ingress, ServedModel
 from kvrelay.api.metrics import Metrics
 from kvrelay.controller.cluster import ClusterRouter
 from kvrelay.controller.router import RouterConfig, new_router
+from kvrelay.facts.sink import record_sink, replica_lookup
 from kvrelay.facts.store import FactStore
 from kvrelay.paths import data_dir
 from kvrelay.processes.assembly import StoreSpec, WorkerSpec, build_worker
@@ -77,7 +78,7 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
                                                     worker.controller)
     context_limit = worker.context_limit
     identity = controller.me
-    facts = FactStore(options.db_url)
+    facts = FactStore(options.db_url, cache_keys=1 << 20)
     loop = asyncio.get_running_loop()
 
     def to_worker(worker_id: str, message: WireMessage) -> None:
@@ -89,7 +90,8 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
     def to_router(message: WireMessage) -> None:
         loop.call_soon(router.receive, message)
 
-    router = ClusterRouter(new_router(RouterConfig(chunk_tokens=options.chunk_tokens)), to_worker, facts.submit)
+    router = ClusterRouter(new_router(RouterConfig(chunk_tokens=options.chunk_tokens)), to_worker, record_sink(facts),
+                           replicas_for=replica_lookup(facts))
     controller.publish = to_router
     served = ServedModel(artifacts.name, artifacts.tokenizer, config.architecture, context_limit,
                          tuple(config.eos_token_ids))

@@ -160,6 +160,23 @@ def test_ssd_reads_through_mmap(tmp_path: Path) -> None:
     assert view is not None and isinstance(view.buffer, mmap.mmap)
 
 
+def test_ssd_keeps_mappings_yet_verifies_every_read(tmp_path: Path) -> None:
+    rec = Recorder()
+    tier = make_ssd(tmp_path, rec)
+    tier.put(chunk(4))
+    first = tier.get(KEYS[4], FP)
+    again = tier.get(KEYS[4], FP)
+    assert first is not None and again is not None and again.buffer is first.buffer  # one mapping, kept
+    path = tier.path_for(KEYS[4])
+    with path.open("r+b") as f:  # the file changes under the kept mapping (a shared mapping sees it)
+        f.seek(-3, 2)
+        byte = f.read(1)
+        f.seek(-3, 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    assert tier.get(KEYS[4], FP) is None
+    assert tier.counters().corrupt == 1 and not tier.contains(KEYS[4]) and len(rec.corrupt) == 1
+
+
 def test_ssd_recovers_its_directory_and_drops_temporary_files(tmp_path: Path) -> None:
     first = make_ssd(tmp_path, Recorder())
     for i in range(3):

@@ -1,4 +1,4 @@
-"""The router's ``Record`` effects into a ``FactStore``: decisions and outcomes as records, replicas as facts.
+"""The router's link to a ``FactStore``: its records in, durable replica facts of a chain out.
 
 ``record_sink(store)`` returns the callable an interpreter hands every Record
 to. Kinds ``decision``, ``offer_outcome`` and ``outcome`` go to
@@ -12,8 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvrelay.controller.events import Record
+from kvrelay.controller.events import Record, Replica
+from kvrelay.facts.queries import event_replicas
 from kvrelay.facts.store import FactStore
+
+
+def replica_lookup(store: FactStore) -> Callable[[tuple[bytes, ...]], tuple[Replica, ...]]:
+    """The durable replicas of a chain for ``RequestArrived``, read through the store's cache (or directly)."""
+    reader = store.cache if store.cache is not None else store.reader
+
+    def lookup(chain: tuple[bytes, ...]) -> tuple[Replica, ...]:
+        return event_replicas(chain, reader.replicas_for_chain(list(chain))) if chain else ()
+
+    return lookup
 
 
 def record_sink(store: FactStore) -> Callable[[Record], None]:

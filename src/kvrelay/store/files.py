@@ -11,6 +11,7 @@ Reads map the file (``mmap``, read-only) and verify it in place.
 from __future__ import annotations
 
 import mmap
+from collections import OrderedDict
 import os
 import tempfile
 from pathlib import Path
@@ -101,7 +102,9 @@ class SsdTier(ChunkTier):
     This process owns the directory: its in-memory index is authoritative. At
     start it deletes leftover temporary files and adopts the chunk files it
     finds (oldest modification first, evicting beyond capacity), reporting them
-    with reason ``recovered``.
+    with reason ``recovered``. Up to ``open_maps`` recently read files stay
+    mapped (chunk files are immutable, so a mapping stays valid until the key
+    leaves the tier); every read still verifies the mapped bytes.
     """
 
     name = "ssd"
@@ -115,12 +118,15 @@ class SsdTier(ChunkTier):
         on_corrupt: CorruptionListener | None = None,
         verify_payload: bool = True,
         fsync: bool = True,
+        open_maps: int = 256,
     ) -> None:
         super().__init__(on_residency, on_corrupt, verify_payload)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._index = LruIndex(capacity_bytes)
         self._fsync = fsync
+        self._maps: OrderedDict[bytes, Any] = OrderedDict()
+        self._open_maps = open_maps
         self._recover()
 
     def _recover(self) -> None:
@@ -168,6 +174,7 @@ class SsdTier(ChunkTier):
                 return False
             victims = self._index.admit(key, size)
             for victim in victims:
+                self._maps.pop(victim, None)
                 self.path_for(victim).unlink(missing_ok=True)
             self._counters.add(evictions=len(victims))
             self._emit((), victims, "evicted")
@@ -180,7 +187,17 @@ class SsdTier(ChunkTier):
                 self._counters.add(misses=1)
                 return None
             self._index.touch(key)
-        buffer = map_chunk_file(self.path_for(key))
+            buffer = self._maps.get(key)
+            if buffer is not None:
+                self._maps.move_to_end(key)
+        if buffer is None:
+            buffer = map_chunk_file(self.path_for(key))
+            if buffer is not None and self._open_maps > 0:
+                with self._lock:
+                    if key in self._index:
+                        self._maps[key] = buffer
+                        while len(self._maps) > self._open_maps:
+                            self._maps.popitem(last=False)
         if buffer is None:
             with self._lock:
                 self._counters.add(misses=1)
@@ -201,6 +218,7 @@ class SsdTier(ChunkTier):
             return self._index.keys()
 
     def _delete(self, key: bytes) -> bool:
+        self._maps.pop(key, None)
         if self._index.pop(key) is None:
             return False
         self.path_for(key).unlink(missing_ok=True)

@@ -94,13 +94,14 @@ class PeerServer:
                     server._counters.add(misses=1)
                     self._plain(404, f"chunk {parsed[0].hex()} is not held here")
                     return
+                if with_body:  # counted before the answer, so a client that has its answer sees the count
+                    server._counters.add(hits=1, bytes_read=view.nbytes)
                 self.send_response(200)
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(view.nbytes))
                 self.end_headers()
                 if with_body:
                     self.wfile.write(memoryview(view.buffer))
-                    server._counters.add(hits=1, bytes_read=view.nbytes)
 
             def _plain(self, status: int, text: str) -> None:
                 body = text.encode()
