@@ -91,6 +91,7 @@ def test_restore_from_ssd_peer_and_object_equals_the_cold_computation(model_dir:
         evict_everything(a)
         result, kv = await restored(a, RouteSegment("ssd", 2), "from-ssd")
         assert list(result.tokens) == cold_tokens and result.usage.cached_tokens == {"ssd": 128}
+        assert a.controller.heartbeat().restore_bytes_per_s["ssd"] > 0, "heartbeats carry the measured rate"
         assert all(torch.equal(kv[k], cold_kv[k]) for k in cold_kv)
 
         peer = PeerServer(stack_a.local_tiers)

@@ -226,3 +226,14 @@ def test_durable_residency_becomes_replica_records() -> None:
     d.message(Residency(worker_id="w0", epoch=1, seq=2, tier="ssd", stored=CHAIN[:3]))
     (rec,) = [e for e in d.effects if isinstance(e, Record) and e.kind == "replica"]
     assert rec.data == {"worker_id": "w0", "tier": "ssd", "stored": CHAIN[:3], "removed": ()}
+
+
+def test_a_peer_segment_names_the_peer_by_the_url_it_serves_chunks_on() -> None:
+    d = Driver()
+    rates = {"ram": 1e9, "ssd": 2.5e8, "peer": 1e9, "object": 1e7}
+    d.message(heartbeat("w0", restore_bytes_per_s=rates))
+    d.message(heartbeat("w1", queue_delay_s=9.0, restore_bytes_per_s=rates, peer_url="http://127.0.0.1:7001"))
+    d.residency("w1", "ram", CHAIN)
+    (offer,) = offers(d.request("r", PROMPT))
+    assert offer.worker_id == "w0"
+    assert [(s.tier, s.chunks, s.source) for s in offer.offer.route] == [("peer", 8, "http://127.0.0.1:7001")]
