@@ -20,6 +20,7 @@ import uvicorn
 from kvrelay.api.app import create_app
 from kvrelay.api.ingress import Ingress, ServedModel
 from kvrelay.api.metrics import Metrics
+from kvrelay.api.router_metrics import add_router_metrics
 from kvrelay.controller.cluster import ClusterRouter
 from kvrelay.controller.router import RouterConfig, new_router
 from kvrelay.facts.sink import record_sink, replica_lookup
@@ -107,8 +108,9 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
                   "unreferenced pages holding cached chunks")
     metrics.gauge("kvrelay_pages_in_use", lambda: {(("worker", identity.worker_id),): pool.num_referenced},
                   "pages referenced by running sequences")
+    add_router_metrics(metrics, router, worker_pages=False)
     metrics.gauge("kvrelay_router_events", lambda: {(("counter", k),): v for k, v in router.state.counters.items()},
-                  "router counters (stale messages dropped, retries, declines by reason, ...)")
+                  "every router counter")
     ingress = Ingress(router, {served.name: served}, metrics, serving)
     router.start()
     router.receive(controller.heartbeat())

@@ -70,6 +70,10 @@ class Ingress:
         self.metrics = metrics
         self.serving = serving
         """Whether at least one live worker serves a model now."""
+        for tier in ("gpu", "ram", "ssd", "peer", "object"):  # counters exist from the start, at zero
+            metrics.inc("kvrelay_cached_tokens_total", 0, "prompt tokens served from cache", tier=tier)
+        metrics.inc("kvrelay_recomputed_tokens_total", 0, "prompt tokens computed")
+        metrics.inc("kvrelay_client_disconnects_total", 0, "requests cancelled by their client")
 
     def model(self, name: str) -> ServedModel:
         served = self.models.get(name)

@@ -35,6 +35,7 @@ class Metrics:
         self.counters: dict[str, dict[Labels, float]] = {}
         self.histograms: dict[str, dict[Labels, Histogram]] = {}
         self.gauges: dict[str, Callable[[], dict[Labels, float]]] = {}
+        self.kinds: dict[str, str] = {}
         self.help: dict[str, str] = {}
 
     def inc(self, name: str, value: float = 1.0, help_: str = "", **labels: str) -> None:
@@ -48,9 +49,11 @@ class Metrics:
         self.histograms.setdefault(name, {}).setdefault(key, Histogram(LATENCY_BUCKETS)).observe(value)
         self.help.setdefault(name, help_)
 
-    def gauge(self, name: str, read: Callable[[], dict[Labels, float]], help_: str = "") -> None:
+    def gauge(self, name: str, read: Callable[[], dict[Labels, float]], help_: str = "", kind: str = "gauge") -> None:
+        """A series read at render time; ``kind="counter"`` for a monotonic count kept elsewhere."""
         self.gauges[name] = read
         self.help[name] = help_
+        self.kinds[name] = kind
 
     def render(self) -> str:
         lines: list[str] = []
@@ -58,7 +61,7 @@ class Metrics:
             lines += [f"# HELP {name} {self.help.get(name, '')}", f"# TYPE {name} counter"]
             lines += [f"{name}{_fmt(labels)} {value:g}" for labels, value in sorted(series.items())]
         for name, read in sorted(self.gauges.items()):
-            lines += [f"# HELP {name} {self.help.get(name, '')}", f"# TYPE {name} gauge"]
+            lines += [f"# HELP {name} {self.help.get(name, '')}", f"# TYPE {name} {self.kinds.get(name, 'gauge')}"]
             lines += [f"{name}{_fmt(labels)} {value:g}" for labels, value in sorted(read().items())]
         for name, hists in sorted(self.histograms.items()):
             lines += [f"# HELP {name} {self.help.get(name, '')}", f"# TYPE {name} histogram"]

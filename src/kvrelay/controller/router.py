@@ -245,6 +245,7 @@ def _on_offer_result(state: RouterState, rs: RequestState, msg: OfferResult, now
             view.load.accepted_pages += rs.demand_pages
     rs.holds_inflight = False
     if msg.accepted:
+        state.count("accepted")
         rs.phase = "running"
         fx.append(CancelTimer(("offer", rs.request.request_id, rs.attempt)))
         fx.append(StartTimer(("offer", rs.request.request_id, rs.attempt), now + state.config.progress_timeout_s))

@@ -96,6 +96,7 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         "candidates": (*plan.routes, *alternatives[1:]),
         "excluded": plan.excluded, "pruned": plan.pruned,
     }))
+    state.count("offers")
     if rs.attempt > 1:
         state.count("retries")
 

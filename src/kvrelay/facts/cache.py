@@ -26,7 +26,13 @@ from dataclasses import dataclass, replace
 
 import sqlalchemy as sa
 
-from kvrelay.facts.queries import ChainFacts, FactReader, LineageEntry, Replica, replica_order
+from kvrelay.facts.queries import (
+    ChainFacts,
+    FactReader,
+    LineageEntry,
+    Replica,
+    replica_order,
+)
 from kvrelay.facts.records import Write
 
 log = logging.getLogger(__name__)

@@ -42,7 +42,14 @@ from kvrelay.controller.events import Record
 from kvrelay.facts.cache import ChainFactsCache
 from kvrelay.facts.engine import create_schema, default_url, make_engine
 from kvrelay.facts.queries import FactReader
-from kvrelay.facts.records import OPS, Fact, MalformedRecord, UnknownKind, Write, to_writes
+from kvrelay.facts.records import (
+    OPS,
+    Fact,
+    MalformedRecord,
+    UnknownKind,
+    Write,
+    to_writes,
+)
 from kvrelay.facts.statements import CONFLICT_KEYS, build_statements
 
 log = logging.getLogger(__name__)

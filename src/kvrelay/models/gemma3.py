@@ -13,7 +13,15 @@ from __future__ import annotations
 import torch
 
 from kvrelay.models.config import ModelConfig
-from kvrelay.models.layers import GatedMLP, PagedModel, PagedSelfAttention, RMSNorm, Rotary, StepContext, Weights
+from kvrelay.models.layers import (
+    GatedMLP,
+    PagedModel,
+    PagedSelfAttention,
+    RMSNorm,
+    Rotary,
+    StepContext,
+    Weights,
+)
 
 
 class Gemma3Layer:

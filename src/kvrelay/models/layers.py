@@ -14,7 +14,13 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from kvrelay.models.attention import AttentionPlan, GatherBuffers, paged_attention, plan_attention, write_kv
+from kvrelay.models.attention import (
+    AttentionPlan,
+    GatherBuffers,
+    paged_attention,
+    plan_attention,
+    write_kv,
+)
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.kv_pages import KVPages

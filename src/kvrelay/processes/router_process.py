@@ -29,6 +29,7 @@ import uvicorn
 from kvrelay.api.app import create_app
 from kvrelay.api.ingress import Ingress
 from kvrelay.api.metrics import Metrics
+from kvrelay.api.router_metrics import add_router_metrics
 from kvrelay.controller.cluster import ClusterRouter
 from kvrelay.controller.router import RouterConfig, new_router
 from kvrelay.facts.sink import record_sink, replica_lookup
@@ -147,12 +148,9 @@ async def run_router(options: RouterOptions, on_ready: Callable[[str, str], None
 
 def _metrics(router: ClusterRouter, endpoint: RouterEndpoint) -> Metrics:
     metrics = Metrics()
+    add_router_metrics(metrics, router)
     metrics.gauge("kvrelay_router_events", lambda: {(("counter", k),): v for k, v in router.state.counters.items()},
-                  "router counters (stale messages dropped, retries, declines by reason, ...)")
+                  "every router counter")
     metrics.gauge("kvrelay_endpoint_events", lambda: {(("counter", k),): v for k, v in endpoint.counters.items()},
                   "worker endpoint counters (connections, refused handshakes, dropped frames by reason, ...)")
-    metrics.gauge("kvrelay_worker_pages_free",
-                  lambda: {(("worker", w),): v.heartbeat.pages_free for w, v in router.state.views.items()},
-                  "free pages per live worker, from its last heartbeat")
-    metrics.gauge("kvrelay_workers_live", lambda: {(): len(router.state.views)}, "live workers")
     return metrics

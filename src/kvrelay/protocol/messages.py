@@ -178,6 +178,7 @@ class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
     pages_total: NonNegInt
     pages_free: NonNegInt
     pages_evictable: NonNegInt = 0
+    pages_reserved: NonNegInt = 0
     page_tokens: PositiveInt = 16
     chunk_tokens: PositiveInt = 64
     queue_delay_s: NonNegFloat = 0.0
@@ -187,6 +188,7 @@ class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
     prefill_s_per_token: NonNegFloat = 0.0
     decode_s_per_token: NonNegFloat = 0.0
     restore_bytes_per_s: dict[Tier, NonNegFloat] = {}
+    chunk_bytes_by_tier: dict[Tier, NonNegInt] = {}
     kv_bytes_per_token: NonNegInt = 0
     context_limit: PositiveInt = 8192
     peer_url: ShortStr = ""

@@ -11,15 +11,20 @@ Reads map the file (``mmap``, read-only) and verify it in place.
 from __future__ import annotations
 
 import mmap
-from collections import OrderedDict
 import os
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from kvrelay.store.chunk_format import ChunkView, decode_whole_header
 from kvrelay.store.keys import DIGEST_BYTES
-from kvrelay.store.tier import ChunkTier, CorruptionListener, LruIndex, ResidencyListener
+from kvrelay.store.tier import (
+    ChunkTier,
+    CorruptionListener,
+    LruIndex,
+    ResidencyListener,
+)
 
 CHUNK_SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"

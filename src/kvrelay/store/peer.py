@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from kvrelay.store.chunk_format import ChunkView
 from kvrelay.store.keys import DIGEST_BYTES
-from kvrelay.store.tier import ChunkSource, Counters, CorruptionListener, TierCounters
+from kvrelay.store.tier import ChunkSource, CorruptionListener, Counters, TierCounters
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from kvrelay.store.chunk_format import ChunkView, decode_whole_header
-from kvrelay.store.tier import ChunkTier, CorruptionListener, LruIndex, ResidencyListener
+from kvrelay.store.tier import (
+    ChunkTier,
+    CorruptionListener,
+    LruIndex,
+    ResidencyListener,
+)
 
 
 class RamTier(ChunkTier):

@@ -102,6 +102,7 @@ class WorkerController:
             worker_id=self.worker_id, epoch=self.epoch, seq=self._seq, models=(self.me.model,),
             model_fingerprints=(self.me.fingerprint.hex(),), pages_total=self.pool.num_pages,
             pages_free=self.pool.num_free, pages_evictable=self.pool.num_evictable,
+            pages_reserved=self.pool.num_reserved, chunk_bytes_by_tier=self._chunk_bytes(),
             page_tokens=self.pool.page_tokens, chunk_tokens=self.me.chunk_tokens,
             queue_delay_s=self._pending_prefill_tokens * self.prefill_s_per_token,
             active_lanes=self.runtime.num_active, max_lanes=self.runtime.policy.num_lanes,
@@ -109,6 +110,13 @@ class WorkerController:
             restore_bytes_per_s=self.restore_bytes_per_s, kv_bytes_per_token=self.kv_bytes_per_token,
             context_limit=self.me.context_limit, peer_url=self.peer_url,
         )
+
+    def _chunk_bytes(self) -> dict[Tier, int]:
+        """Bytes each local chunk tier holds (ram, ssd), when the worker has a chunk store."""
+        stack = getattr(self.restorer, "stack", None)
+        if stack is None:
+            return {}
+        return {tier.name: tier.used_bytes for tier in stack.local_tiers}
 
     def on_offer(self, offer: Offer, reply: Reply) -> None:
         self._loop = self._loop or asyncio.get_running_loop()
