@@ -15,7 +15,7 @@ import pytest
 from kvrelay.models.loader import load_artifacts
 from tests.support.processes import child_env, kvrelay, wait_until
 from tests.support.tiny_models import make_tiny_model
-from tests.support.worker_harness import WorkerHarness
+from tests.support.worker_harness import greedy_reference
 
 
 @pytest.fixture(scope="module")
@@ -35,24 +35,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
         process.stop()
 
 
-def runtime_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
-    async def main() -> list[int]:
-        h = WorkerHarness(model_dir)
-        try:
-            return h.reference(tuple(prompt), n)
-        finally:
-            h.close()
-
-    return asyncio.run(main())
-
-
 def test_sync_and_async_completions_and_chat_equal_the_runtime(cluster: tuple[str, Path]) -> None:
     http_url, model = cluster
     tokenizer = load_artifacts(model).tokenizer
     client = openai.OpenAI(base_url=http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == [model.name]
     prompt = "a quick brown fox jumps over the lazy dog and runs far away " * 2
-    expected = tokenizer.decode(runtime_greedy(model, tokenizer.encode(prompt), 12), skip_special_tokens=True)
+    expected = tokenizer.decode(greedy_reference(model, tokenizer.encode(prompt), 12), skip_special_tokens=True)
     whole = client.completions.create(model=model.name, prompt=prompt, max_tokens=12, temperature=0)
     assert whole.choices[0].text == expected and whole.usage.completion_tokens == 12
     streamed = "".join(c.choices[0].text for c in client.completions.create(

@@ -13,7 +13,7 @@ import pytest
 from kvrelay.models.loader import load_artifacts
 from tests.support.server_thread import ServerThread
 from tests.support.tiny_models import make_tiny_model
-from tests.support.worker_harness import WorkerHarness
+from tests.support.worker_harness import greedy_reference
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +32,6 @@ def client(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def runtime_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
-    async def main() -> list[int]:
-        h = WorkerHarness(model_dir)
-        try:
-            return h.reference(tuple(prompt), n)
-        finally:
-            h.close()
-
-    return asyncio.run(main())
-
-
 def test_models_and_health(server: ServerThread, model_dir: Path) -> None:
     models = client(server).models.list()
     assert [m.id for m in models.data] == [model_dir.name]
@@ -53,7 +42,7 @@ def test_greedy_completion_equals_the_runtime_and_reports_usage(server: ServerTh
     tokenizer = load_artifacts(model_dir).tokenizer
     prompt = "the quick brown fox jumps over the lazy dog " * 3
     ids = tokenizer.encode(prompt)
-    expected = runtime_greedy(model_dir, ids, 10)
+    expected = greedy_reference(model_dir, ids, 10)
     out = client(server).completions.create(model=model_dir.name, prompt=prompt, max_tokens=10, temperature=0)
     assert out.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 10

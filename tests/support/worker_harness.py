@@ -118,4 +118,17 @@ class WorkerHarness:
         self.runtime.close()
 
 
-__all__ = ["OfferResult", "Replies", "Result", "WorkerHarness", "model_fingerprint"]
+def greedy_reference(model_dir: Path, prompt: list[int] | tuple[int, ...], n: int) -> list[int]:
+    """The runtime's own greedy continuation of ``prompt`` on a fresh worker (outside any event loop)."""
+
+    async def main() -> list[int]:
+        h = WorkerHarness(model_dir)
+        try:
+            return h.reference(tuple(prompt), n)
+        finally:
+            h.close()
+
+    return asyncio.run(main())
+
+
+__all__ = ["OfferResult", "Replies", "Result", "WorkerHarness", "greedy_reference", "model_fingerprint"]
