@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvrelay.controller.index import GPU, LOCAL_MASK, OBJECT, RAM, SSD, ResidencyIndex
+from kvrelay.controller.index import GPU, LOCAL_MASK, RAM, SSD, ResidencyIndex
+from kvrelay.controller.routes import Boundary, boundaries_of, walk_route
 from kvrelay.protocol.messages import Heartbeat, RouteSegment
 
 TIER_OF_BIT = {GPU: "gpu", RAM: "ram", SSD: "ssd"}
@@ -192,79 +193,6 @@ def page_demand(prompt_len: int, max_new: int, gpu_cached_tokens: int, page_toke
     shared = gpu_cached_tokens // page_tokens
     cow = 1 if gpu_cached_tokens % page_tokens else 0
     return pages_needed(prompt_len + max_new, page_tokens) - shared + cow
-
-
-def walk_route(
-    values: Sequence[int],
-    index: ResidencyIndex,
-    shift: int | None,
-    allowed_local: int,
-    allow_peer: bool,
-    allow_object: bool,
-) -> tuple[RouteSegment, ...]:
-    """Per chunk, the fastest tier a worker reaches, run-length encoded; stops at the first unreachable chunk.
-
-    A peer segment names the peer holding its last chunk (a holder of a later
-    chunk of a chain almost always holds the earlier ones).
-    """
-    peer_bits = index.all_peer_bits if allow_peer else 0
-    if shift is not None:
-        peer_bits &= ~(LOCAL_MASK << shift)
-    object_bit = OBJECT if allow_object else 0
-    tiers: list[str] = []
-    counts: list[int] = []
-    last_tier = ""
-    n = 0
-    for value in values:
-        local = (value >> shift) & allowed_local if shift is not None else 0
-        if local & GPU:
-            tier = "gpu"
-        elif local & RAM:
-            tier = "ram"
-        elif local & SSD:
-            tier = "ssd"
-        elif value & peer_bits:
-            tier = "peer"
-        elif value & object_bit:
-            tier = "object"
-        else:
-            break
-        if tier == last_tier:
-            n += 1
-            continue
-        if n:
-            counts.append(n)
-        tiers.append(tier)
-        last_tier, n = tier, 1
-    if n:
-        counts.append(n)
-    segments = []
-    position = -1
-    for tier, chunks in zip(tiers, counts):
-        position += chunks
-        source = index.first_peer(values[position], peer_bits) if tier == "peer" else ""
-        segments.append(RouteSegment(tier, chunks, source))
-    return tuple(segments)
-
-
-Boundary = tuple[int, int, tuple[tuple[str, int], ...], int]
-"""``(cached tokens, gpu prefix tokens, chunks restored per lower tier, segments used)``."""
-
-
-def boundaries_of(segments: tuple[RouteSegment, ...], chunk_tokens: int) -> list[Boundary]:
-    """Recompute-everything, then the end of every segment of a route."""
-    out: list[Boundary] = [(0, 0, (), 0)]
-    cached = gpu = 0
-    restored: dict[str, int] = {}
-    for i, seg in enumerate(segments, 1):
-        if seg.tier == "gpu":
-            if cached == gpu:
-                gpu += seg.chunks * chunk_tokens
-        else:
-            restored[seg.tier] = restored.get(seg.tier, 0) + seg.chunks
-        cached += seg.chunks * chunk_tokens
-        out.append((cached, gpu, tuple(restored.items()), i))
-    return out
 
 
 def _evaluate(
