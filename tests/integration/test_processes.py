@@ -19,7 +19,13 @@ from kvrelay.processes import catalog, cluster_cli, router_cli, worker_cli
 from kvrelay.processes.catalog import ModelCatalog, load_served_model
 from kvrelay.processes.config import ConfigError, add_options, resolve
 from kvrelay.protocol.messages import Heartbeat
-from tests.support.processes import StreamingRequest, child_env, complete, kvrelay, wait_until
+from tests.support.processes import (
+    StreamingRequest,
+    child_env,
+    complete,
+    kvrelay,
+    wait_until,
+)
 from tests.support.tiny_gguf import write_tiny_gguf
 from tests.support.tiny_models import make_tiny_model
 

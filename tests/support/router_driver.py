@@ -16,7 +16,14 @@ from kvrelay.controller.events import (
     SendOffer,
 )
 from kvrelay.controller.router import RouterConfig, new_router, step
-from kvrelay.protocol.messages import Assignment, Delta, Heartbeat, OfferResult, Residency, Result
+from kvrelay.protocol.messages import (
+    Assignment,
+    Delta,
+    Heartbeat,
+    OfferResult,
+    Residency,
+    Result,
+)
 
 
 def heartbeat(worker_id: str, epoch: int = 1, seq: int = 1, **overrides: Any) -> Heartbeat:

@@ -22,7 +22,13 @@ from kvrelay.controller.events import Record
 from kvrelay.facts import schema
 from kvrelay.facts.cache import ChainFactsCache
 from kvrelay.facts.engine import make_engine
-from kvrelay.facts.queries import IN_LIST_KEYS, FactReader, LineageEntry, Replica, event_replicas
+from kvrelay.facts.queries import (
+    IN_LIST_KEYS,
+    FactReader,
+    LineageEntry,
+    Replica,
+    event_replicas,
+)
 from kvrelay.facts.store import FactStore, WriterSettings
 from tests.support.databases import (  # noqa: F401 (fact_db_url is a fixture)
     ENABLE_PG,

@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrelay.worker.iteration import IterationPlan, LaneState, PolicyConfig, PrefillChunk, plan_iteration
+from kvrelay.worker.iteration import (
+    IterationPlan,
+    LaneState,
+    PolicyConfig,
+    PrefillChunk,
+    plan_iteration,
+)
 
 
 def decoding(admitted: int, last_step: int = -1) -> LaneState:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvrelay.worker.page_pool import PagePool, PagePoolError
+from kvrelay.worker.page_pool import PagePool, PagePoolError, PoolExhaustedError
 
 
 def key(i: int) -> bytes:
@@ -135,3 +135,15 @@ def test_random_operations_keep_the_invariant() -> None:
         pool.unref(pages)
     pool.check()
     assert pool.num_referenced == 0 and pool.num_reserved == 0
+
+
+def test_allocate_and_free_without_admission() -> None:
+    pool = PagePool(8)
+    pages = pool.allocate(6)
+    assert len(set(pages)) == 6 and pool.num_referenced == 6 and pool.num_reserved == 0
+    pool.check()
+    with pytest.raises(PoolExhaustedError, match="only 2 of 8 are free"):
+        pool.allocate(3)
+    pool.free(pages)
+    pool.check()
+    assert pool.num_free == 8

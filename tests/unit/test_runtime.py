@@ -21,7 +21,7 @@ from kvrelay.models.registry import build_model
 from kvrelay.protocol.messages import Sampling
 from kvrelay.worker.iteration import PolicyConfig
 from kvrelay.worker.jobs import Job, JobResult, QueueFullError, RuntimeEvent, TokenEvent
-from kvrelay.worker.pages import PagePool, pages_for
+from kvrelay.worker.page_pool import PagePool, pages_for
 from kvrelay.worker.runtime import PagedRuntime
 from tests.support.tiny_models import make_tiny_model
 

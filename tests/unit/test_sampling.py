@@ -6,10 +6,20 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from kvrelay.models import sampling
-from kvrelay.models.sampling import finish_reason, greedy_tokens, sample_next, sample_row, uniform_draw
+from kvrelay.models.sampling import (
+    finish_reason,
+    greedy_tokens,
+    sample_next,
+    sample_row,
+    uniform_draw,
+)
 from kvrelay.protocol.messages import Sampling
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,8 @@ from kvrelay.models.registry import build_model
 from kvrelay.store.files import SharedDirTier, SsdTier
 from kvrelay.store.peer import PeerServer
 from kvrelay.store.ram import RamTier
-from kvrelay.store.tier import ResidencyEvent
+from kvrelay.store.s3 import S3Tier
+from kvrelay.store.tier import ChunkTier, ResidencyEvent
 from kvrelay.store.tiers import TierStack
 from kvrelay.worker.admission import WorkerIdentity
 from kvrelay.worker.checkpoint import Checkpointer
@@ -64,6 +66,18 @@ class StoreSpec:
     ssd_bytes: int = 16 << 30
     object_dir: str | None = None
     staging_bytes: int = 64 << 20
+    s3_endpoint: str | None = None
+    s3_bucket: str | None = None
+    s3_prefix: str = "kvrelay/"
+
+    def object_tier(self, on_residency: Callable[[ResidencyEvent], None]) -> ChunkTier | None:
+        """The object tier: S3 when an endpoint and bucket are given, else a shared directory, else none."""
+        if self.s3_endpoint and self.s3_bucket:
+            return S3Tier(S3Tier.make_client(self.s3_endpoint), self.s3_bucket, self.s3_prefix,
+                          on_residency=on_residency)
+        if self.object_dir:
+            return SharedDirTier(self.object_dir, on_residency=on_residency)
+        return None
 
 
 INITIAL_RESTORE_RATES = {"ram": 2e9, "ssd": 1e9, "peer": 2e8, "object": 1e8}
@@ -127,12 +141,12 @@ def attach_store(store: StoreSpec, controller: WorkerController, kv: KVPages, fi
     stack = TierStack(
         ram=RamTier(store.ram_bytes, on_residency=residency, verify_payload=False),
         ssd=SsdTier(ssd_dir, store.ssd_bytes, on_residency=residency),
-        object_tier=SharedDirTier(store.object_dir, on_residency=residency) if store.object_dir else None,
+        object_tier=store.object_tier(residency),
     )
     controller.restorer = StoreRestore(kv, stack, fingerprint)
     controller.checkpointer = Checkpointer(kv, controller.pool, stack, fingerprint, store.staging_bytes)
     controller.restore_bytes_per_s = {t: r for t, r in INITIAL_RESTORE_RATES.items()
-                                      if t != "object" or store.object_dir}
+                                      if t != "object" or stack.object_tier is not None}
     peer = PeerServer(stack.local_tiers)
     controller.peer_url = peer.url
     return peer

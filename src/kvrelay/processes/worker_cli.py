@@ -21,6 +21,14 @@ OPTIONS = (
     Option("chunk_tokens", int, 64, "tokens per routed KV chunk"),
     Option("lanes", int, 16, "concurrent sequences on the device"),
     Option("token_budget", int, 512, "tokens per device iteration (chunked prefill budget)"),
+    Option("chunk_dir", str, None, "local chunk directory, the ssd tier (default: chunks/<worker id> under the "
+           "data directory)"),
+    Option("ram_bytes", int, 1 << 30, "bytes of host RAM for the ram chunk tier"),
+    Option("ssd_bytes", int, 16 << 30, "bytes of the local chunk directory"),
+    Option("object_dir", str, None, "a directory shared by all workers, used as the object tier"),
+    Option("s3_endpoint", str, None, "S3 endpoint URL of the object tier (instead of --object-dir)"),
+    Option("s3_bucket", str, None, "S3 bucket of the object tier"),
+    Option("s3_prefix", str, "kvrelay/", "key prefix of chunks in the S3 bucket"),
     Option("heartbeat_s", float, 0.5, "seconds between heartbeats"),
     Option("grace_s", float, 10.0, "on SIGTERM, seconds running requests may take to finish before they are "
                                    "handed over to other workers"),
@@ -52,7 +60,10 @@ def run(args: argparse.Namespace) -> int:
 
     spec = WorkerSpec(values["worker_id"], values["model"], values["dtype"], values["kv_tokens"],
                       values["page_tokens"], values["chunk_tokens"], values["lanes"], values["token_budget"],
-                      StoreSpec(str(data_dir() / "chunks" / values["worker_id"])))
+                      StoreSpec(values["chunk_dir"] or str(data_dir() / "chunks" / values["worker_id"]),
+                                values["ram_bytes"], values["ssd_bytes"], values["object_dir"],
+                                s3_endpoint=values["s3_endpoint"], s3_bucket=values["s3_bucket"],
+                                s3_prefix=values["s3_prefix"]))
     options = WorkerOptions(spec, tuple(values["router"]), secret, values["heartbeat_s"], values["grace_s"])
 
     def ready(worker_id: str, epoch: int, model: str) -> None:

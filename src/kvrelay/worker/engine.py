@@ -21,7 +21,7 @@ import torch
 from kvrelay.protocol.messages import Sampling
 from kvrelay.worker.iteration import PolicyConfig
 from kvrelay.worker.jobs import EventCallback, Job, JobResult
-from kvrelay.worker.pages import PagePool, pages_for
+from kvrelay.worker.page_pool import PagePool, pages_for
 from kvrelay.worker.runtime import PagedRuntime, StepModel
 
 if TYPE_CHECKING:
@@ -79,7 +79,8 @@ class Engine:
         kv = KVPages.allocate(artifacts.config, num_pages, options.page_tokens, dtype, options.device)
         policy = PolicyConfig(num_lanes=options.num_lanes, token_budget=options.token_budget)
         runtime = PagedRuntime(model, kv, policy, options.queue_capacity)
-        return cls(artifacts, model, runtime, PagePool(num_pages))
+        return cls(artifacts, model, runtime, PagePool(num_pages, options.page_tokens,
+                                                       options.page_tokens * max(1, 64 // options.page_tokens)))
 
     @property
     def page_tokens(self) -> int:

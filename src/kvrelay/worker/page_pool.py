@@ -31,6 +31,15 @@ class PagePoolError(RuntimeError):
     """A misuse of the pool (a double release, taking more than was reserved): a bug in the caller."""
 
 
+class PoolExhaustedError(RuntimeError):
+    """More pages were asked for than are free or evictable."""
+
+
+def pages_for(num_tokens: int, page_tokens: int) -> int:
+    """Pages needed to hold ``num_tokens`` tokens at ``page_tokens`` per page."""
+    return -(-num_tokens // page_tokens)
+
+
 @dataclass(slots=True)
 class Reservation:
     """Pages held for one sequence; ``take`` moves them to the sequence, ``PagePool.release`` returns the rest."""
@@ -180,6 +189,21 @@ class PagePool:
             self._free.append(p)
         reservation.pages = []
         return n
+
+    def allocate(self, n: int, owner: str = "") -> list[int]:
+        """Reserve and take ``n`` pages at once (for a caller without admission); ``PoolExhaustedError`` if short."""
+        reservation = self.reserve(owner, n)
+        if reservation is None:
+            raise PoolExhaustedError(
+                f"asked for {n} pages but only {self.num_free} of {self.num_pages} are free and "
+                f"{self.num_evictable} evictable; free finished sequences' pages or start with more pages")
+        pages = self.take(reservation, n)
+        self.release(reservation)
+        return pages
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Drop the reference ``allocate`` gave (pages holding no indexed chunk become free)."""
+        self.unref(pages)
 
     # --- sharing and caching ------------------------------------------------------
 
