@@ -26,7 +26,7 @@ from kvrelay.controller.router import RouterConfig, new_router
 from kvrelay.facts.sink import record_sink, replica_lookup
 from kvrelay.facts.store import FactStore
 from kvrelay.paths import data_dir
-from kvrelay.processes.assembly import StoreSpec, WorkerSpec, build_worker
+from kvrelay.processes.assembly import StoreSpec, WorkerParts, WorkerSpec, build_worker
 from kvrelay.protocol.messages import Cancel, Offer, WireMessage
 from kvrelay.worker.controller import WorkerController
 from kvrelay.worker.runtime import PagedRuntime
@@ -61,10 +61,11 @@ class Embedded:
     ingress: Ingress
     facts: FactStore
     served: ServedModel
+    worker: WorkerParts
 
     async def close(self) -> None:
         await self.router.close()
-        self.runtime.close()
+        self.worker.close()
         self.facts.close()
 
 
@@ -115,7 +116,7 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
     router.start()
     router.receive(controller.heartbeat())
     beat = loop.create_task(_heartbeats(router, controller, options.heartbeat_s))
-    parts = Embedded(router, controller, runtime, ingress, facts, served)
+    parts = Embedded(router, controller, runtime, ingress, facts, served, worker)
     try:
         yield parts
     finally:
