@@ -6,9 +6,9 @@ of one document plus a fresh suffix. Each timed step is one ``RequestArrived``
 through ``router.step``: chain lookup, candidate planning over every worker and
 tier boundary, policy choice, the offer and the decision record. The request
 is then completed (untimed) so load stays steady. A third run attaches the
-fact store (SQLite, with its read-through chain cache): each timed decision
-also fetches the chain's replica facts and hands the records to the store's
-non-blocking writer.
+fact store (SQLite) and the router's replica map loaded from it: each timed
+decision also looks up the chain's durable replicas and hands the records to
+the store's non-blocking writer.
 
     .venv/bin/python bench/router_decisions.py [--requests N] [--json PATH]
 """
@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
@@ -39,7 +40,7 @@ from kvrelay.controller.events import (  # noqa: E402
 )
 from kvrelay.controller.index import ResidencyIndex  # noqa: E402
 from kvrelay.controller.router import RouterConfig, new_router, step  # noqa: E402
-from kvrelay.facts.queries import event_replicas  # noqa: E402
+from kvrelay.facts.replica_map import ReplicaMap  # noqa: E402
 from kvrelay.facts.sink import record_sink  # noqa: E402
 from kvrelay.facts.store import FactStore  # noqa: E402
 from kvrelay.protocol.messages import Heartbeat, OfferResult, Residency, Result  # noqa: E402
@@ -62,7 +63,7 @@ def doc_keys(d: int) -> list[bytes]:
     return [d.to_bytes(8, "little") + c.to_bytes(8, "little") for c in range(DOC_CHUNKS)]
 
 
-def build(seed: int, policy: str) -> tuple[object, random.Random]:
+def build(seed: int, policy: str, sink: Callable[[Record], None] | None = None) -> tuple[object, random.Random]:
     rng = random.Random(seed)
     state = new_router(RouterConfig(max_index_keys=1_100_000, offer_timeout_s=1e9), policy, seed)
     for i in range(WORKERS):
@@ -75,7 +76,11 @@ def build(seed: int, policy: str) -> tuple[object, random.Random]:
             seqs[w] += 1
             msg = Residency(worker_id=f"w{w:02d}", epoch=1, seq=seqs[w], tier=tier, model="m",
                             stored=keys[: rng.randrange(DOC_CHUNKS // 4, DOC_CHUNKS + 1)])
-            state, _ = step(state, MessageReceived(0.0, msg))
+            state, fx = step(state, MessageReceived(0.0, msg))
+            if sink is not None:  # ssd residency becomes replica facts, as in a running router
+                for effect in fx:
+                    if isinstance(effect, Record):
+                        sink(effect)
     return state, rng
 
 
@@ -92,8 +97,11 @@ def bytes_per_entry(n: int = 200_000) -> float:
 
 def run(requests: int, seed: int, policy: str, facts: FactStore | None = None) -> tuple[list[float], int]:
     """Time ``step(RequestArrived)`` per request; with ``facts``, also the replica lookup and the record sink."""
-    state, rng = build(seed, policy)
-    sink = record_sink(facts) if facts is not None else None
+    replica_map = ReplicaMap.load(facts.engine) if facts is not None else None
+    sink = record_sink(facts, replica_map) if facts is not None else None
+    state, rng = build(seed, policy, sink)
+    if facts is not None:
+        facts.flush(600)  # the start-up burst of replica facts is written before the timed decisions
     lat: list[float] = []
     prompts = []
     for r in range(requests):
@@ -108,9 +116,8 @@ def run(requests: int, seed: int, policy: str, facts: FactStore | None = None) -
     perf = time.perf_counter
     for r, req in enumerate(prompts):
         t0 = perf()
-        if facts is not None and facts.cache is not None:
-            replicas = event_replicas(req.chain, facts.cache.replicas_for_chain(req.chain))
-            state, fx = step(state, RequestArrived(float(r), req, replicas))
+        if replica_map is not None:
+            state, fx = step(state, RequestArrived(float(r), req, replica_map.lookup(req.chain)))
             for effect in fx:
                 if isinstance(effect, Record):
                     sink(effect)  # type: ignore[misc]
@@ -151,8 +158,7 @@ def main() -> None:
             ]
         else:
             figures.append(Figure("decisions_per_s_round_robin", rate, "1/s", "kvrelay", figures[0].value))
-    with tempfile.TemporaryDirectory() as tmp, FactStore(f"sqlite:///{tmp}/facts.sqlite3",
-                                                         cache_keys=1_100_000) as facts:
+    with tempfile.TemporaryDirectory() as tmp, FactStore(f"sqlite:///{tmp}/facts.sqlite3") as facts:
         lat, _ = run(args.requests, args.seed, "kvrelay", facts)
         lat_sorted = sorted(lat)
         figures += [

@@ -23,7 +23,8 @@ from kvrelay.api.metrics import Metrics
 from kvrelay.api.router_metrics import add_router_metrics
 from kvrelay.controller.cluster import ClusterRouter
 from kvrelay.controller.router import RouterConfig, new_router
-from kvrelay.facts.sink import record_sink, replica_lookup
+from kvrelay.facts.replica_map import ReplicaMap
+from kvrelay.facts.sink import record_sink
 from kvrelay.facts.store import FactStore
 from kvrelay.paths import data_dir
 from kvrelay.processes.assembly import StoreSpec, WorkerParts, WorkerSpec, build_worker
@@ -80,7 +81,8 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
                                                     worker.controller)
     context_limit = worker.context_limit
     identity = controller.me
-    facts = FactStore(options.db_url, cache_keys=1 << 20)
+    facts = FactStore(options.db_url)
+    replica_map = ReplicaMap.load(facts.engine)
     loop = asyncio.get_running_loop()
 
     def to_worker(worker_id: str, message: WireMessage) -> None:
@@ -92,8 +94,8 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
     def to_router(message: WireMessage) -> None:
         loop.call_soon(router.receive, message)
 
-    router = ClusterRouter(new_router(RouterConfig(chunk_tokens=options.chunk_tokens)), to_worker, record_sink(facts),
-                           replicas_for=replica_lookup(facts))
+    router = ClusterRouter(new_router(RouterConfig(chunk_tokens=options.chunk_tokens)), to_worker,
+                           record_sink(facts, replica_map), replicas_for=replica_map.lookup)
     controller.publish = to_router
     served = ServedModel(artifacts.name, artifacts.tokenizer, config.architecture, context_limit,
                          tuple(config.eos_token_ids))

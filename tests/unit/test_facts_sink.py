@@ -20,3 +20,22 @@ def test_replica_records_become_queryable_replica_facts(tmp_path: Path) -> None:
         replicas = store.reader.replicas_for_chain(list(keys))
     assert sorted((r.tier, r.location) for r in replicas[keys[0]]) == [("object", "object"), ("ssd", "w0")]
     assert replicas.get(keys[1], []) == []
+
+
+def test_the_replica_map_loads_live_replicas_and_follows_the_routers_records(tmp_path: Path) -> None:
+    from kvrelay.facts.replica_map import ReplicaMap
+
+    keys = (b"a" * 16, b"b" * 16, b"c" * 16)
+    url = f"sqlite:///{tmp_path / 'facts.sqlite3'}"
+    with FactStore(url) as store:
+        assert len(ReplicaMap.load(store.engine)) == 0  # a fresh database
+        sink = record_sink(store)
+        sink(Record("replica", "", 0, 1.0, {"worker_id": "w0", "tier": "ssd", "stored": keys[:2], "removed": ()}))
+        sink(Record("replica", "", 0, 2.0, {"worker_id": "w0", "tier": "ssd", "stored": (), "removed": keys[1:2]}))
+        assert store.flush(10)
+    with FactStore(url) as store:  # a router restart
+        replicas = ReplicaMap.load(store.engine)
+        assert replicas.lookup(keys) == ((keys[0], "ssd", "w0"),)
+        live = record_sink(store, replicas)
+        live(Record("replica", "", 0, 3.0, {"worker_id": "w1", "tier": "object", "stored": keys[2:], "removed": ()}))
+        assert replicas.lookup(keys) == ((keys[0], "ssd", "w0"), (keys[2], "object", "object"))

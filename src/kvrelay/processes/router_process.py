@@ -32,7 +32,8 @@ from kvrelay.api.metrics import Metrics
 from kvrelay.api.router_metrics import add_router_metrics
 from kvrelay.controller.cluster import ClusterRouter
 from kvrelay.controller.router import RouterConfig, new_router
-from kvrelay.facts.sink import record_sink, replica_lookup
+from kvrelay.facts.replica_map import ReplicaMap
+from kvrelay.facts.sink import record_sink
 from kvrelay.facts.store import FactStore
 from kvrelay.processes.catalog import ModelCatalog, load_served_model
 from kvrelay.protocol.messages import Heartbeat, WireMessage
@@ -108,12 +109,13 @@ async def run_router(options: RouterOptions, on_ready: Callable[[str, str], None
         served = await asyncio.to_thread(load_served_model, source)
         loaded[served.name] = served
     catalog = ModelCatalog(loaded)
-    facts = FactStore(options.db_url, cache_keys=1 << 20)
+    facts = FactStore(options.db_url)
+    replica_map = ReplicaMap.load(facts.engine)
     endpoint = RouterEndpoint(options.secret, host=options.host, port=options.worker_port)
     config = RouterConfig(offer_timeout_s=options.offer_timeout_s, progress_timeout_s=options.progress_timeout_s,
                           worker_expiry_s=options.worker_expiry_s, chunk_tokens=options.chunk_tokens)
-    router = ClusterRouter(new_router(config, options.policy), endpoint.send, record_sink(facts),
-                           replicas_for=replica_lookup(facts))
+    router = ClusterRouter(new_router(config, options.policy), endpoint.send, record_sink(facts, replica_map),
+                           replicas_for=replica_map.lookup)
     ingress = Ingress(router, catalog.served, _metrics(router, endpoint),
                       lambda name: any(name in v.heartbeat.models for v in router.state.views.values()))
     app = create_app(ingress)

@@ -1,0 +1,65 @@
+"""The router's in-memory map of live durable replicas, complete for that router.
+
+Contract: ``ReplicaMap.load(engine)`` reads every live replica fact (ssd and
+object tiers) once, at router start; from then on the router's own replica
+records keep it current (``record_sink`` applies each before handing it to
+the store's writer), so ``lookup(chain)`` answers from memory with no database
+read on the routing path. This holds while one router writes the replica
+facts of its cluster, which is how ``kvrelay serve`` and ``kvrelay router``
+run; several routers sharing one fact store would each see only their own
+changes after start (the store's ``ChainFactsCache`` with a TTL suits that).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+
+from kvrelay.controller.events import Replica
+from kvrelay.facts.schema import LIVE_REPLICA, replicas
+
+
+class ReplicaMap:
+    def __init__(self) -> None:
+        self._by_key: dict[bytes, dict[tuple[str, str], None]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, engine: sa.Engine) -> ReplicaMap:
+        """Every live replica of the store (an empty map when the schema does not exist yet)."""
+        out = cls()
+        statement = sa.select(replicas.c.key, replicas.c.tier, replicas.c.location).where(LIVE_REPLICA)
+        try:
+            with engine.connect() as conn:
+                for key, tier, location in conn.execute(statement):
+                    out.add(bytes(key), tier, location)
+        except sa.exc.OperationalError:
+            pass  # a fresh database: the writer creates the schema
+        return out
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def add(self, key: bytes, tier: str, location: str) -> None:
+        with self._lock:
+            self._by_key.setdefault(key, {})[(tier, location)] = None
+
+    def remove(self, key: bytes, tier: str, location: str) -> None:
+        with self._lock:
+            places = self._by_key.get(key)
+            if places is not None:
+                places.pop((tier, location), None)
+                if not places:
+                    del self._by_key[key]
+
+    def lookup(self, chain: Sequence[bytes]) -> tuple[Replica, ...]:
+        """``(key, tier, location)`` of every live replica of the chain's keys, in chain order."""
+        get = self._by_key.get
+        out: list[Replica] = []
+        for key in chain:
+            places = get(key)
+            if places:
+                out.extend((key, tier, location) for tier, location in places)
+        return tuple(out)
