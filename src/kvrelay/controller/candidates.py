@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvrelay.controller.index import GPU, LOCAL_MASK, RAM, SSD, ResidencyIndex
-from kvrelay.controller.routes import Boundary, boundaries_of, walk_route
+from kvrelay.controller.routes import Boundary, boundaries_of, runs_of, walk_route
 from kvrelay.protocol.messages import Heartbeat, RouteSegment
 
 TIER_OF_BIT = {GPU: "gpu", RAM: "ram", SSD: "ssd"}
@@ -309,8 +309,9 @@ def plan(
     """
     result = Plan()
     values = index.lookup(chain)
+    runs = runs_of(values)
     present = 0
-    for v in values:
+    for v, _ in runs:
         present |= v
     reach = min(len(values) * chunk_tokens, max(prompt_len - 1, 0))
     shared: tuple[tuple[RouteSegment, ...], list[Boundary]] | None = None
@@ -334,7 +335,7 @@ def plan(
                 # No local copy: the shared route's restore + prefill cost is a tight bound, the same for
                 # every worker with the same rates, so it is computed once per rate signature.
                 if shared is None:
-                    shared_segments = walk_route(values, index, None, 0, True, True)
+                    shared_segments = walk_route(runs, index, None, 0, True, True)
                     shared = (shared_segments, boundaries_of(shared_segments, chunk_tokens))
                 cost = intrinsic.get(worker.signature)
                 if cost is None:
@@ -367,11 +368,11 @@ def plan(
             local = shift is not None and (present >> shift) & LOCAL_MASK
             if not local and allow_peer and allow_object:
                 if shared is None:
-                    shared_segments = walk_route(values, index, None, 0, True, True)
+                    shared_segments = walk_route(runs, index, None, 0, True, True)
                     shared = (shared_segments, boundaries_of(shared_segments, chunk_tokens))
                 segments, bounds = shared
             else:
-                segments = walk_route(values, index, shift, allowed, allow_peer, allow_object)
+                segments = walk_route(runs, index, shift, allowed, allow_peer, allow_object)
                 bounds = boundaries_of(segments, chunk_tokens)
         scored = _evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now)
         if not scored:

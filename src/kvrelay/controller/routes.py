@@ -1,7 +1,7 @@
 """Routes over the residency index: which tier serves each chunk of a chain for one worker.
 
-``walk_route`` reads the packed index values of a chain's leading keys and,
-per chunk, takes the fastest tier a worker reaches: its own gpu, ram or ssd,
+``walk_route`` reads the packed index values of a chain's leading keys (as
+``runs_of`` encodes them) and, per chunk, takes the fastest tier a worker reaches: its own gpu, ram or ssd,
 a peer's ram or ssd, or the shared object tier; it run-length encodes the
 result and stops at the first chunk nothing reaches. ``boundaries_of`` lists
 the places a route may end (recompute everything, or after any segment),
@@ -15,9 +15,28 @@ from collections.abc import Sequence
 from kvrelay.controller.index import GPU, LOCAL_MASK, OBJECT, RAM, SSD, ResidencyIndex
 from kvrelay.protocol.messages import RouteSegment
 
+Run = tuple[int, int]
+"""``(packed index value, consecutive chunks with it)``: chains are mostly long runs of equal values."""
+
+
+def runs_of(values: Sequence[int]) -> list[Run]:
+    """The chain's index values, run-length encoded (walks then cost per run, not per chunk)."""
+    out: list[Run] = []
+    last, n = -1, 0
+    for value in values:
+        if value == last:
+            n += 1
+        else:
+            if n:
+                out.append((last, n))
+            last, n = value, 1
+    if n:
+        out.append((last, n))
+    return out
+
 
 def walk_route(
-    values: Sequence[int],
+    runs: Sequence[Run],
     index: ResidencyIndex,
     shift: int | None,
     allowed_local: int,
@@ -33,11 +52,8 @@ def walk_route(
     if shift is not None:
         peer_bits &= ~(LOCAL_MASK << shift)
     object_bit = OBJECT if allow_object else 0
-    tiers: list[str] = []
-    counts: list[int] = []
-    last_tier = ""
-    n = 0
-    for value in values:
+    segments: list[list] = []
+    for value, count in runs:
         local = (value >> shift) & allowed_local if shift is not None else 0
         if local & GPU:
             tier = "gpu"
@@ -51,22 +67,14 @@ def walk_route(
             tier = "object"
         else:
             break
-        if tier == last_tier:
-            n += 1
-            continue
-        if n:
-            counts.append(n)
-        tiers.append(tier)
-        last_tier, n = tier, 1
-    if n:
-        counts.append(n)
-    segments = []
-    position = -1
-    for tier, chunks in zip(tiers, counts):
-        position += chunks
-        source = index.first_peer(values[position], peer_bits) if tier == "peer" else ""
-        segments.append(RouteSegment(tier, chunks, source))
-    return tuple(segments)
+        if segments and segments[-1][0] == tier:
+            segments[-1][1] += count
+            segments[-1][2] = value
+        else:
+            segments.append([tier, count, value])
+    return tuple(
+        RouteSegment(t, n, index.first_peer(v, peer_bits) if t == "peer" else "") for t, n, v in segments
+    )
 
 
 Boundary = tuple[int, int, tuple[tuple[str, int], ...], int]
