@@ -239,6 +239,10 @@ def lower_load_of(worker: WorkerView, now: float) -> float:
     return max(0.0, load.restore_backlog_s - max(0.0, now - load.restore_backlog_at))
 
 
+def _bound_then_id(entry: tuple[float, str, WorkerView]) -> tuple[float, str]:
+    return entry[0], entry[1]
+
+
 def _intrinsic(hb: Heartbeat, bounds: list[Boundary], prompt_len: int, chunk_tokens: int) -> float:
     """The cheapest restore + prefill over ``bounds`` on a worker like ``hb``, without queue or decode steps."""
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
@@ -345,7 +349,7 @@ def plan(
             queue, known = hb.queue_delay_s, worker.load.outstanding_s
             eligible.append(((known if known > queue else queue) + cost, wid, worker))
     if prune:
-        eligible.sort(key=lambda e: (e[0], e[1]))
+        eligible.sort(key=_bound_then_id)
     best_so_far = float("inf")
     for bound, wid, worker in eligible:
         if prune and bound > best_so_far:

@@ -15,7 +15,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 GPU, RAM, SSD, OBJECT = 1, 2, 4, 8
 TIER_BITS: dict[str, int] = {"gpu": GPU, "ram": RAM, "ssd": SSD, "object": OBJECT}
@@ -111,16 +111,20 @@ class ResidencyIndex:
             if (value >> (4 * (s + 1))) & LOCAL_MASK:
                 self._worker_keys[wid].discard(key)
 
-    def lookup(self, chain: Iterable[bytes]) -> list[int]:
+    def lookup(self, chain: Sequence[bytes]) -> list[int]:
         """Packed values of the chain's leading keys, stopping at the first key nobody holds."""
-        out: list[int] = []
         get = self._entries.get
+        if chain and get(chain[-1]):  # the whole chain is held (the common case): no early exit needed
+            out = [get(key) for key in chain]
+            if all(out):
+                return out  # type: ignore[return-value]
+        out2: list[int] = []
         for key in chain:
             value = get(key)
             if not value:
                 break
-            out.append(value)
-        return out
+            out2.append(value)
+        return out2
 
     def tiers_of(self, value: int, worker_id: str) -> int:
         """The local tier bits ``worker_id`` holds in a packed value."""
