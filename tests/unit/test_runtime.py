@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kvrelay.controller.candidates import pages_needed as pages_for
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.kv_pages import KVPages
@@ -21,7 +22,7 @@ from kvrelay.models.registry import build_model
 from kvrelay.protocol.messages import Sampling
 from kvrelay.worker.iteration import PolicyConfig
 from kvrelay.worker.jobs import Job, JobResult, QueueFullError, RuntimeEvent, TokenEvent
-from kvrelay.worker.page_pool import PagePool, pages_for
+from kvrelay.worker.page_pool import PagePool
 from kvrelay.worker.runtime import PagedRuntime
 from tests.support.tiny_models import make_tiny_model
 

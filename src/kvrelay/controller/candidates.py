@@ -184,6 +184,7 @@ class Plan:
 
 
 def pages_needed(tokens: int, page_tokens: int) -> int:
+    """Pages that hold ``tokens`` tokens at ``page_tokens`` per page (the one page arithmetic of the project)."""
     return -(-tokens // page_tokens)
 
 

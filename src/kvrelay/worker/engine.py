@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvrelay.controller.candidates import pages_needed as pages_for
 from kvrelay.protocol.messages import Sampling
 from kvrelay.worker.iteration import PolicyConfig
 from kvrelay.worker.jobs import EventCallback, Job, JobResult
-from kvrelay.worker.page_pool import PagePool, pages_for
+from kvrelay.worker.page_pool import PagePool
 from kvrelay.worker.runtime import PagedRuntime, StepModel
 
 if TYPE_CHECKING:

@@ -35,11 +35,6 @@ class PoolExhaustedError(RuntimeError):
     """More pages were asked for than are free or evictable."""
 
 
-def pages_for(num_tokens: int, page_tokens: int) -> int:
-    """Pages needed to hold ``num_tokens`` tokens at ``page_tokens`` per page."""
-    return -(-num_tokens // page_tokens)
-
-
 @dataclass(slots=True)
 class Reservation:
     """Pages held for one sequence; ``take`` moves them to the sequence, ``PagePool.release`` returns the rest."""
