@@ -11,6 +11,7 @@ import pytest
 
 from kvrelay.controller import candidates as cand
 from kvrelay.controller.index import ResidencyIndex
+from kvrelay.controller.roster import Roster, plan_pruned
 from kvrelay.protocol.messages import Heartbeat
 from kvrelay.store.keys import prompt_chain
 from tests.support.router_driver import Driver, offers
@@ -158,13 +159,14 @@ def test_pruning_skips_hopeless_workers_and_keeps_the_same_winner() -> None:
     index = ResidencyIndex()
     for wid, tier, n in residency:
         index.store(wid, tier, CHAIN[:n])
-    views = [cand.WorkerView(hb, cand.WorkerLoad(), cand.reported_fingerprints(hb))
-             for hb in workers]
-    pruned = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index, prune=True)
+    roster = Roster()
+    for hb in workers:
+        roster.put(cand.WorkerView(hb, cand.WorkerLoad(), cand.reported_fingerprints(hb)))
+    pruned = plan_pruned("m", len(PROMPT), 4, CHAIN, b"m", 64, roster, index)
     assert pruned.best() == full.best()
     assert pruned.best().worker_id == "w3"  # type: ignore[union-attr]
     # w3 (bound 0.301 s) is planned first; everyone else's bound (a queue of 0.4 s and more, or
     # recomputing all 513 tokens: 0.513 s and more) exceeds its 0.321 s.
     assert [r.worker_id for r in pruned.routes] == ["w3"]
     assert set(pruned.pruned) == {f"w{i}" for i in range(8)} - {"w3"}
-    assert all(bound > pruned.best().predicted_ttft_s for bound in pruned.pruned.values())  # type: ignore[union-attr]
+    assert all(bound >= pruned.best().predicted_ttft_s for bound in pruned.pruned.values())  # type: ignore[union-attr]

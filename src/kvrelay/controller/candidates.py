@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvrelay.controller.index import GPU, LOCAL_MASK, RAM, SSD, ResidencyIndex
-from kvrelay.controller.routes import Boundary, boundaries_of, runs_of, walk_route
+from kvrelay.controller.routes import Boundary, Run, boundaries_of, runs_of, walk_route
 from kvrelay.protocol.messages import Heartbeat, RouteSegment
 
-TIER_OF_BIT = {GPU: "gpu", RAM: "ram", SSD: "ssd"}
+EXCLUDED_AFTER_FAILURE = "excluded after an earlier failure of this request"
 
 
 class Terms(msgspec.Struct, frozen=True):
@@ -174,7 +174,7 @@ class Plan:
     routes: list[WorkerRoute] = field(default_factory=list)
     excluded: dict[str, str] = field(default_factory=dict)
     pruned: dict[str, float] = field(default_factory=dict)
-    """Workers skipped because a lower bound on their TTFT exceeded the best found (with ``prune``)."""
+    """Workers skipped because a lower bound on their TTFT exceeded the best found (``roster.plan_pruned``)."""
 
     def best(self) -> Candidate | None:
         """The lowest predicted TTFT; ties broken by worker id."""
@@ -240,11 +240,7 @@ def lower_load_of(worker: WorkerView, now: float) -> float:
     return max(0.0, load.restore_backlog_s - max(0.0, now - load.restore_backlog_at))
 
 
-def _bound_then_id(entry: tuple[float, str, WorkerView]) -> tuple[float, str]:
-    return entry[0], entry[1]
-
-
-def _intrinsic(hb: Heartbeat, bounds: list[Boundary], prompt_len: int, chunk_tokens: int) -> float:
+def intrinsic_cost(hb: Heartbeat, bounds: list[Boundary], prompt_len: int, chunk_tokens: int) -> float:
     """The cheapest restore + prefill over ``bounds`` on a worker like ``hb``, without queue or decode steps."""
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
     best = prompt_len * hb.prefill_s_per_token
@@ -291,6 +287,56 @@ def alternatives(route: WorkerRoute, worker: WorkerView, prompt_len: int, max_ne
                            chunk_tokens) for _, i in scored]
 
 
+SharedRoute = tuple[tuple[RouteSegment, ...], list[Boundary]]
+
+
+def shared_route(runs: Sequence[Run], index: ResidencyIndex, chunk_tokens: int) -> tuple[SharedRoute, int]:
+    """The route of a worker holding no local copy, with its boundaries, and the OR of the runs' values."""
+    present = 0
+    for value, _ in runs:
+        present |= value
+    segments = walk_route(runs, index, None, 0, True, True) if runs else ()
+    return (segments, boundaries_of(segments, chunk_tokens)), present
+
+
+def route_for(
+    request_model: str, prompt_len: int, max_new: int, runs: Sequence[Run], chain_fingerprint: bytes,
+    chunk_tokens: int, worker: WorkerView, index: ResidencyIndex,
+    excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]], shared: SharedRoute, present: int,
+    now: float,
+) -> WorkerRoute | None:
+    """One eligible worker's longest reachable route and its cheapest feasible boundary; None: no capacity.
+
+    ``shared`` is ``shared_route(runs, ...)``: the route of any worker without local copies;
+    ``present`` is the OR of the chain's packed index values.
+    """
+    hb = worker.heartbeat
+    wid = hb.worker_id
+    if not runs or worker.fingerprints.get(request_model) != chain_fingerprint or hb.chunk_tokens != chunk_tokens:
+        segments: tuple[RouteSegment, ...] = ()
+        bounds = boundaries_of(segments, chunk_tokens)
+    else:
+        allowed, allow_peer, allow_object = LOCAL_MASK, True, True
+        if excluded_pairs:
+            for tier, bit in (("gpu", GPU), ("ram", RAM), ("ssd", SSD)):
+                if (wid, tier) in excluded_pairs:
+                    allowed &= ~bit
+            allow_peer = (wid, "peer") not in excluded_pairs
+            allow_object = (wid, "object") not in excluded_pairs
+        shift = index.shift_of(wid)
+        local = shift is not None and (present >> shift) & LOCAL_MASK
+        if not local and allow_peer and allow_object:
+            segments, bounds = shared
+        else:
+            segments = walk_route(runs, index, shift, allowed, allow_peer, allow_object)
+            bounds = boundaries_of(segments, chunk_tokens)
+    scored = _evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now)
+    if not scored:
+        return None
+    best_t, best_i = min(scored, key=lambda x: (x[0], -x[1])) if len(scored) > 1 else scored[0]
+    return WorkerRoute(worker, segments, bounds, best_t, best_i, prompt_len, chunk_tokens, now)
+
+
 def plan(
     request_model: str,
     prompt_len: int,
@@ -303,87 +349,29 @@ def plan(
     excluded_workers: frozenset[str] | set[str] = frozenset(),
     excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
     now: float = 0.0,
-    prune: bool = False,
 ) -> Plan:
     """Candidates of every eligible worker for one request at ``now`` (see the module docstring).
 
-    With ``prune``, workers are planned in order of a lower bound on their TTFT
-    (queue + prefill of what no tier holds); a worker whose bound already
-    exceeds the best candidate found is skipped and listed in ``Plan.pruned``
-    with its bound. The best candidate is the same with or without pruning.
+    ``roster.plan_pruned`` finds the same best candidate while skipping workers that cannot win.
     """
     result = Plan()
-    values = index.lookup(chain)
-    runs = runs_of(values)
-    present = 0
-    for v, _ in runs:
-        present |= v
-    reach = min(len(values) * chunk_tokens, max(prompt_len - 1, 0))
-    shared: tuple[tuple[RouteSegment, ...], list[Boundary]] | None = None
-    intrinsic: dict[tuple[float, int, float, float], float] = {}
-    slots = index.slots
-    eligible: list[tuple[float, str, WorkerView]] = []
+    runs = runs_of(index.lookup(chain))
+    shared, present = shared_route(runs, index, chunk_tokens)
+    need = prompt_len + max_new
     for worker in workers:
         hb = worker.heartbeat
         wid = hb.worker_id
         if wid in excluded_workers:
-            result.excluded[wid] = "excluded after an earlier failure of this request"
+            result.excluded[wid] = EXCLUDED_AFTER_FAILURE
         elif request_model not in hb.models:
             result.excluded[wid] = f"model '{request_model}' not served"
-        elif prompt_len + max_new > hb.context_limit:
-            result.excluded[wid] = f"context limit {hb.context_limit} < {prompt_len + max_new}"
-        elif not prune:
-            eligible.append((0.0, wid, worker))
+        elif need > hb.context_limit:
+            result.excluded[wid] = f"context limit {hb.context_limit} < {need}"
         else:
-            slot = slots.get(wid)
-            if values and (slot is None or not (present >> (4 * slot + 4)) & LOCAL_MASK):
-                # No local copy: the shared route's restore + prefill cost is a tight bound, the same for
-                # every worker with the same rates, so it is computed once per rate signature.
-                if shared is None:
-                    shared_segments = walk_route(runs, index, None, 0, True, True)
-                    shared = (shared_segments, boundaries_of(shared_segments, chunk_tokens))
-                cost = intrinsic.get(worker.signature)
-                if cost is None:
-                    cost = intrinsic[worker.signature] = _intrinsic(hb, shared[1], prompt_len, chunk_tokens)
+            route = route_for(request_model, prompt_len, max_new, runs, chain_fingerprint, chunk_tokens, worker,
+                              index, excluded_pairs, shared, present, now)
+            if route is None:
+                result.excluded[wid] = "capacity"
             else:
-                cost = (prompt_len - reach) * hb.prefill_s_per_token
-            queue, known = hb.queue_delay_s, worker.load.outstanding_s
-            eligible.append(((known if known > queue else queue) + cost, wid, worker))
-    if prune:
-        eligible.sort(key=_bound_then_id)
-    best_so_far = float("inf")
-    for bound, wid, worker in eligible:
-        if prune and bound > best_so_far:
-            result.pruned[wid] = bound
-            continue
-        hb = worker.heartbeat
-        exact = worker.fingerprints.get(request_model) == chain_fingerprint and hb.chunk_tokens == chunk_tokens
-        if not exact:
-            segments: tuple[RouteSegment, ...] = ()
-            bounds = boundaries_of(segments, chunk_tokens)
-        else:
-            allowed, allow_peer, allow_object = LOCAL_MASK, True, True
-            if excluded_pairs:
-                for tier, bit in (("gpu", GPU), ("ram", RAM), ("ssd", SSD)):
-                    if (wid, tier) in excluded_pairs:
-                        allowed &= ~bit
-                allow_peer = (wid, "peer") not in excluded_pairs
-                allow_object = (wid, "object") not in excluded_pairs
-            shift = index.shift_of(wid)
-            local = shift is not None and (present >> shift) & LOCAL_MASK
-            if not local and allow_peer and allow_object:
-                if shared is None:
-                    shared_segments = walk_route(runs, index, None, 0, True, True)
-                    shared = (shared_segments, boundaries_of(shared_segments, chunk_tokens))
-                segments, bounds = shared
-            else:
-                segments = walk_route(runs, index, shift, allowed, allow_peer, allow_object)
-                bounds = boundaries_of(segments, chunk_tokens)
-        scored = _evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now)
-        if not scored:
-            result.excluded[wid] = "capacity"
-            continue
-        best_t, best_i = min(scored, key=lambda x: (x[0], -x[1])) if len(scored) > 1 else scored[0]
-        best_so_far = min(best_so_far, best_t)
-        result.routes.append(WorkerRoute(worker, segments, bounds, best_t, best_i, prompt_len, chunk_tokens, now))
+                result.routes.append(route)
     return result

@@ -115,7 +115,7 @@ class ResidencyIndex:
         """Packed values of the chain's leading keys, stopping at the first key nobody holds."""
         get = self._entries.get
         if chain and get(chain[-1]):  # the whole chain is held (the common case): no early exit needed
-            out = [get(key) for key in chain]
+            out = list(map(get, chain))
             if all(out):
                 return out  # type: ignore[return-value]
         out2: list[int] = []

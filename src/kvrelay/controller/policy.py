@@ -14,14 +14,13 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvrelay.controller.candidates import Candidate, Plan, WorkerRoute, WorkerView
 from kvrelay.controller.events import Request
 
 
-@dataclass(frozen=True, slots=True)
-class RoutingContext:
+class RoutingContext(NamedTuple):
     request: Request
     prompt: tuple[int, ...]
     chain: tuple[bytes, ...]

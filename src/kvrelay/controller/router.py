@@ -160,6 +160,7 @@ def _worker_lost(state: RouterState, wid: str, epoch: int, now: float, fx: Effec
     view = state.views.get(wid)
     if view is not None and view.heartbeat.epoch <= epoch:
         del state.views[wid]
+        state.roster.remove(wid)
     state.index.drop_worker(wid)
     state.residency_seq.pop(wid, None)
     for rid in sorted(state.by_worker.get(wid, ())):
@@ -212,7 +213,8 @@ def _on_heartbeat(state: RouterState, hb: Heartbeat, now: float, fx: Effects) ->
     load = view.load if view is not None else cand.WorkerLoad()
     load.accepted_pages = 0
     load.restore_backlog_s, load.restore_backlog_at = hb.lower_tier_load_s, now
-    state.views[hb.worker_id] = cand.WorkerView(hb, load, fps)
+    view = state.views[hb.worker_id] = cand.WorkerView(hb, load, fps)
+    state.roster.put(view)
     if state.parked:
         retry_parked(state, now, fx)
 
@@ -278,6 +280,7 @@ def _first_progress(state: RouterState, rs: RequestState) -> None:
         view = state.views.get(rs.worker_id or "")
         if view is not None:
             view.load.outstanding_s = max(0.0, view.load.outstanding_s - rs.estimate_s)
+            state.roster.requeue(view)
         rs.holds_outstanding = False
 
 

@@ -21,6 +21,7 @@ from kvrelay.controller.events import (
     StartTimer,
 )
 from kvrelay.controller.policy import RoutingContext
+from kvrelay.controller.roster import plan_pruned
 from kvrelay.controller.router_state import RequestState, RouterState, usage_of
 from kvrelay.protocol.messages import (
     Assignment,
@@ -49,11 +50,12 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         chain = request.chain[: cacheable_chunks(len(prompt), config.chunk_tokens)]
     else:
         chain = prompt_chain(rs.fingerprint, prompt, config.chunk_tokens)
-    plan = cand.plan(
-        request.model, len(prompt), remaining, chain, rs.fingerprint, config.chunk_tokens,
-        list(state.views.values()), state.index, rs.excluded_workers, rs.excluded_pairs, now,
-        prune=not state.policy.needs_all_routes,
-    )
+    if state.policy.needs_all_routes:
+        plan = cand.plan(request.model, len(prompt), remaining, chain, rs.fingerprint, config.chunk_tokens,
+                         list(state.views.values()), state.index, rs.excluded_workers, rs.excluded_pairs, now)
+    else:
+        plan = plan_pruned(request.model, len(prompt), remaining, chain, rs.fingerprint, config.chunk_tokens,
+                           state.roster, state.index, rs.excluded_workers, rs.excluded_pairs, now)
     ctx = RoutingContext(request, prompt, chain, config.chunk_tokens, plan, state.views, state.rng, now)
     chosen = state.policy.choose(ctx) if plan.routes else None
     if chosen is None:
@@ -75,6 +77,7 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
     rs.estimate_s = chosen.predicted_ttft_s - chosen.terms.queue_s
     load = view.load
     load.outstanding_s += rs.estimate_s
+    state.roster.requeue(view)
     restore_s = sum(chosen.terms.restore_s.values())
     if restore_s:
         load.restore_backlog_s = cand.lower_load_of(view, now) + restore_s
@@ -148,6 +151,7 @@ def release(state: RouterState, rs: RequestState) -> None:
         load = view.load
         if rs.holds_outstanding:
             load.outstanding_s = max(0.0, load.outstanding_s - rs.estimate_s)
+            state.roster.requeue(view)
         if rs.holds_inflight:
             load.inflight_pages = max(0, load.inflight_pages - rs.demand_pages)
         load.active = max(0, load.active - 1)

@@ -16,6 +16,7 @@ from kvrelay.controller.events import Request
 from kvrelay.controller.index import ResidencyIndex
 from kvrelay.controller.policy import Policy
 from kvrelay.controller.registry import Registry
+from kvrelay.controller.roster import Roster
 from kvrelay.protocol.messages import Usage
 
 
@@ -77,6 +78,8 @@ class RouterState:
     index: ResidencyIndex = field(default_factory=ResidencyIndex)
     views: dict[str, WorkerView] = field(default_factory=dict)
     """Live workers only."""
+    roster: Roster = field(default_factory=Roster)
+    """The same views, grouped by cost and ordered by queue (``roster.plan_pruned``)."""
     residency_seq: dict[str, tuple[int, int]] = field(default_factory=dict)
     fingerprints: dict[str, bytes] = field(default_factory=dict)
     requests: dict[str, RequestState] = field(default_factory=dict)

@@ -1,0 +1,96 @@
+"""The roster keeps workers grouped and in queue order, and pruned planning picks what full planning picks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvrelay.controller import candidates as cand
+from kvrelay.controller.index import ResidencyIndex
+from kvrelay.controller.roster import Roster, plan_pruned
+from kvrelay.store.keys import prompt_chain
+from tests.support.router_driver import heartbeat
+
+PROMPT = tuple(range(1, 64 * 12 + 2))
+CHAIN = prompt_chain(b"m", PROMPT, 64)
+
+
+def view(worker_id: str, outstanding_s: float = 0.0, **overrides: object) -> cand.WorkerView:
+    hb = heartbeat(worker_id, **overrides)
+    return cand.WorkerView(hb, cand.WorkerLoad(outstanding_s=outstanding_s), cand.reported_fingerprints(hb))
+
+
+def orders(roster: Roster) -> list[list[str]]:
+    return [[wid for _, wid in g.order] for g in roster.groups.values()]
+
+
+def test_members_are_grouped_by_cost_and_ordered_by_queue() -> None:
+    roster = Roster()
+    roster.put(view("a", queue_delay_s=0.3))
+    roster.put(view("b", queue_delay_s=0.1))
+    roster.put(view("c", queue_delay_s=0.2, prefill_s_per_token=5e-3))  # another rate: another group
+    assert orders(roster) == [["b", "a"], ["c"]]
+    b = view("b", outstanding_s=0.5, queue_delay_s=0.1)  # the router's own estimate is larger
+    roster.put(b)
+    assert orders(roster) == [["a", "b"], ["c"]]
+    b.load.outstanding_s = 0.0
+    roster.requeue(b)
+    assert orders(roster) == [["b", "a"], ["c"]]
+    roster.put(view("a", queue_delay_s=0.3, prefill_s_per_token=5e-3))  # a's rates changed: it moves group
+    assert orders(roster) == [["b"], ["c", "a"]]
+    roster.remove("c")
+    roster.remove("a")
+    roster.remove("nobody")
+    assert orders(roster) == [["b"]] and len(roster) == 1 and roster.view("a") is None
+
+
+def random_case(rng: random.Random) -> tuple[list[cand.WorkerView], ResidencyIndex, set[str], set[tuple[str, str]]]:
+    n = rng.randrange(1, 12)
+    views = []
+    for i in range(n):
+        views.append(view(
+            f"w{i:02d}", outstanding_s=rng.choice([0.0, rng.random()]),
+            queue_delay_s=rng.choice([0.0, 0.05, rng.random()]),
+            prefill_s_per_token=rng.choice([1e-3, 2e-3]),
+            pages_free=rng.choice([0, 3, 100]), pages_evictable=rng.choice([0, 10]),
+            models=rng.choice([("m",), ("m",), ("other",)]),
+            context_limit=rng.choice([100_000, 100_000, 500]),
+            restore_bytes_per_s=rng.choice([{"ram": 1e9, "ssd": 1e8, "peer": 5e8, "object": 1e8},
+                                            {"ram": 1e9, "ssd": 1e8, "peer": 5e8, "object": 1e8},
+                                            {"ram": 2e9, "ssd": 2e8, "peer": 1e7, "object": 1e7}]),
+        ))
+    index = ResidencyIndex()
+    for _ in range(rng.randrange(0, 10)):
+        index.store(rng.choice(views).heartbeat.worker_id, rng.choice(["gpu", "ram", "ssd"]),
+                    CHAIN[: rng.randrange(1, len(CHAIN) + 1)])
+    if rng.random() < 0.5:
+        index.store("anyone", "object", CHAIN[: rng.randrange(1, len(CHAIN) + 1)])
+    ids = [v.heartbeat.worker_id for v in views]
+    excluded = set(rng.sample(ids, rng.randrange(0, 2)))
+    pairs = {(rng.choice(ids), rng.choice(["gpu", "ram", "ssd", "peer", "object"])) for _ in range(rng.randrange(0, 3))}
+    return views, index, excluded, pairs
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_pruned_planning_finds_the_same_best_candidate(seed: int) -> None:
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    views, index, excluded, pairs = random_case(rng)
+    roster = Roster()
+    for v in views:
+        roster.put(v)
+    for v in rng.sample(views, len(views) // 2):  # loads move after the views were placed
+        v.load.outstanding_s = rng.random()
+        roster.requeue(v)
+    full = cand.plan("m", len(PROMPT), 16, CHAIN, b"m", 64, views, index, excluded, pairs)
+    pruned = plan_pruned("m", len(PROMPT), 16, CHAIN, b"m", 64, roster, index, excluded, pairs)
+    assert pruned.best() == full.best()
+    planned = {r.worker_id for r in pruned.routes}
+    assert planned <= {r.worker_id for r in full.routes}
+    best = full.best()
+    if best is not None:
+        assert all((bound, w) > (best.predicted_ttft_s, best.worker_id) for w, bound in pruned.pruned.items())
+        assert not planned & set(pruned.pruned)
+        # every worker is planned, pruned, or excluded for a reason
+        assert planned | set(pruned.pruned) | set(pruned.excluded) == {v.heartbeat.worker_id for v in views}
