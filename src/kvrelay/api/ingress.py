@@ -14,7 +14,7 @@ import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.api.detokenize import IncrementalText
@@ -34,6 +34,11 @@ class ServedModel:
     architecture: str
     context_limit: int
     eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int = field(init=False)
+    """``len(tokenizer)``, taken once: it costs about half a millisecond per call on Gemma 3's tokenizer."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "vocab_size", len(self.tokenizer))
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +92,9 @@ class Ingress:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < len(model.tokenizer)]
+            bad = [t for t in ids if not 0 <= t < model.vocab_size]
             if bad:
-                raise invalid(f"prompt token ids {bad[:5]} are outside the vocabulary of {len(model.tokenizer)}",
+                raise invalid(f"prompt token ids {bad[:5]} are outside the vocabulary of {model.vocab_size}",
                               "prompt")
         elif isinstance(prompt, list):
             if len(prompt) != 1:
@@ -122,9 +127,9 @@ class Ingress:
                            "context_length_exceeded")
         stops = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
         stop_ids = tuple(s for s in stops if isinstance(s, int))
-        bad = [t for t in stop_ids if not 0 <= t < len(model.tokenizer)]
+        bad = [t for t in stop_ids if not 0 <= t < model.vocab_size]
         if bad:
-            raise invalid(f"stop token ids {bad[:5]} are outside the vocabulary of {len(model.tokenizer)}", "stop")
+            raise invalid(f"stop token ids {bad[:5]} are outside the vocabulary of {model.vocab_size}", "stop")
         stop_ids += model.eos_token_ids
         stop_strings = tuple(s for s in stops if isinstance(s, str) and s)
         # Draws use the seed modulo 2**64 (models.sampling); reducing it here keeps every seed encodable on the wire.
