@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("kvrelay.processes.router_cli", "run the HTTP ingress and router; workers connect over WebSocket"),
     "worker": ("kvrelay.processes.worker_cli", "run one worker that serves a model for one or several routers"),
     "cluster": ("kvrelay.processes.cluster_cli", "run a router and N worker processes on this machine"),
+    "bench": ("kvrelay.benchmarks.cli", "measured benchmarks with a real model: kvrelay bench scenarios"),
 }
 
 

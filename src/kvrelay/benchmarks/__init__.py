@@ -1,0 +1,1 @@
+"""Measured scenarios with a real model, end to end (``kvrelay bench``)."""

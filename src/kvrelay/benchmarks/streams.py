@@ -1,0 +1,103 @@
+"""Streaming completions through the OpenAI API (the official ``openai`` client), timed at the client.
+
+``run_streams`` sends one streaming completion per prompt (token ids), at most
+``concurrency`` at a time, and returns one ``StreamRecord`` per prompt in
+prompt order. Times are ``time.monotonic()``: ``sent`` before the request,
+``token_times`` at every chunk that carries text. A prompt whose index is in
+``cancel_after`` is cancelled by the client (its connection closed) once it
+has received that many text chunks. Errors are kept in the record, never raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class StreamRecord:
+    index: int
+    prompt_tokens: int
+    sent: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    cancelled: bool = False
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times[0] - self.sent if self.token_times else None
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def completed(self) -> bool:
+        """The stream ended normally (a budget or a stop), without error or cancellation."""
+        return self.error is None and not self.cancelled and self.finish_reason in ("length", "stop")
+
+
+async def _one(client: object, model: str, prompt: Sequence[int], max_tokens: int, record: StreamRecord,
+               cancel_at: int | None) -> None:
+    record.sent = time.monotonic()
+    try:
+        stream = await client.completions.create(  # type: ignore[attr-defined]
+            model=model, prompt=list(prompt), max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True})
+        try:
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    record.completion_tokens = chunk.usage.completion_tokens
+                    details = chunk.usage.prompt_tokens_details
+                    record.cached_tokens = details.cached_tokens if details is not None else None
+                for choice in chunk.choices:
+                    if choice.text:
+                        record.token_times.append(time.monotonic())
+                        record.text += choice.text
+                    if choice.finish_reason:
+                        record.finish_reason = choice.finish_reason
+                if cancel_at is not None and len(record.token_times) >= cancel_at:
+                    record.cancelled = True
+                    break
+        finally:
+            await stream.close()
+    except Exception as exc:  # noqa: BLE001 - a failed request is a measured outcome
+        record.error = f"{type(exc).__name__}: {exc}"
+
+
+async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int,
+               cancel_after: dict[int, int], on_done: Callable[[StreamRecord], None],
+               records: list[StreamRecord]) -> list[StreamRecord]:
+    from openai import AsyncOpenAI
+
+    gate = asyncio.Semaphore(max(1, concurrency))
+    async with AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300.0) as client:
+        async def guarded(i: int) -> None:
+            async with gate:
+                await _one(client, model, prompts[i], max_tokens, records[i], cancel_after.get(i))
+            on_done(records[i])
+
+        await asyncio.gather(*(guarded(i) for i in range(len(prompts))))
+    return records
+
+
+def run_streams(base_url: str, model: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int,
+                cancel_after: dict[int, int] | None = None,
+                on_done: Callable[[StreamRecord], None] = lambda r: None,
+                records: list[StreamRecord] | None = None) -> list[StreamRecord]:
+    """Run the streams (see the module contract) on a private event loop; blocks until all have ended.
+
+    ``records`` (one per prompt, from ``new_records``) lets another thread watch the streams as they run.
+    """
+    records = new_records(prompts) if records is None else records
+    return asyncio.run(_run(base_url, model, prompts, max_tokens, concurrency, cancel_after or {}, on_done, records))
+
+
+def new_records(prompts: Sequence[Sequence[int]]) -> list[StreamRecord]:
+    return [StreamRecord(i, len(p)) for i, p in enumerate(prompts)]
