@@ -170,19 +170,3 @@ def test_pruning_skips_hopeless_workers_and_keeps_the_same_winner() -> None:
     assert [r.worker_id for r in pruned.routes] == ["w3"]
     assert set(pruned.pruned) == {f"w{i}" for i in range(8)} - {"w3"}
     assert all(bound >= pruned.best().predicted_ttft_s for bound in pruned.pruned.values())  # type: ignore[union-attr]
-
-
-def test_work_weight_prefers_the_start_that_leaves_device_time_to_others() -> None:
-    # w0 holds all 8 chunks on gpu behind a 0.52 s queue: 0.52 + 1 ms + 20 ms = 0.541 s, 1 token of work.
-    # w1 is idle and cold: 513 ms + 20 ms = 0.533 s, all 513 tokens of work.
-    workers = [heartbeat("w0", queue_delay_s=0.52), heartbeat("w1")]
-    index = ResidencyIndex()
-    index.store("w0", "gpu", CHAIN)
-    views = [cand.WorkerView(hb, cand.WorkerLoad(), cand.reported_fingerprints(hb)) for hb in workers]
-    by_ttft = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index).best()
-    assert by_ttft is not None and by_ttft.worker_id == "w1"
-    assert by_ttft.predicted_ttft_s == pytest.approx(0.533)
-    weighted = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index, work_weight=0.5).best()
-    assert weighted is not None and weighted.worker_id == "w0" and weighted.cached_tokens == 512
-    assert weighted.predicted_ttft_s == pytest.approx(0.541)
-    assert weighted.score_s == pytest.approx(0.541 + 0.5 * 1e-3)

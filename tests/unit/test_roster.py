@@ -83,15 +83,14 @@ def test_pruned_planning_finds_the_same_best_candidate(seed: int) -> None:
     for v in rng.sample(views, len(views) // 2):  # loads move after the views were placed
         v.load.outstanding_s = rng.random()
         roster.requeue(v)
-    weight = rng.choice([0.0, 0.5])
-    full = cand.plan("m", len(PROMPT), 16, CHAIN, b"m", 64, views, index, excluded, pairs, 0.0, weight)
-    pruned = plan_pruned("m", len(PROMPT), 16, CHAIN, b"m", 64, roster, index, excluded, pairs, 0.0, weight)
+    full = cand.plan("m", len(PROMPT), 16, CHAIN, b"m", 64, views, index, excluded, pairs)
+    pruned = plan_pruned("m", len(PROMPT), 16, CHAIN, b"m", 64, roster, index, excluded, pairs)
     assert pruned.best() == full.best()
     planned = {r.worker_id for r in pruned.routes}
     assert planned <= {r.worker_id for r in full.routes}
     best = full.best()
     if best is not None:
-        assert all((bound, w) > (best.score_s, best.worker_id) for w, bound in pruned.pruned.items())
+        assert all((bound, w) > (best.predicted_ttft_s, best.worker_id) for w, bound in pruned.pruned.items())
         assert not planned & set(pruned.pruned)
         # every worker is planned, pruned, or excluded for a reason
         assert planned | set(pruned.pruned) | set(pruned.excluded) == {v.heartbeat.worker_id for v in views}

@@ -23,12 +23,6 @@ because they did not lower mean and p99 TTFT at both: a restore overlapping the
 queue, a fluid model of the device queue, and one decode step per chunked-prefill
 iteration instead of one in all.)
 
-Candidates are ranked by a score: the predicted TTFT plus ``work_weight`` times
-the candidate's prefill seconds. Recomputing occupies the device that every
-later request queues behind, which a request's own TTFT does not count; kvrelay's
-policy weighs that work at one half (``policies.kvrelay_ttft``), the other
-policies plan with weight 0, where the score is the predicted TTFT.
-
 Cost is linear inside a segment, so the optimum always lies on a boundary.
 Hard constraints (model, epoch, context limit, page capacity, exactness of the
 chain) filter first; ``Plan.excluded`` says which one removed each worker.
@@ -71,8 +65,6 @@ class Candidate(msgspec.Struct, frozen=True):
     cached_tokens: int
     predicted_ttft_s: float
     terms: Terms
-    score_s: float = 0.0
-    """What the candidate was ranked by: ``predicted_ttft_s`` plus the work weight times ``terms.prefill_s``."""
 
     @property
     def tiers(self) -> frozenset[str]:
@@ -95,12 +87,6 @@ class WorkerLoad:
     """Pages of offers accepted since that worker's last heartbeat."""
     active: int = 0
     """Assignments currently offered to or running on the worker."""
-
-    def release_outstanding(self, estimate_s: float) -> None:
-        """Take back one offer's estimate; what is left of adding and subtracting the same floats is zero,
-        so workers that are alike stay exactly tied (and ties go to the lower worker id)."""
-        left = self.outstanding_s - estimate_s
-        self.outstanding_s = left if left > 1e-9 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,16 +122,15 @@ class WorkerRoute:
     """The longest route a worker can reach for a chain and its cheapest boundary.
 
     ``best`` materializes that boundary's ``Candidate`` on first use (most
-    workers' candidates are compared by ``best_score`` alone);
+    workers' candidates are compared by ``best_ttft_s`` alone);
     ``alternatives`` lists all of them.
     """
 
-    __slots__ = ("worker_id", "segments", "bounds", "best_score", "best_index", "heartbeat", "base_queue_s",
-                 "lower_load_s", "prompt_len", "chunk_tokens", "work_weight", "_best")
+    __slots__ = ("worker_id", "segments", "bounds", "best_ttft_s", "best_index", "heartbeat", "base_queue_s",
+                 "lower_load_s", "prompt_len", "chunk_tokens", "_best")
 
     def __init__(self, view: WorkerView, segments: tuple[RouteSegment, ...], bounds: list[Boundary],
-                 best_score: float, best_index: int, prompt_len: int, chunk_tokens: int, now: float,
-                 work_weight: float = 0.0) -> None:
+                 best_ttft_s: float, best_index: int, prompt_len: int, chunk_tokens: int, now: float) -> None:
         self.worker_id = view.heartbeat.worker_id
         self.heartbeat = view.heartbeat
         self.base_queue_s = queue_of(view, now)
@@ -153,19 +138,17 @@ class WorkerRoute:
         """Captured now: the route stays a true snapshot after the worker's load changes."""
         self.segments = segments
         self.bounds = bounds
-        self.best_score = best_score
+        self.best_ttft_s = best_ttft_s
         self.best_index = best_index
         self.prompt_len = prompt_len
         self.chunk_tokens = chunk_tokens
-        self.work_weight = work_weight
         self._best: Candidate | None = None
 
     @property
     def best(self) -> Candidate:
         if self._best is None:
             self._best = make_candidate(self.heartbeat, self.base_queue_s, self.lower_load_s, self.segments,
-                                        self.bounds[self.best_index], self.prompt_len, self.chunk_tokens,
-                                        self.work_weight)
+                                        self.bounds[self.best_index], self.prompt_len, self.chunk_tokens)
         return self._best
 
     @property
@@ -179,7 +162,7 @@ class WorkerRoute:
 
     @property
     def predicted_ttft_s(self) -> float:
-        return self.best.predicted_ttft_s
+        return self.best_ttft_s
 
     @property
     def terms(self) -> Terms:
@@ -191,13 +174,13 @@ class Plan:
     routes: list[WorkerRoute] = field(default_factory=list)
     excluded: dict[str, str] = field(default_factory=dict)
     pruned: dict[str, float] = field(default_factory=dict)
-    """Workers skipped because a lower bound on their score exceeded the best found (``roster.plan_pruned``)."""
+    """Workers skipped because a lower bound on their TTFT exceeded the best found (``roster.plan_pruned``)."""
 
     def best(self) -> Candidate | None:
-        """The lowest score; ties broken by worker id."""
+        """The lowest predicted TTFT; ties broken by worker id."""
         if not self.routes:
             return None
-        return min(self.routes, key=lambda r: (r.best_score, r.worker_id)).best
+        return min(self.routes, key=lambda r: (r.best_ttft_s, r.worker_id)).best
 
 
 def pages_needed(tokens: int, page_tokens: int) -> int:
@@ -214,10 +197,9 @@ def page_demand(prompt_len: int, max_new: int, gpu_cached_tokens: int, page_toke
 
 
 def _evaluate(
-    worker: WorkerView, boundaries: list[Boundary], prompt_len: int, max_new: int, chunk_tokens: int, now: float,
-    work_weight: float,
+    worker: WorkerView, boundaries: list[Boundary], prompt_len: int, max_new: int, chunk_tokens: int, now: float
 ) -> list[tuple[float, int]]:
-    """``(score, boundary index)`` of every boundary that fits the worker's capacity.
+    """``(predicted TTFT, boundary index)`` of every boundary that fits the worker's capacity.
 
     Keep in step with ``make_candidate``, which computes the same sum term by term.
     """
@@ -227,9 +209,9 @@ def _evaluate(
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
     base_queue = queue_of(worker, now)
     lower_load = lower_load_of(worker, now)
-    per_token = hb.prefill_s_per_token * (1.0 + work_weight)
-    fixed = prompt_len * per_token
+    fixed = prompt_len * hb.prefill_s_per_token
     decode = hb.decode_s_per_token
+    per_token = hb.prefill_s_per_token
     rates = hb.restore_bytes_per_s
     total_pages = -(-(prompt_len + max_new) // pt)
     out: list[tuple[float, int]] = []
@@ -258,12 +240,10 @@ def lower_load_of(worker: WorkerView, now: float) -> float:
     return max(0.0, load.restore_backlog_s - max(0.0, now - load.restore_backlog_at))
 
 
-def intrinsic_cost(hb: Heartbeat, bounds: list[Boundary], prompt_len: int, chunk_tokens: int,
-                   work_weight: float) -> float:
-    """The lowest score over ``bounds`` on a worker like ``hb`` without its queue and decode step."""
+def intrinsic_cost(hb: Heartbeat, bounds: list[Boundary], prompt_len: int, chunk_tokens: int) -> float:
+    """The cheapest restore + prefill over ``bounds`` on a worker like ``hb``, without queue or decode steps."""
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
-    per_token = hb.prefill_s_per_token * (1.0 + work_weight)
-    best = prompt_len * per_token
+    best = prompt_len * hb.prefill_s_per_token
     for cached, _, restored, _ in bounds[1:]:
         restore = 0.0
         for tier, chunks in restored:
@@ -271,15 +251,15 @@ def intrinsic_cost(hb: Heartbeat, bounds: list[Boundary], prompt_len: int, chunk
             if rate <= 0.0:
                 return best
             restore += chunks * chunk_bytes / rate
-        best = min(best, restore + (prompt_len - cached) * per_token)
+        best = min(best, restore + (prompt_len - cached) * hb.prefill_s_per_token)
     return best
 
 
 def make_candidate(
     hb: Heartbeat, base_queue: float, lower_load: float, segments: tuple[RouteSegment, ...], boundary: Boundary,
-    prompt_len: int, chunk_tokens: int, work_weight: float = 0.0,
+    prompt_len: int, chunk_tokens: int,
 ) -> Candidate:
-    """The candidate of one boundary, with its predicted TTFT broken into terms and its score."""
+    """The candidate of one boundary, with its predicted TTFT broken into terms."""
     cached, _, restored, used = boundary
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
     restore = {tier: chunks * chunk_bytes / hb.restore_bytes_per_s[tier] for tier, chunks in restored}
@@ -294,19 +274,17 @@ def make_candidate(
         cached_tokens=cached,
         predicted_ttft_s=queue + total_restore + prefill + decode,
         terms=Terms(queue, restore, prefill, decode),
-        score_s=queue + total_restore + prefill * (1.0 + work_weight) + decode,
     )
 
 
 def alternatives(route: WorkerRoute, worker: WorkerView, prompt_len: int, max_new: int, chunk_tokens: int,
                  now: float) -> list[Candidate]:
-    """Every feasible boundary candidate of one worker at ``now``, lowest score first."""
+    """Every feasible boundary candidate of one worker at ``now``, cheapest first."""
     bounds = boundaries_of(route.segments, chunk_tokens)
-    w = route.work_weight
-    scored = sorted(_evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now, w), key=lambda x: (x[0], -x[1]))
+    scored = sorted(_evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now), key=lambda x: (x[0], -x[1]))
     base_queue, lower_load = queue_of(worker, now), lower_load_of(worker, now)
     return [make_candidate(worker.heartbeat, base_queue, lower_load, route.segments, bounds[i], prompt_len,
-                           chunk_tokens, w) for _, i in scored]
+                           chunk_tokens) for _, i in scored]
 
 
 SharedRoute = tuple[tuple[RouteSegment, ...], list[Boundary]]
@@ -325,7 +303,7 @@ def route_for(
     request_model: str, prompt_len: int, max_new: int, runs: Sequence[Run], chain_fingerprint: bytes,
     chunk_tokens: int, worker: WorkerView, index: ResidencyIndex,
     excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]], shared: SharedRoute, present: int,
-    now: float, work_weight: float,
+    now: float,
 ) -> WorkerRoute | None:
     """One eligible worker's longest reachable route and its cheapest feasible boundary; None: no capacity.
 
@@ -352,11 +330,11 @@ def route_for(
         else:
             segments = walk_route(runs, index, shift, allowed, allow_peer, allow_object)
             bounds = boundaries_of(segments, chunk_tokens)
-    scored = _evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now, work_weight)
+    scored = _evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now)
     if not scored:
         return None
     best_t, best_i = min(scored, key=lambda x: (x[0], -x[1])) if len(scored) > 1 else scored[0]
-    return WorkerRoute(worker, segments, bounds, best_t, best_i, prompt_len, chunk_tokens, now, work_weight)
+    return WorkerRoute(worker, segments, bounds, best_t, best_i, prompt_len, chunk_tokens, now)
 
 
 def plan(
@@ -371,7 +349,6 @@ def plan(
     excluded_workers: frozenset[str] | set[str] = frozenset(),
     excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
     now: float = 0.0,
-    work_weight: float = 0.0,
 ) -> Plan:
     """Candidates of every eligible worker for one request at ``now`` (see the module docstring).
 
@@ -392,7 +369,7 @@ def plan(
             result.excluded[wid] = f"context limit {hb.context_limit} < {need}"
         else:
             route = route_for(request_model, prompt_len, max_new, runs, chain_fingerprint, chunk_tokens, worker,
-                              index, excluded_pairs, shared, present, now, work_weight)
+                              index, excluded_pairs, shared, present, now)
             if route is None:
                 result.excluded[wid] = "capacity"
             else:

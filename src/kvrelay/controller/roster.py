@@ -6,7 +6,7 @@ local copies; only their queues (and capacity) tell them apart. ``Roster``
 keeps such workers in one ``Group`` whose members are sorted by queue (the
 larger of the reported queue and the router's own outstanding estimate), and
 ``plan_pruned`` plans only the workers that hold a local copy of the chain plus,
-per group, the least-queued workers until a lower bound on their score exceeds
+per group, the least-queued workers until a lower bound on their TTFT exceeds
 the best candidate found. It returns the same best candidate as
 ``candidates.plan`` over every worker, at a cost that does not grow with the
 number of workers that cannot win.
@@ -126,7 +126,6 @@ def plan_pruned(
     excluded_workers: frozenset[str] | set[str] = frozenset(),
     excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
     now: float = 0.0,
-    work_weight: float = 0.0,
 ) -> cand.Plan:
     """The plan of ``candidates.plan`` restricted to the workers that can still win (see the module docstring).
 
@@ -152,13 +151,13 @@ def plan_pruned(
             result.excluded[wid] = cand.EXCLUDED_AFTER_FAILURE
             continue
         route = cand.route_for(request_model, prompt_len, max_new, runs, chain_fingerprint, chunk_tokens, view,
-                               index, excluded_pairs, shared, present, now, work_weight)
+                               index, excluded_pairs, shared, present, now)
         if route is None:
             result.excluded[wid] = "capacity"
         else:
             result.routes.append(route)
-            if (route.best_score, wid) < (best, best_id):
-                best, best_id = route.best_score, wid
+            if (route.best_ttft_s, wid) < (best, best_id):
+                best, best_id = route.best_ttft_s, wid
     local_set = set(local)
     for group in roster.groups.values():
         models, context_limit, _, group_chunk_tokens, fingerprints = group.key
@@ -171,9 +170,9 @@ def plan_pruned(
         first = group.views[group.order[0][1]]
         exact = dict(fingerprints).get(request_model) == chain_fingerprint and group_chunk_tokens == chunk_tokens
         if exact and runs:
-            intrinsic = cand.intrinsic_cost(first.heartbeat, shared[1], prompt_len, chunk_tokens, work_weight)
+            intrinsic = cand.intrinsic_cost(first.heartbeat, shared[1], prompt_len, chunk_tokens)
         else:
-            intrinsic = prompt_len * first.heartbeat.prefill_s_per_token * (1.0 + work_weight)
+            intrinsic = prompt_len * first.heartbeat.prefill_s_per_token
         for i, (wait, wid) in enumerate(group.order):
             if (wait + intrinsic, wid) > (best, best_id):  # neither this worker nor any after it can win
                 result.pruned.update({w: q + intrinsic for q, w in group.order[i:] if w not in local_set})
@@ -184,15 +183,15 @@ def plan_pruned(
                 result.excluded[wid] = cand.EXCLUDED_AFTER_FAILURE
                 continue
             route = cand.route_for(request_model, prompt_len, max_new, runs, chain_fingerprint, chunk_tokens,
-                                   group.views[wid], index, excluded_pairs, shared, present, now, work_weight)
+                                   group.views[wid], index, excluded_pairs, shared, present, now)
             if route is None:
                 result.excluded[wid] = "capacity"
             else:
                 result.routes.append(route)
-                if (route.best_score, wid) < (best, best_id):
-                    best, best_id = route.best_score, wid
+                if (route.best_ttft_s, wid) < (best, best_id):
+                    best, best_id = route.best_ttft_s, wid
     if not result.routes:
         views = [v for g in roster.groups.values() for v in g.views.values()]
         return cand.plan(request_model, prompt_len, max_new, chain, chain_fingerprint, chunk_tokens, views, index,
-                         excluded_workers, excluded_pairs, now, work_weight)
+                         excluded_workers, excluded_pairs, now)
     return result

@@ -52,12 +52,10 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         chain = prompt_chain(rs.fingerprint, prompt, config.chunk_tokens)
     if state.policy.needs_all_routes:
         plan = cand.plan(request.model, len(prompt), remaining, chain, rs.fingerprint, config.chunk_tokens,
-                         list(state.views.values()), state.index, rs.excluded_workers, rs.excluded_pairs, now,
-                         state.policy.work_weight)
+                         list(state.views.values()), state.index, rs.excluded_workers, rs.excluded_pairs, now)
     else:
         plan = plan_pruned(request.model, len(prompt), remaining, chain, rs.fingerprint, config.chunk_tokens,
-                           state.roster, state.index, rs.excluded_workers, rs.excluded_pairs, now,
-                           state.policy.work_weight)
+                           state.roster, state.index, rs.excluded_workers, rs.excluded_pairs, now)
     ctx = RoutingContext(request, prompt, chain, config.chunk_tokens, plan, state.views, state.rng, now)
     chosen = state.policy.choose(ctx) if plan.routes else None
     if chosen is None:
@@ -152,7 +150,7 @@ def release(state: RouterState, rs: RequestState) -> None:
     if view is not None:
         load = view.load
         if rs.holds_outstanding:
-            load.release_outstanding(rs.estimate_s)
+            load.outstanding_s = max(0.0, load.outstanding_s - rs.estimate_s)
             state.roster.requeue(view)
         if rs.holds_inflight:
             load.inflight_pages = max(0, load.inflight_pages - rs.demand_pages)
