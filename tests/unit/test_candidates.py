@@ -170,3 +170,15 @@ def test_pruning_skips_hopeless_workers_and_keeps_the_same_winner() -> None:
     assert [r.worker_id for r in pruned.routes] == ["w3"]
     assert set(pruned.pruned) == {f"w{i}" for i in range(8)} - {"w3"}
     assert all(bound >= pruned.best().predicted_ttft_s for bound in pruned.pruned.values())  # type: ignore[union-attr]
+
+
+def test_released_estimates_leave_exactly_zero_outstanding() -> None:
+    load = cand.WorkerLoad()
+    for estimate in (0.1, 0.2, 0.3):
+        load.outstanding_s += estimate
+    for estimate in (0.1, 0.2, 0.3):
+        load.release_outstanding(estimate)
+    assert load.outstanding_s == 0.0  # plain float subtraction leaves 5.6e-17, which breaks ties by residue
+    load.outstanding_s = 1.0
+    load.release_outstanding(0.25)
+    assert load.outstanding_s == 0.75

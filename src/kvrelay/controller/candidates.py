@@ -88,6 +88,12 @@ class WorkerLoad:
     active: int = 0
     """Assignments currently offered to or running on the worker."""
 
+    def release_outstanding(self, estimate_s: float) -> None:
+        """Take back one offer's estimate; what is left of adding and subtracting the same floats is zero,
+        so workers that are alike stay exactly tied (and ties go to the lower worker id)."""
+        left = self.outstanding_s - estimate_s
+        self.outstanding_s = left if left > 1e-9 else 0.0
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerView:

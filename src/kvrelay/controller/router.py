@@ -279,7 +279,7 @@ def _first_progress(state: RouterState, rs: RequestState) -> None:
     if rs.holds_outstanding:
         view = state.views.get(rs.worker_id or "")
         if view is not None:
-            view.load.outstanding_s = max(0.0, view.load.outstanding_s - rs.estimate_s)
+            view.load.release_outstanding(rs.estimate_s)
             state.roster.requeue(view)
         rs.holds_outstanding = False
 

@@ -150,7 +150,7 @@ def release(state: RouterState, rs: RequestState) -> None:
     if view is not None:
         load = view.load
         if rs.holds_outstanding:
-            load.outstanding_s = max(0.0, load.outstanding_s - rs.estimate_s)
+            load.release_outstanding(rs.estimate_s)
             state.roster.requeue(view)
         if rs.holds_inflight:
             load.inflight_pages = max(0, load.inflight_pages - rs.demand_pages)
