@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from kvrelay.controller.index import GPU, OBJECT, RAM, SSD, ResidencyIndex
+import random
+
+import pytest
+
+from kvrelay.controller.index import GPU, OBJECT, RAM, SSD, TIER_BITS, ResidencyIndex
 
 
 def keys(n: int, tag: bytes = b"k") -> list[bytes]:
@@ -52,3 +56,47 @@ def test_drop_worker_forgets_only_that_worker() -> None:
     assert ix.drop_worker("a") == 3
     assert len(ix) == 1 and ix.tiers_of(ix.lookup(ks)[0], "b") == GPU
     assert ix.tiers_of(ix.lookup(ks)[0], "a") == 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_events_match_a_plain_model(seed: int) -> None:
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    ix = ResidencyIndex(max_keys=rng.choice([40, 1000]))
+    model: dict[bytes, int] = {}  # key -> packed value, in LRU order of stores
+    pool = keys(60) + [b"short" + bytes([i]) for i in range(5)]
+    workers = [f"w{i}" for i in range(rng.randrange(1, 20))]
+    for _ in range(300):
+        op = rng.random()
+        w = rng.choice(workers)
+        shift = 4 * (ix.slot(w) + 1)
+        tier = rng.choice(["gpu", "ram", "ssd", "object"])
+        bit = TIER_BITS[tier] << (0 if tier == "object" else shift)
+        batch = rng.sample(pool, rng.randrange(1, 12))
+        if op < 0.55:
+            ix.store(w, tier, batch)
+            for k in dict.fromkeys(batch):
+                model[k] = model.pop(k, 0) | bit
+            while len(model) > ix.max_keys:
+                model.pop(next(iter(model)))
+        elif op < 0.9:
+            ix.remove(w, tier, batch)
+            for k in batch:
+                if k in model:
+                    model[k] &= ~bit
+                    if not model[k]:
+                        del model[k]
+        else:
+            ix.drop_worker(w)
+            for k in list(model):
+                model[k] &= ~(0xF << shift)
+                if not model[k]:
+                    del model[k]
+        chain = rng.sample(pool, rng.randrange(0, 20))
+        expected = []
+        for k in chain:
+            if k not in model:
+                break
+            expected.append(model[k])
+        assert ix.lookup(chain) == expected
+        assert len(ix) == len(model)
