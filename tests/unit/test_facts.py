@@ -222,7 +222,7 @@ class LazyCandidate:
         return self._candidate
 
 
-def test_lazy_candidates_are_materialized_by_the_writer(store: FactStore) -> None:
+def test_lazy_candidates_are_materialized_for_the_record(store: FactStore) -> None:
     lazy = LazyCandidate(candidate("w2", 0.08))
     data = {"policy": "kvrelay", "model": "m", "chosen": candidate("w1", 0.05),
             "candidates": (LazyCandidate(candidate("w1", 0.05)), lazy), "excluded": {}}

@@ -2,7 +2,7 @@
 
 ``make_engine(url)`` returns a lazy engine (it connects on first use). SQLite
 connections run in WAL mode with ``synchronous=NORMAL`` and a busy timeout,
-set by a connect event, so the writer thread and routing-path readers do not
+set by a connect event, so the writer process and routing-path readers do not
 block each other. JSON columns are encoded and decoded with ``msgspec`` (several
 times faster than the standard library on decision snapshots). PostgreSQL URLs use psycopg 3
 (``postgresql+psycopg://user@host:port/db``) with a connect timeout. There is

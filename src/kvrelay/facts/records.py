@@ -152,6 +152,16 @@ class ReplicaStoredFact(msgspec.Struct, frozen=True, gc=False):
     now: Seconds
 
 
+class ReplicaChangesFact(msgspec.Struct, frozen=True, gc=False):
+    tier: Tier
+    location: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+    stored: list[ChunkKey]
+    removed: list[ChunkKey]
+    reason: str
+    bytes: Count
+    now: Seconds
+
+
 class ReplicaRemovedFact(msgspec.Struct, frozen=True, gc=False):
     key: ChunkKey
     tier: Tier
@@ -300,7 +310,8 @@ def record_write(record: Record) -> Write:
 
 
 def fact_writes(fact: Fact) -> list[Write]:
-    """The writes for a ``Fact`` (one per lineage entry); raises ``UnknownKind`` or ``MalformedRecord``."""
+    """The writes for a ``Fact`` (one per lineage entry, one per key of replica changes: stores, then
+    removals); raises ``UnknownKind`` or ``MalformedRecord``."""
     what = f"{fact.kind} fact"
     if fact.kind == "model":
         m = _convert(fact.params, ModelFact, what)
@@ -326,6 +337,14 @@ def fact_writes(fact: Fact) -> list[Write]:
         d = _convert(fact.params, ReplicaRemovedFact, what)
         where = {"p_key": d.key, "p_tier": d.tier, "p_location": d.location}
         return [Write("replica_removed", {**where, "p_reason": clip(d.reason, REASON_CHARS), "p_time": d.now})]
+    if fact.kind == "replica_changes":
+        c = _convert(fact.params, ReplicaChangesFact, what)
+        stored = [{"key": k, "tier": c.tier, "location": c.location, "bytes": c.bytes, "created": c.now}
+                  for k in c.stored]
+        reason = clip(c.reason, REASON_CHARS)
+        removed = [{"p_key": k, "p_tier": c.tier, "p_location": c.location, "p_reason": reason, "p_time": c.now}
+                   for k in c.removed]
+        return [Write("replica_stored", row) for row in stored] + [Write("replica_removed", row) for row in removed]
     raise UnknownKind(f"fact kind {fact.kind!r} is not stored; see FactStore.record_* for the stored facts")
 
 

@@ -8,12 +8,17 @@ read on the routing path. This holds while one router writes the replica
 facts of its cluster, which is how ``kvrelay serve`` and ``kvrelay router``
 run; several routers sharing one fact store would each see only their own
 changes after start (the store's ``ChainFactsCache`` with a TTL suits that).
+
+Each key maps to the tuple of its ``Replica``s, in the order they were added,
+replaced whole on every change: ``lookup`` reads without the lock and never
+sees a half-made change.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import chain as concat
 
 import sqlalchemy as sa
 
@@ -23,7 +28,7 @@ from kvrelay.facts.schema import LIVE_REPLICA, replicas
 
 class ReplicaMap:
     def __init__(self) -> None:
-        self._by_key: dict[bytes, dict[tuple[str, str], None]] = {}
+        self._by_key: dict[bytes, tuple[Replica, ...]] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -43,23 +48,30 @@ class ReplicaMap:
         return len(self._by_key)
 
     def add(self, key: bytes, tier: str, location: str) -> None:
-        with self._lock:
-            self._by_key.setdefault(key, {})[(tier, location)] = None
+        self.apply(tier, location, (key,), ())
 
     def remove(self, key: bytes, tier: str, location: str) -> None:
+        self.apply(tier, location, (), (key,))
+
+    def apply(self, tier: str, location: str, stored: Iterable[bytes], removed: Iterable[bytes]) -> None:
+        """Replicas of ``stored`` keys at ``(tier, location)`` added, then those of ``removed`` keys dropped."""
+        by_key = self._by_key
         with self._lock:
-            places = self._by_key.get(key)
-            if places is not None:
-                places.pop((tier, location), None)
-                if not places:
-                    del self._by_key[key]
+            for key in stored:
+                replica = (key, tier, location)
+                places = by_key.get(key, ())
+                if replica not in places:
+                    by_key[key] = (*places, replica)
+            for key in removed:
+                places = by_key.get(key, ())
+                kept = tuple(r for r in places if r[1] != tier or r[2] != location)
+                if kept:
+                    by_key[key] = kept
+                elif places:
+                    del by_key[key]
 
     def lookup(self, chain: Sequence[bytes]) -> tuple[Replica, ...]:
         """``(key, tier, location)`` of every live replica of the chain's keys, in chain order."""
-        get = self._by_key.get
-        out: list[Replica] = []
-        for key in chain:
-            places = get(key)
-            if places:
-                out.extend((key, tier, location) for tier, location in places)
-        return tuple(out)
+        if not self._by_key:
+            return ()
+        return tuple(concat.from_iterable(filter(None, map(self._by_key.get, chain))))
