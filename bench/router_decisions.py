@@ -6,10 +6,12 @@ of one document plus a fresh suffix. Each timed step is one ``RequestArrived``
 through ``router.step``: chain lookup, candidate planning over every worker and
 tier boundary, policy choice, the offer and the decision record. The request
 is then completed (untimed) so load stays steady. A third run attaches the
-fact store (SQLite) and the router's replica map loaded from it: each timed
-decision also looks up the chain's durable replicas and hands its record to
-the store (encoded on the routing thread, written by the store's writer
-process); after the timed loop the store is drained and its counters reported.
+fact store (SQLite) and the router's replica map: the durable replicas are
+joined into the index as a running router joins them (every object replica at
+start, a worker's own when its epoch begins; untimed), and each timed decision
+also hands its records to the store (encoded on the routing thread, written by
+the store's writer process); the untimed completion steps' records go there
+too. After the timed loop the store is drained and its counters reported.
 
     .venv/bin/python bench/router_decisions.py [--requests N] [--json PATH]
 """
@@ -35,6 +37,7 @@ from common import Figure, report  # noqa: E402
 from kvrelay.controller.events import (  # noqa: E402
     MessageReceived,
     Record,
+    ReplicasKnown,
     Request,
     RequestArrived,
     SendOffer,
@@ -97,12 +100,15 @@ def bytes_per_entry(n: int = 200_000) -> float:
 
 
 def run(requests: int, seed: int, policy: str, facts: FactStore | None = None) -> tuple[list[float], int]:
-    """Time ``step(RequestArrived)`` per request; with ``facts``, also the replica lookup and the record sink."""
+    """Time ``step(RequestArrived)`` per request; with ``facts``, also the record sink."""
     replica_map = ReplicaMap.load(facts.engine) if facts is not None else None
     sink = record_sink(facts, replica_map) if facts is not None else None
     state, rng = build(seed, policy, sink)
-    if facts is not None:
+    if facts is not None and replica_map is not None:
         facts.flush(600)  # the start-up burst of replica facts is written before the timed decisions
+        state, _ = step(state, ReplicasKnown(0.0, replica_map.of_tier("object")))
+        for i in range(WORKERS):
+            state, _ = step(state, ReplicasKnown(0.0, replica_map.held_by(f"w{i:02d}")))
     lat: list[float] = []
     prompts = []
     for r in range(requests):
@@ -117,19 +123,21 @@ def run(requests: int, seed: int, policy: str, facts: FactStore | None = None) -
     perf = time.perf_counter
     for r, req in enumerate(prompts):
         t0 = perf()
-        if replica_map is not None:
-            state, fx = step(state, RequestArrived(float(r), req, replica_map.lookup(req.chain)))
+        state, fx = step(state, RequestArrived(float(r), req))
+        if sink is not None:
             for effect in fx:
                 if isinstance(effect, Record):
-                    sink(effect)  # type: ignore[misc]
-        else:
-            state, fx = step(state, RequestArrived(float(r), req))
+                    sink(effect)
         lat.append(perf() - t0)
         offer = next(e for e in fx if isinstance(e, SendOffer)).offer
-        state, _ = step(state, MessageReceived(float(r), OfferResult(
+        state, fx = step(state, MessageReceived(float(r), OfferResult(
             assignment=offer.assignment, worker_id=offer.worker_id, epoch=1, accepted=True)))
-        state, _ = step(state, MessageReceived(float(r), Result(
+        state, more = step(state, MessageReceived(float(r), Result(
             assignment=offer.assignment, worker_id=offer.worker_id, tokens=(1,), finish_reason="stop")))
+        if sink is not None:
+            for effect in (*fx, *more):
+                if isinstance(effect, Record):
+                    sink(effect)
         w = int(offer.worker_id[1:])
         state, _ = step(state, MessageReceived(float(r), heartbeat(w, seq=r + 2)))
     gc.unfreeze()

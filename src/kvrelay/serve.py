@@ -95,7 +95,7 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
         loop.call_soon(router.receive, message)
 
     router = ClusterRouter(new_router(RouterConfig(chunk_tokens=options.chunk_tokens)), to_worker,
-                           record_sink(facts, replica_map), replicas_for=replica_map.lookup)
+                           record_sink(facts, replica_map), replicas=replica_map)
     controller.publish = to_router
     served = ServedModel(artifacts.name, artifacts.tokenizer, config.architecture, context_limit,
                          tuple(config.eos_token_ids))

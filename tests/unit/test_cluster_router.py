@@ -82,3 +82,30 @@ def test_a_failing_consumer_callback_is_contained() -> None:
         await router.close()
 
     asyncio.run(scenario())
+
+
+def test_durable_replicas_are_read_at_start_and_when_a_worker_epoch_begins() -> None:
+    from kvrelay.facts.replica_map import ReplicaMap
+    from kvrelay.store.keys import prompt_chain
+
+    async def scenario() -> None:
+        prompt = tuple(range(1, 64 * 4 + 2))
+        chain = prompt_chain(b"m", prompt, 64)
+        replicas = ReplicaMap()
+        replicas.apply("object", "bucket", chain[:2], ())
+        replicas.apply("ssd", "w1", chain, ())
+        inbox = Inbox()
+        router = ClusterRouter(new_router(RouterConfig()), inbox.send, replicas=replicas)
+        router.start()  # reads every object replica
+        assert len(router.state.index) == 2
+        slow_peers = {"ram": 1e9, "ssd": 2.5e8, "peer": 1e7, "object": 1e7}
+        router.receive(heartbeat("w0", restore_bytes_per_s=slow_peers))
+        router.receive(heartbeat("w1", restore_bytes_per_s=slow_peers))  # its epoch begins: its ssd replicas join
+        assert len(router.state.index) == 4
+        consumer, _, _ = collect()
+        router.submit(Request("r", "m", prompt, 3), consumer)
+        worker, offer = await inbox.next(Offer)
+        assert worker == "w1" and [(s.tier, s.chunks) for s in offer.route] == [("ssd", 4)]
+        await router.close()
+
+    asyncio.run(scenario())

@@ -35,7 +35,8 @@ def test_the_replica_map_loads_live_replicas_and_follows_the_routers_records(tmp
         assert store.flush(10)
     with FactStore(url) as store:  # a router restart
         replicas = ReplicaMap.load(store.engine)
-        assert replicas.lookup(keys) == ((keys[0], "ssd", "w0"),)
+        assert replicas.held_by("w0") == ((keys[0], "ssd", "w0"),)
         live = record_sink(store, replicas)
         live(Record("replica", "", 0, 3.0, {"worker_id": "w1", "tier": "object", "stored": keys[2:], "removed": ()}))
-        assert replicas.lookup(keys) == ((keys[0], "ssd", "w0"), (keys[2], "object", "object"))
+        assert replicas.held_by("w0") == ((keys[0], "ssd", "w0"),)
+        assert replicas.of_tier("object") == ((keys[2], "object", "object"),)

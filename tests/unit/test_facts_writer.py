@@ -108,18 +108,20 @@ def test_items_cross_the_wire_intact_and_what_cannot_be_encoded_is_named() -> No
     assert foreign.message == "expected a kvrelay.controller.events.Record, got tuple"
 
 
-def test_the_replica_map_keeps_insertion_order_per_key_and_chain_order_overall() -> None:
+def test_the_replica_map_answers_by_place_in_insertion_order() -> None:
     a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
     replicas = ReplicaMap()
     replicas.apply("ssd", "w1", (a, b), ())
-    replicas.apply("object", "object", (b, a), ())
+    replicas.apply("object", "bucket", (b, a), ())
+    replicas.apply("ssd", "w2", (c,), ())
     replicas.apply("ssd", "w1", (a,), ())  # a repeat changes nothing
-    assert replicas.lookup((b, c, a)) == (
-        (b, "ssd", "w1"), (b, "object", "object"), (a, "ssd", "w1"), (a, "object", "object"))
+    assert replicas.held_by("w1") == ((a, "ssd", "w1"), (b, "ssd", "w1"))
+    assert replicas.of_tier("object") == ((b, "object", "bucket"), (a, "object", "bucket"))
+    assert replicas.of_tier("ssd") == ((a, "ssd", "w1"), (b, "ssd", "w1"), (c, "ssd", "w2"))
     replicas.apply("ssd", "w1", (), (a, b, c))
-    assert replicas.lookup((a, b, c)) == ((a, "object", "object"), (b, "object", "object"))
-    replicas.remove(a, "object", "object")
-    assert replicas.lookup((a, b)) == ((b, "object", "object"),) and len(replicas) == 1
+    assert replicas.held_by("w1") == () and len(replicas) == 3
+    replicas.remove(a, "object", "bucket")
+    assert replicas.of_tier("object") == ((b, "object", "bucket"),) and len(replicas) == 2
 
 
 def test_replica_changes_are_validated_like_single_replica_facts(tmp_path: Path) -> None:

@@ -207,20 +207,25 @@ def test_max_attempts_ends_the_request_with_an_error() -> None:
     assert isinstance(res, DeliverResult)
 
 
-def test_durable_replica_facts_arriving_with_a_request_feed_the_candidates() -> None:
-    from kvrelay.controller.events import Request, RequestArrived
+def test_a_workers_new_epoch_asks_for_its_durable_replicas_and_they_feed_the_candidates() -> None:
+    from kvrelay.controller.events import LoadReplicas, MessageReceived, ReplicasKnown, Request, RequestArrived
     from kvrelay.controller.router import request_chain
 
     d = Driver()
     rates = {"ram": 1e9, "ssd": 2.5e8, "peer": 1e7, "object": 1e7}
-    d.message(heartbeat("w0", restore_bytes_per_s=rates))
-    d.message(heartbeat("w1", restore_bytes_per_s=rates))
+    assert d.feed(MessageReceived(d.now, heartbeat("w0", restore_bytes_per_s=rates))) == [LoadReplicas("w0")]
+    assert d.feed(MessageReceived(d.now, heartbeat("w1", restore_bytes_per_s=rates))) == [LoadReplicas("w1")]
+    assert d.feed(MessageReceived(d.now, heartbeat("w1", seq=2, restore_bytes_per_s=rates))) == []  # same epoch
     request = Request("r", "m", PROMPT, 4)
     chain = request_chain(d.state, request)
     assert chain == CHAIN
     facts = tuple((k, "ssd", "w1") for k in chain) + ((chain[0], "ssd", "gone-worker"),)
-    (offer,) = offers(d.feed(RequestArrived(d.now, request, facts)))
+    assert d.feed(ReplicasKnown(d.now, facts)) == []
+    (offer,) = offers(d.feed(RequestArrived(d.now, request)))
     assert offer.worker_id == "w1" and [(s.tier, s.chunks) for s in offer.offer.route] == [("ssd", 8)]
+    assert "gone-worker" not in d.state.index.slots  # replicas of workers that are not live are not learned
+    restarted = d.feed(MessageReceived(d.now, heartbeat("w1", epoch=2, seq=1, restore_bytes_per_s=rates)))
+    assert LoadReplicas("w1") in restarted
 
 
 def test_durable_residency_becomes_replica_records() -> None:

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvrelay.controller.events import (
     CancelTimer,
@@ -23,10 +24,12 @@ from kvrelay.controller.events import (
     DeliverDelta,
     DeliverResult,
     Effect,
+    LoadReplicas,
     MessageReceived,
     Outcome,
     Record,
     Replica,
+    ReplicasKnown,
     Request,
     RequestArrived,
     RouterEvent,
@@ -38,12 +41,20 @@ from kvrelay.controller.events import (
     TimerKey,
     WorkerUnavailable,
 )
-from kvrelay.controller.router import RouterState, request_chain, step
+from kvrelay.controller.router import RouterState, step
 from kvrelay.protocol.messages import WireMessage
 
 log = logging.getLogger(__name__)
 
 SendToWorker = Callable[[str, WireMessage], None]
+
+
+class ReplicaSource(Protocol):
+    """The fact store's live durable replicas (``facts.replica_map.ReplicaMap``)."""
+
+    def of_tier(self, tier: str) -> tuple[Replica, ...]: ...
+
+    def held_by(self, location: str) -> tuple[Replica, ...]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,15 +75,15 @@ class ClusterRouter:
         record: Callable[[Record], None] = lambda r: None,
         clock: Callable[[], float] = time.monotonic,
         tick_s: float = 0.5,
-        replicas_for: Callable[[tuple[bytes, ...]], tuple[Replica, ...]] | None = None,
+        replicas: ReplicaSource | None = None,
     ) -> None:
         self.state = state
         self._send = send
         self._record = record
         self._clock = clock
         self._tick_s = tick_s
-        self._replicas_for = replicas_for
-        """The fact store's durable replicas of a chain, fetched in one batch (a read-through cache)."""
+        self._replicas = replicas
+        """The fact store's durable replicas, read when the router starts and when a worker's epoch begins."""
         self._timers: dict[TimerKey, asyncio.TimerHandle] = {}
         self._consumers: dict[str, Consumer] = {}
         self._ticker: asyncio.Task[None] | None = None
@@ -83,13 +94,7 @@ class ClusterRouter:
     def submit(self, request: Request, consumer: Consumer) -> None:
         """Route a new request; its deltas and its one outcome go to ``consumer``."""
         self._consumers[request.request_id] = consumer
-        replicas: tuple[Replica, ...] = ()
-        if self._replicas_for is not None:
-            try:
-                replicas = self._replicas_for(request_chain(self.state, request))
-            except Exception:
-                log.exception("replica lookup failed; routing on the residency index alone")
-        self.feed(RequestArrived(self._clock(), request, replicas))
+        self.feed(RequestArrived(self._clock(), request))
 
     def cancel(self, request_id: str) -> None:
         self.feed(ConsumerCancelled(self._clock(), request_id))
@@ -112,6 +117,7 @@ class ClusterRouter:
         """Start the periodic tick that expires silent workers (call on the running loop)."""
         if self._ticker is None:
             self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
+            self._learn(lambda source: source.of_tier("object"))
 
     async def close(self) -> None:
         if self._ticker is not None:
@@ -159,6 +165,19 @@ class ClusterRouter:
                     self._guard(consumer.on_result, outcome)
             case Record():
                 self._guard(self._record, effect)
+            case LoadReplicas(worker_id=wid):
+                self._learn(lambda source: source.held_by(wid))
+
+    def _learn(self, read: Callable[[ReplicaSource], tuple[Replica, ...]]) -> None:
+        if self._replicas is None:
+            return
+        try:
+            replicas = read(self._replicas)
+        except Exception:
+            log.exception("reading replica facts failed; routing on the residency index alone")
+            return
+        if replicas:
+            self.feed(ReplicasKnown(self._clock(), replicas))
 
     def _fire(self, key: TimerKey) -> None:
         self._timers.pop(key, None)

@@ -46,11 +46,19 @@ Replica = tuple[bytes, str, str]
 
 @dataclass(frozen=True, slots=True)
 class RequestArrived:
-    """A new request, with the durable replica facts of its chain the shell fetched in one batch."""
+    """A new request."""
 
     now: float
     request: Request
-    replicas: tuple[Replica, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicasKnown:
+    """Durable replica facts the shell read from the fact store: every object replica at start, and a
+    worker's own replicas when ``LoadReplicas`` asked for them (its epoch began)."""
+
+    now: float
+    replicas: tuple[Replica, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +97,7 @@ class Tick:
     now: float
 
 
-RouterEvent = RequestArrived | MessageReceived | TimerFired | WorkerUnavailable | ConsumerCancelled | Tick
+RouterEvent = RequestArrived | ReplicasKnown | MessageReceived | TimerFired | WorkerUnavailable | ConsumerCancelled | Tick
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,4 +166,11 @@ class Record:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-Effect = SendOffer | SendCancel | StartTimer | CancelTimer | DeliverDelta | DeliverResult | Record
+@dataclass(frozen=True, slots=True)
+class LoadReplicas:
+    """Read the fact store's durable replicas held by ``worker_id`` and feed them back as ``ReplicasKnown``."""
+
+    worker_id: str
+
+
+Effect = SendOffer | SendCancel | StartTimer | CancelTimer | DeliverDelta | DeliverResult | Record | LoadReplicas

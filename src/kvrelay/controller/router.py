@@ -21,9 +21,11 @@ from kvrelay.controller.events import (
     DeliverDelta,
     DeliverResult,
     Effect,
+    LoadReplicas,
     MessageReceived,
     Outcome,
     Record,
+    ReplicasKnown,
     Request,
     RequestArrived,
     RouterEvent,
@@ -66,9 +68,10 @@ def step(state: RouterState, event: RouterEvent) -> tuple[RouterState, Effects]:
     """Apply one event; return the updated state and the effects to carry out, in order."""
     fx: Effects = []
     match event:
-        case RequestArrived(now=now, request=request, replicas=replicas):
-            _learn_replicas(state, replicas)
+        case RequestArrived(now=now, request=request):
             _on_request(state, request, now, fx)
+        case ReplicasKnown(replicas=replicas):
+            _learn_replicas(state, replicas)
         case MessageReceived(now=now, message=message):
             _on_message(state, message, now, fx)
         case TimerFired(now=now, timer=timer):
@@ -91,11 +94,12 @@ def step(state: RouterState, event: RouterEvent) -> tuple[RouterState, Effects]:
 
 def _learn_replicas(state: RouterState, replicas: tuple[tuple[bytes, str, str], ...]) -> None:
     """Merge durable replica facts into the index: object replicas always, local ones of live workers."""
+    groups: dict[tuple[str, str], list[bytes]] = {}
     for key, tier, location in replicas:
-        if tier == "object":
-            state.index.store(location, "object", (key,))
-        elif tier in ("ram", "ssd") and location in state.views:
-            state.index.store(location, tier, (key,))
+        groups.setdefault((tier, location), []).append(key)
+    for (tier, location), keys in groups.items():
+        if tier == "object" or (tier in ("ram", "ssd") and location in state.views):
+            state.index.store(location, tier, keys)
 
 
 def request_chain(state: RouterState, request: Request) -> tuple[bytes, ...]:
@@ -210,6 +214,8 @@ def _on_heartbeat(state: RouterState, hb: Heartbeat, now: float, fx: Effects) ->
     for model, fp in fps.items():
         state.fingerprints.setdefault(model, fp)
     view = state.views.get(hb.worker_id)
+    if view is None or view.heartbeat.epoch != hb.epoch:
+        fx.append(LoadReplicas(hb.worker_id))  # its durable tiers may hold chunks the index forgot or never saw
     load = view.load if view is not None else cand.WorkerLoad()
     load.accepted_pages = 0
     load.restore_backlog_s, load.restore_backlog_at = hb.lower_tier_load_s, now

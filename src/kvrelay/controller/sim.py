@@ -35,6 +35,7 @@ from kvrelay.controller.events import (
     ConsumerCancelled,
     DeliverDelta,
     DeliverResult,
+    LoadReplicas,
     MessageReceived,
     Outcome,
     Record,
@@ -192,6 +193,8 @@ class Simulation:
             self._carry(effect, cause)
 
     def _carry(self, effect: Any, cause: Assignment | None) -> None:
+        if isinstance(effect, LoadReplicas):
+            return  # the simulated cluster has no fact store; its index follows residency events alone
         if self.log is not None and not isinstance(effect, Record):
             self._note(f"router -> {describe(effect)}")
         if isinstance(effect, SendOffer):

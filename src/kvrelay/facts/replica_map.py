@@ -3,22 +3,22 @@
 Contract: ``ReplicaMap.load(engine)`` reads every live replica fact (ssd and
 object tiers) once, at router start; from then on the router's own replica
 records keep it current (``record_sink`` applies each before handing it to
-the store's writer), so ``lookup(chain)`` answers from memory with no database
-read on the routing path. This holds while one router writes the replica
+the store's writer), so ``held_by(location)`` and ``of_tier(tier)`` answer
+from memory with no database read. The router reads
+``of_tier("object")`` when it starts and ``held_by(worker)`` when a worker's
+epoch begins (``controller.events.LoadReplicas``): the only moments this map
+knows a replica the router's residency index does not. This holds while one router writes the replica
 facts of its cluster, which is how ``kvrelay serve`` and ``kvrelay router``
 run; several routers sharing one fact store would each see only their own
 changes after start (the store's ``ChainFactsCache`` with a TTL suits that).
 
-Each key maps to the tuple of its ``Replica``s, in the order they were added,
-replaced whole on every change: ``lookup`` reads without the lock and never
-sees a half-made change.
+Replicas are kept per ``(tier, location)`` in the order they were added.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
-from itertools import chain as concat
+from collections.abc import Iterable
 
 import sqlalchemy as sa
 
@@ -28,7 +28,8 @@ from kvrelay.facts.schema import LIVE_REPLICA, replicas
 
 class ReplicaMap:
     def __init__(self) -> None:
-        self._by_key: dict[bytes, tuple[Replica, ...]] = {}
+        self._by_place: dict[tuple[str, str], dict[bytes, None]] = {}
+        """``(tier, location)`` -> its keys, in the order they were added."""
         self._lock = threading.Lock()
 
     @classmethod
@@ -45,7 +46,8 @@ class ReplicaMap:
         return out
 
     def __len__(self) -> int:
-        return len(self._by_key)
+        """How many live replicas."""
+        return sum(len(keys) for keys in self._by_place.values())
 
     def add(self, key: bytes, tier: str, location: str) -> None:
         self.apply(tier, location, (key,), ())
@@ -55,23 +57,23 @@ class ReplicaMap:
 
     def apply(self, tier: str, location: str, stored: Iterable[bytes], removed: Iterable[bytes]) -> None:
         """Replicas of ``stored`` keys at ``(tier, location)`` added, then those of ``removed`` keys dropped."""
-        by_key = self._by_key
         with self._lock:
+            place = self._by_place.setdefault((tier, location), {})
             for key in stored:
-                replica = (key, tier, location)
-                places = by_key.get(key, ())
-                if replica not in places:
-                    by_key[key] = (*places, replica)
+                place.setdefault(key, None)
             for key in removed:
-                places = by_key.get(key, ())
-                kept = tuple(r for r in places if r[1] != tier or r[2] != location)
-                if kept:
-                    by_key[key] = kept
-                elif places:
-                    del by_key[key]
+                place.pop(key, None)
+            if not place:
+                del self._by_place[(tier, location)]
 
-    def lookup(self, chain: Sequence[bytes]) -> tuple[Replica, ...]:
-        """``(key, tier, location)`` of every live replica of the chain's keys, in chain order."""
-        if not self._by_key:
-            return ()
-        return tuple(concat.from_iterable(filter(None, map(self._by_key.get, chain))))
+    def held_by(self, location: str) -> tuple[Replica, ...]:
+        """Every live replica at ``location`` (a worker id or a bucket), tier by tier."""
+        with self._lock:
+            return tuple((key, tier, loc) for (tier, loc), keys in self._by_place.items() if loc == location
+                         for key in keys)
+
+    def of_tier(self, tier: str) -> tuple[Replica, ...]:
+        """Every live replica on ``tier``, location by location."""
+        with self._lock:
+            return tuple((key, t, location) for (t, location), keys in self._by_place.items() if t == tier
+                         for key in keys)

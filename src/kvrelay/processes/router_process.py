@@ -115,7 +115,7 @@ async def run_router(options: RouterOptions, on_ready: Callable[[str, str], None
     config = RouterConfig(offer_timeout_s=options.offer_timeout_s, progress_timeout_s=options.progress_timeout_s,
                           worker_expiry_s=options.worker_expiry_s, chunk_tokens=options.chunk_tokens)
     router = ClusterRouter(new_router(config, options.policy), endpoint.send, record_sink(facts, replica_map),
-                           replicas_for=replica_map.lookup)
+                           replicas=replica_map)
     ingress = Ingress(router, catalog.served, _metrics(router, endpoint),
                       lambda name: any(name in v.heartbeat.models for v in router.state.views.values()))
     app = create_app(ingress)
