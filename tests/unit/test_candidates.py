@@ -125,8 +125,10 @@ def test_ties_break_by_worker_id() -> None:
     assert best is not None and best.worker_id == "w0"
 
 
-@pytest.mark.parametrize(("queue", "winner"), [(1.0, "w1"), (0.3, "w0")])
+@pytest.mark.parametrize(("queue", "winner"), [(2.0, "w1"), (0.3, "w0")])
 def test_router_follows_the_score_on_locality_against_load(queue: float, winner: str) -> None:
+    # Half the workers are busy, so prefill seconds weigh 1 + 2 * 0.5 = 2 (policies.kvrelay_ttft):
+    # w0 scores queue + 2 * 1 ms + 20 ms, cold w1 scores 2 * 513 ms + 20 ms = 1.046 s.
     d = Driver()
     d.message(heartbeat("w0", queue_delay_s=queue))
     d.message(heartbeat("w1"))
@@ -182,3 +184,19 @@ def test_released_estimates_leave_exactly_zero_outstanding() -> None:
     load.outstanding_s = 1.0
     load.release_outstanding(0.25)
     assert load.outstanding_s == 0.75
+
+
+def test_work_weight_prefers_the_start_that_leaves_device_time_to_others() -> None:
+    # w0 holds all 8 chunks on gpu behind a 0.52 s queue: 0.52 + 1 ms + 20 ms = 0.541 s, 1 token of work.
+    # w1 is idle and cold: 513 ms + 20 ms = 0.533 s, all 513 tokens of work.
+    workers = [heartbeat("w0", queue_delay_s=0.52), heartbeat("w1")]
+    index = ResidencyIndex()
+    index.store("w0", "gpu", CHAIN)
+    views = [cand.WorkerView(hb, cand.WorkerLoad(), cand.reported_fingerprints(hb)) for hb in workers]
+    by_ttft = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index).best()
+    assert by_ttft is not None and by_ttft.worker_id == "w1"
+    assert by_ttft.predicted_ttft_s == pytest.approx(0.533)
+    weighted = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index, work_weight=0.5).best()
+    assert weighted is not None and weighted.worker_id == "w0" and weighted.cached_tokens == 512
+    assert weighted.predicted_ttft_s == pytest.approx(0.541)
+    assert weighted.score_s == pytest.approx(0.541 + 0.5 * 1e-3)

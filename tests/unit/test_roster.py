@@ -45,6 +45,22 @@ def test_members_are_grouped_by_cost_and_ordered_by_queue() -> None:
     assert orders(roster) == [["b"]] and len(roster) == 1 and roster.view("a") is None
 
 
+def test_busy_share_follows_queues() -> None:
+    roster = Roster()
+    assert roster.busy_share() == 0.0
+    a, b = view("a"), view("b", queue_delay_s=0.2)
+    roster.put(a)
+    roster.put(b)
+    assert roster.busy_share() == 0.5
+    a.load.outstanding_s = 0.1
+    roster.requeue(a)
+    assert roster.busy_share() == 1.0
+    roster.remove("b")
+    a.load.release_outstanding(0.1)
+    roster.requeue(a)
+    assert roster.busy_share() == 0.0
+
+
 def random_case(rng: random.Random) -> tuple[list[cand.WorkerView], ResidencyIndex, set[str], set[tuple[str, str]]]:
     n = rng.randrange(1, 12)
     views = []
@@ -83,14 +99,15 @@ def test_pruned_planning_finds_the_same_best_candidate(seed: int) -> None:
     for v in rng.sample(views, len(views) // 2):  # loads move after the views were placed
         v.load.outstanding_s = rng.random()
         roster.requeue(v)
-    full = cand.plan("m", len(PROMPT), 16, CHAIN, b"m", 64, views, index, excluded, pairs)
-    pruned = plan_pruned("m", len(PROMPT), 16, CHAIN, b"m", 64, roster, index, excluded, pairs)
+    weight = rng.choice([0.0, 0.5])
+    full = cand.plan("m", len(PROMPT), 16, CHAIN, b"m", 64, views, index, excluded, pairs, 0.0, weight)
+    pruned = plan_pruned("m", len(PROMPT), 16, CHAIN, b"m", 64, roster, index, excluded, pairs, 0.0, weight)
     assert pruned.best() == full.best()
     planned = {r.worker_id for r in pruned.routes}
     assert planned <= {r.worker_id for r in full.routes}
     best = full.best()
     if best is not None:
-        assert all((bound, w) > (best.predicted_ttft_s, best.worker_id) for w, bound in pruned.pruned.items())
+        assert all((bound, w) > (best.score_s, best.worker_id) for w, bound in pruned.pruned.items())
         assert not planned & set(pruned.pruned)
         # every worker is planned, pruned, or excluded for a reason
         assert planned | set(pruned.pruned) | set(pruned.excluded) == {v.heartbeat.worker_id for v in views}

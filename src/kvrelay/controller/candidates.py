@@ -23,6 +23,12 @@ because they did not lower mean and p99 TTFT at both: a restore overlapping the
 queue, a fluid model of the device queue, and one decode step per chunked-prefill
 iteration instead of one in all.)
 
+Candidates are ranked by a score: the predicted TTFT plus ``work_weight`` times
+the candidate's prefill seconds. Recomputing occupies the device that every
+later request queues behind, which a request's own TTFT does not count; kvrelay's
+policy weighs that work at one half (``policies.kvrelay_ttft``), the other
+policies plan with weight 0, where the score is the predicted TTFT.
+
 Cost is linear inside a segment, so the optimum always lies on a boundary.
 Hard constraints (model, epoch, context limit, page capacity, exactness of the
 chain) filter first; ``Plan.excluded`` says which one removed each worker.
@@ -65,6 +71,8 @@ class Candidate(msgspec.Struct, frozen=True):
     cached_tokens: int
     predicted_ttft_s: float
     terms: Terms
+    score_s: float = 0.0
+    """What the candidate was ranked by: ``predicted_ttft_s`` plus the work weight times ``terms.prefill_s``."""
 
     @property
     def tiers(self) -> frozenset[str]:
@@ -128,15 +136,16 @@ class WorkerRoute:
     """The longest route a worker can reach for a chain and its cheapest boundary.
 
     ``best`` materializes that boundary's ``Candidate`` on first use (most
-    workers' candidates are compared by ``best_ttft_s`` alone);
+    workers' candidates are compared by ``best_score`` alone);
     ``alternatives`` lists all of them.
     """
 
-    __slots__ = ("worker_id", "segments", "bounds", "best_ttft_s", "best_index", "heartbeat", "base_queue_s",
-                 "lower_load_s", "prompt_len", "chunk_tokens", "_best")
+    __slots__ = ("worker_id", "segments", "bounds", "best_score", "best_index", "heartbeat", "base_queue_s",
+                 "lower_load_s", "prompt_len", "chunk_tokens", "work_weight", "_best")
 
     def __init__(self, view: WorkerView, segments: tuple[RouteSegment, ...], bounds: list[Boundary],
-                 best_ttft_s: float, best_index: int, prompt_len: int, chunk_tokens: int, now: float) -> None:
+                 best_score: float, best_index: int, prompt_len: int, chunk_tokens: int, now: float,
+                 work_weight: float = 0.0) -> None:
         self.worker_id = view.heartbeat.worker_id
         self.heartbeat = view.heartbeat
         self.base_queue_s = queue_of(view, now)
@@ -144,17 +153,19 @@ class WorkerRoute:
         """Captured now: the route stays a true snapshot after the worker's load changes."""
         self.segments = segments
         self.bounds = bounds
-        self.best_ttft_s = best_ttft_s
+        self.best_score = best_score
         self.best_index = best_index
         self.prompt_len = prompt_len
         self.chunk_tokens = chunk_tokens
+        self.work_weight = work_weight
         self._best: Candidate | None = None
 
     @property
     def best(self) -> Candidate:
         if self._best is None:
             self._best = make_candidate(self.heartbeat, self.base_queue_s, self.lower_load_s, self.segments,
-                                        self.bounds[self.best_index], self.prompt_len, self.chunk_tokens)
+                                        self.bounds[self.best_index], self.prompt_len, self.chunk_tokens,
+                                        self.work_weight)
         return self._best
 
     @property
@@ -168,7 +179,7 @@ class WorkerRoute:
 
     @property
     def predicted_ttft_s(self) -> float:
-        return self.best_ttft_s
+        return self.best.predicted_ttft_s
 
     @property
     def terms(self) -> Terms:
@@ -180,13 +191,13 @@ class Plan:
     routes: list[WorkerRoute] = field(default_factory=list)
     excluded: dict[str, str] = field(default_factory=dict)
     pruned: dict[str, float] = field(default_factory=dict)
-    """Workers skipped because a lower bound on their TTFT exceeded the best found (``roster.plan_pruned``)."""
+    """Workers skipped because a lower bound on their score exceeded the best found (``roster.plan_pruned``)."""
 
     def best(self) -> Candidate | None:
-        """The lowest predicted TTFT; ties broken by worker id."""
+        """The lowest score; ties broken by worker id."""
         if not self.routes:
             return None
-        return min(self.routes, key=lambda r: (r.best_ttft_s, r.worker_id)).best
+        return min(self.routes, key=lambda r: (r.best_score, r.worker_id)).best
 
 
 def pages_needed(tokens: int, page_tokens: int) -> int:
@@ -203,9 +214,10 @@ def page_demand(prompt_len: int, max_new: int, gpu_cached_tokens: int, page_toke
 
 
 def _evaluate(
-    worker: WorkerView, boundaries: list[Boundary], prompt_len: int, max_new: int, chunk_tokens: int, now: float
+    worker: WorkerView, boundaries: list[Boundary], prompt_len: int, max_new: int, chunk_tokens: int, now: float,
+    work_weight: float,
 ) -> list[tuple[float, int]]:
-    """``(predicted TTFT, boundary index)`` of every boundary that fits the worker's capacity.
+    """``(score, boundary index)`` of every boundary that fits the worker's capacity.
 
     Keep in step with ``make_candidate``, which computes the same sum term by term.
     """
@@ -215,9 +227,9 @@ def _evaluate(
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
     base_queue = queue_of(worker, now)
     lower_load = lower_load_of(worker, now)
-    fixed = prompt_len * hb.prefill_s_per_token
+    per_token = hb.prefill_s_per_token * (1.0 + work_weight)
+    fixed = prompt_len * per_token
     decode = hb.decode_s_per_token
-    per_token = hb.prefill_s_per_token
     rates = hb.restore_bytes_per_s
     total_pages = -(-(prompt_len + max_new) // pt)
     out: list[tuple[float, int]] = []
@@ -246,10 +258,12 @@ def lower_load_of(worker: WorkerView, now: float) -> float:
     return max(0.0, load.restore_backlog_s - max(0.0, now - load.restore_backlog_at))
 
 
-def intrinsic_cost(hb: Heartbeat, bounds: list[Boundary], prompt_len: int, chunk_tokens: int) -> float:
-    """The cheapest restore + prefill over ``bounds`` on a worker like ``hb``, without queue or decode steps."""
+def intrinsic_cost(hb: Heartbeat, bounds: list[Boundary], prompt_len: int, chunk_tokens: int,
+                   work_weight: float) -> float:
+    """The lowest score over ``bounds`` on a worker like ``hb`` without its queue and decode step."""
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
-    best = prompt_len * hb.prefill_s_per_token
+    per_token = hb.prefill_s_per_token * (1.0 + work_weight)
+    best = prompt_len * per_token
     for cached, _, restored, _ in bounds[1:]:
         restore = 0.0
         for tier, chunks in restored:
@@ -257,15 +271,15 @@ def intrinsic_cost(hb: Heartbeat, bounds: list[Boundary], prompt_len: int, chunk
             if rate <= 0.0:
                 return best
             restore += chunks * chunk_bytes / rate
-        best = min(best, restore + (prompt_len - cached) * hb.prefill_s_per_token)
+        best = min(best, restore + (prompt_len - cached) * per_token)
     return best
 
 
 def make_candidate(
     hb: Heartbeat, base_queue: float, lower_load: float, segments: tuple[RouteSegment, ...], boundary: Boundary,
-    prompt_len: int, chunk_tokens: int,
+    prompt_len: int, chunk_tokens: int, work_weight: float = 0.0,
 ) -> Candidate:
-    """The candidate of one boundary, with its predicted TTFT broken into terms."""
+    """The candidate of one boundary, with its predicted TTFT broken into terms and its score."""
     cached, _, restored, used = boundary
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
     restore = {tier: chunks * chunk_bytes / hb.restore_bytes_per_s[tier] for tier, chunks in restored}
@@ -280,17 +294,19 @@ def make_candidate(
         cached_tokens=cached,
         predicted_ttft_s=queue + total_restore + prefill + decode,
         terms=Terms(queue, restore, prefill, decode),
+        score_s=queue + total_restore + prefill * (1.0 + work_weight) + decode,
     )
 
 
 def alternatives(route: WorkerRoute, worker: WorkerView, prompt_len: int, max_new: int, chunk_tokens: int,
                  now: float) -> list[Candidate]:
-    """Every feasible boundary candidate of one worker at ``now``, cheapest first."""
+    """Every feasible boundary candidate of one worker at ``now``, lowest score first."""
     bounds = boundaries_of(route.segments, chunk_tokens)
-    scored = sorted(_evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now), key=lambda x: (x[0], -x[1]))
+    w = route.work_weight
+    scored = sorted(_evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now, w), key=lambda x: (x[0], -x[1]))
     base_queue, lower_load = queue_of(worker, now), lower_load_of(worker, now)
     return [make_candidate(worker.heartbeat, base_queue, lower_load, route.segments, bounds[i], prompt_len,
-                           chunk_tokens) for _, i in scored]
+                           chunk_tokens, w) for _, i in scored]
 
 
 SharedRoute = tuple[tuple[RouteSegment, ...], list[Boundary]]
@@ -309,7 +325,7 @@ def route_for(
     request_model: str, prompt_len: int, max_new: int, runs: Sequence[Run], chain_fingerprint: bytes,
     chunk_tokens: int, worker: WorkerView, index: ResidencyIndex,
     excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]], shared: SharedRoute, present: int,
-    now: float,
+    now: float, work_weight: float,
 ) -> WorkerRoute | None:
     """One eligible worker's longest reachable route and its cheapest feasible boundary; None: no capacity.
 
@@ -336,11 +352,11 @@ def route_for(
         else:
             segments = walk_route(runs, index, shift, allowed, allow_peer, allow_object)
             bounds = boundaries_of(segments, chunk_tokens)
-    scored = _evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now)
+    scored = _evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now, work_weight)
     if not scored:
         return None
     best_t, best_i = min(scored, key=lambda x: (x[0], -x[1])) if len(scored) > 1 else scored[0]
-    return WorkerRoute(worker, segments, bounds, best_t, best_i, prompt_len, chunk_tokens, now)
+    return WorkerRoute(worker, segments, bounds, best_t, best_i, prompt_len, chunk_tokens, now, work_weight)
 
 
 def plan(
@@ -355,6 +371,7 @@ def plan(
     excluded_workers: frozenset[str] | set[str] = frozenset(),
     excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
     now: float = 0.0,
+    work_weight: float = 0.0,
 ) -> Plan:
     """Candidates of every eligible worker for one request at ``now`` (see the module docstring).
 
@@ -375,7 +392,7 @@ def plan(
             result.excluded[wid] = f"context limit {hb.context_limit} < {need}"
         else:
             route = route_for(request_model, prompt_len, max_new, runs, chain_fingerprint, chunk_tokens, worker,
-                              index, excluded_pairs, shared, present, now)
+                              index, excluded_pairs, shared, present, now, work_weight)
             if route is None:
                 result.excluded[wid] = "capacity"
             else:

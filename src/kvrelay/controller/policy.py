@@ -38,7 +38,9 @@ class RoutingContext(NamedTuple):
 class Policy(ABC):
     name: str = "abstract"
     needs_all_routes: bool = True
-    """False when the policy only ever takes the lowest predicted TTFT, so planning may prune."""
+    """False when the policy only ever takes the lowest score, so planning may prune."""
+    work_weight: float = 0.0
+    """How much a candidate's prefill seconds add to its score (``candidates``); 0: the score is the TTFT."""
 
     @abstractmethod
     def choose(self, ctx: RoutingContext) -> Candidate | None:

@@ -6,7 +6,7 @@ local copies; only their queues (and capacity) tell them apart. ``Roster``
 keeps such workers in one ``Group`` whose members are sorted by queue (the
 larger of the reported queue and the router's own outstanding estimate), and
 ``plan_pruned`` plans only the workers that hold a local copy of the chain plus,
-per group, the least-queued workers until a lower bound on their TTFT exceeds
+per group, the least-queued workers until a lower bound on their score exceeds
 the best candidate found. It returns the same best candidate as
 ``candidates.plan`` over every worker, at a cost that does not grow with the
 number of workers that cannot win.
@@ -50,9 +50,21 @@ class Roster:
     def __init__(self) -> None:
         self.groups: dict[GroupKey, Group] = {}
         self._placed: dict[str, tuple[Group, Entry]] = {}
+        self._busy: set[str] = set()
+        """Members whose queue is not empty."""
 
     def __len__(self) -> int:
         return len(self._placed)
+
+    def busy_share(self) -> float:
+        """The share of members with a non-empty queue (0 with no members)."""
+        return len(self._busy) / len(self._placed) if self._placed else 0.0
+
+    def _mark(self, view: cand.WorkerView) -> None:
+        if cand.queue_of(view, 0.0) > 0.0:
+            self._busy.add(view.heartbeat.worker_id)
+        else:
+            self._busy.discard(view.heartbeat.worker_id)
 
     def view(self, worker_id: str) -> cand.WorkerView | None:
         placed = self._placed.get(worker_id)
@@ -74,6 +86,7 @@ class Roster:
             entry = (_wait_of(view), wid)
             insort(group.order, entry)
             self._placed[wid] = (group, entry)
+            self._mark(view)
         else:
             self.requeue(view)
 
@@ -82,6 +95,7 @@ class Roster:
         wid = view.heartbeat.worker_id
         group, old = self._placed[wid]
         new = (_wait_of(view), wid)
+        self._mark(view)
         if new == old:
             return
         del group.order[bisect_left(group.order, old)]
@@ -93,6 +107,7 @@ class Roster:
         if placed is None:
             return
         group, entry = placed
+        self._busy.discard(worker_id)
         del group.order[bisect_left(group.order, entry)]
         del group.views[worker_id]
         if not group.views:
@@ -126,6 +141,7 @@ def plan_pruned(
     excluded_workers: frozenset[str] | set[str] = frozenset(),
     excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
     now: float = 0.0,
+    work_weight: float = 0.0,
 ) -> cand.Plan:
     """The plan of ``candidates.plan`` restricted to the workers that can still win (see the module docstring).
 
@@ -151,13 +167,13 @@ def plan_pruned(
             result.excluded[wid] = cand.EXCLUDED_AFTER_FAILURE
             continue
         route = cand.route_for(request_model, prompt_len, max_new, runs, chain_fingerprint, chunk_tokens, view,
-                               index, excluded_pairs, shared, present, now)
+                               index, excluded_pairs, shared, present, now, work_weight)
         if route is None:
             result.excluded[wid] = "capacity"
         else:
             result.routes.append(route)
-            if (route.best_ttft_s, wid) < (best, best_id):
-                best, best_id = route.best_ttft_s, wid
+            if (route.best_score, wid) < (best, best_id):
+                best, best_id = route.best_score, wid
     local_set = set(local)
     for group in roster.groups.values():
         models, context_limit, _, group_chunk_tokens, fingerprints = group.key
@@ -170,9 +186,9 @@ def plan_pruned(
         first = group.views[group.order[0][1]]
         exact = dict(fingerprints).get(request_model) == chain_fingerprint and group_chunk_tokens == chunk_tokens
         if exact and runs:
-            intrinsic = cand.intrinsic_cost(first.heartbeat, shared[1], prompt_len, chunk_tokens)
+            intrinsic = cand.intrinsic_cost(first.heartbeat, shared[1], prompt_len, chunk_tokens, work_weight)
         else:
-            intrinsic = prompt_len * first.heartbeat.prefill_s_per_token
+            intrinsic = prompt_len * first.heartbeat.prefill_s_per_token * (1.0 + work_weight)
         for i, (wait, wid) in enumerate(group.order):
             if (wait + intrinsic, wid) > (best, best_id):  # neither this worker nor any after it can win
                 result.pruned.update({w: q + intrinsic for q, w in group.order[i:] if w not in local_set})
@@ -183,15 +199,15 @@ def plan_pruned(
                 result.excluded[wid] = cand.EXCLUDED_AFTER_FAILURE
                 continue
             route = cand.route_for(request_model, prompt_len, max_new, runs, chain_fingerprint, chunk_tokens,
-                                   group.views[wid], index, excluded_pairs, shared, present, now)
+                                   group.views[wid], index, excluded_pairs, shared, present, now, work_weight)
             if route is None:
                 result.excluded[wid] = "capacity"
             else:
                 result.routes.append(route)
-                if (route.best_ttft_s, wid) < (best, best_id):
-                    best, best_id = route.best_ttft_s, wid
+                if (route.best_score, wid) < (best, best_id):
+                    best, best_id = route.best_score, wid
     if not result.routes:
         views = [v for g in roster.groups.values() for v in g.views.values()]
         return cand.plan(request_model, prompt_len, max_new, chain, chain_fingerprint, chunk_tokens, views, index,
-                         excluded_workers, excluded_pairs, now)
+                         excluded_workers, excluded_pairs, now, work_weight)
     return result
