@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-scale", type=float, default=1.0, help="replay X times faster (default 1)")
     parser.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block (default 512)")
     parser.add_argument("--config", default=None, help="cluster config TOML (default configs/cluster-default.toml)")
+    parser.add_argument("--calibration", default=None,
+                        help="calibration TOML of measured costs laid over the cluster config "
+                             "(e.g. configs/calibration-gemma3-270m-cpu.toml, written by bench/calibrate.py)")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--delta-tokens", type=int, default=16, help="tokens per streamed delta (default 16)")
     parser.add_argument("--plot", dest="plot_path", default=None,
@@ -73,6 +76,11 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvrelay.controller.calibration import (
+        CalibrationError,
+        apply_calibration,
+        load_calibration,
+    )
     from kvrelay.controller.cluster_config import (
         ClusterConfigError,
         load_cluster_config,
@@ -90,12 +98,15 @@ def run(args: argparse.Namespace) -> int:
         policies = _policies(args.policy)
         if args.log_path and len(policies) > 1:
             raise ValueError("--log needs a single --policy (the log is per run)")
-        cluster = with_workers(load_cluster_config(args.config), args.workers)
+        cluster = load_cluster_config(args.config)
+        if args.calibration is not None:
+            cluster = apply_calibration(cluster, load_calibration(args.calibration))
+        cluster = with_workers(cluster, args.workers)
         requests = load_trace(args.trace, args.block_tokens, args.limit)
         options = ReplayOptions(seed=args.seed, rate_scale=args.rate_scale, block_tokens=args.block_tokens,
                                 delta_tokens=args.delta_tokens, log_path=args.log_path)
         results = {name: replay(requests, cluster, name, options) for name in policies}
-    except (TraceError, ClusterConfigError, ValueError) as exc:
+    except (TraceError, ClusterConfigError, CalibrationError, ValueError) as exc:
         print(f"kvrelay sim: {exc}", file=sys.stderr)
         return 2
     print(f"trace {args.trace}: {len(requests)} requests, {cluster.workers} workers, seed {args.seed}, "

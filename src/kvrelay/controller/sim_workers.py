@@ -30,7 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvrelay.controller import worker as machine
-from kvrelay.controller.cluster_config import ClusterConfig
+from kvrelay.controller.calibration import CalibratedWorkerSpec
+from kvrelay.controller.cluster_config import ClusterConfig, WorkerSpec
 from kvrelay.controller.sim_admission import (
     AdmissionDecline,
     AdmissionPlan,
@@ -84,6 +85,13 @@ class WorkerStats:
 Schedule = Callable[[float, str, str, int, object], None]
 """``schedule(at, kind, worker_id, epoch, payload)``: run ``on_<kind>`` at ``at`` if the epoch still holds."""
 Send = Callable[[float, str, WireMessage], None]
+
+
+def iteration_s(spec: WorkerSpec, decode_lanes: int, prefill_tokens: int) -> float:
+    """Seconds of one device iteration; a measured spec (``CalibratedWorkerSpec``) prices it itself."""
+    if isinstance(spec, CalibratedWorkerSpec):
+        return spec.iteration_s(decode_lanes, prefill_tokens)
+    return (spec.decode_step(decode_lanes) if decode_lanes else 0.0) + prefill_tokens * spec.prefill_s_per_token
 
 
 class SimWorker:
@@ -320,7 +328,7 @@ class SimWorker:
         if not decode and not prefill:
             return
         tokens = sum(t for _, t in prefill)
-        duration = (w.decode_step(len(decode)) if decode else 0.0) + tokens * w.prefill_s_per_token
+        duration = iteration_s(w, len(decode), tokens)
         for work in decode:
             work.in_flight = True
         for work, _ in prefill:

@@ -1,0 +1,1 @@
+"""A Mooncake-format trace replayed end to end through real servers (issue 9): prompts, faces, client, report."""
