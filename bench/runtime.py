@@ -15,7 +15,9 @@ runs because the CPU is shared; ``*_median`` figures give the median of the same
 3. ``warm_ttft_share``: TTFT of a ``--ttft-tokens`` (2,048) prompt whose first
    ``--resident-tokens`` (1,792) are already in pages, over its cold TTFT.
 4. ``peak_rss``: peak resident memory of the process after the kvrelay decode run
-   (before the baseline model exists), and at the end.
+   (before the baseline model exists), and at the end. It includes the runtime's
+   extra copies made for speed: oneDNN-packed bf16 weights (the projections and the
+   LM head, the weights' size again) and the per-lane sliding-window rings.
 
 Run: ``.venv/bin/python bench/runtime.py --json bench-runtime.json`` (options shrink it).
 """

@@ -17,6 +17,10 @@ the split vLLM and nano-vllm make between varlen prefill and paged decode
 kernels (github.com/GeeeekExplorer/nano-vllm, ``layers/attention.py``),
 written with gathers instead of custom kernels so it runs on CPU and CUDA alike.
 
+Decoding sequences that the model mirrors per lane (``window_mirror``) are left
+out of the sliding-layer groups (``mirrored``): their sliding layers read a
+per-lane ring in place instead of gathered pages.
+
 Masks: query at position ``q`` sees key position ``k`` iff ``k <= q`` and, in
 sliding layers, ``k > q - sliding_window`` (the window counts the query).
 """
@@ -71,8 +75,12 @@ def plan_attention(
     sliding_window: int | None,
     device: torch.device,
     dtype: torch.dtype,
+    mirrored: frozenset[int] = frozenset(),
 ) -> AttentionPlan:
     """The attention plan of ``batch`` for a pool of ``page_tokens``-token pages; masks in ``dtype``.
+
+    Decoding sequences listed in ``mirrored`` get no sliding-layer group (their
+    sliding attention reads a ``window_mirror`` ring instead).
 
     Raises ``ValueError`` when a page table is too short for its sequence or the
     positions disagree with ``seq_lens``.
@@ -93,10 +101,11 @@ def plan_attention(
     windows = {"full": None, "sliding": sliding_window} if sliding_window is not None else {"full": None}
     groups: dict[str, list[AttentionGroup]] = {"full": [], "sliding": []}
     for kind, window in windows.items():
-        for members in split_by_length(_decode_key_tokens(batch, decoding, page_tokens, window), GROUP_COST_TOKENS):
-            idx = torch.tensor([decoding[m] for m in members], dtype=torch.long)
+        paged = decoding if kind == "full" else [i for i in decoding if i not in mirrored]
+        for members in split_by_length(_decode_key_tokens(batch, paged, page_tokens, window), GROUP_COST_TOKENS):
+            idx = torch.tensor([paged[m] for m in members], dtype=torch.long)
             whole = len(members) == batch.num_seqs
-            rows = None if whole else torch.tensor([starts[decoding[m]] for m in members], dtype=torch.long)
+            rows = None if whole else torch.tensor([starts[paged[m]] for m in members], dtype=torch.long)
             q_pos = (seq_lens[idx] - 1).unsqueeze(1)
             groups[kind].append(_group(tables[idx], rows, q_pos, page_tokens, window, device, dtype))
         for i in prefilling:

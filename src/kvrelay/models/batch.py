@@ -6,19 +6,29 @@ new tokens (concatenated, in sequence order, into ``input_ids``) at absolute
 first ``seq_lens[i] - query_lens[i]`` of which were already resident. Row ``i`` of
 ``page_tables`` lists its pages in order (padded with 0). ``logits_indices``
 names the rows of ``input_ids`` whose next-token logits the step returns, in
-the order returned.
+the order returned. ``lanes`` (optional) names, per sequence, the runtime lane
+holding it and that lane's current owner (``LaneRef``), which lets the model
+keep per-lane state between steps (``window_mirror``); ``None`` entries and a
+``None`` tuple opt out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
 NewSequence = tuple[Sequence[int], int, Sequence[int]]
 """``(new_tokens, start_pos, page_table)`` of one sequence in a step."""
+
+
+class LaneRef(NamedTuple):
+    """A stable physical ``slot`` and the ``owner`` of the sequence in it (changes when the slot is reused)."""
+
+    slot: int
+    owner: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,9 +41,14 @@ class ForwardBatch:
     seq_lens: list[int]
     page_tables: torch.Tensor
     logits_indices: torch.Tensor
+    lanes: tuple[LaneRef | None, ...] | None = None
 
     def __post_init__(self) -> None:
         total = sum(self.query_lens)
+        if self.lanes is not None and len(self.lanes) != len(self.query_lens):
+            raise ValueError(
+                f"ForwardBatch needs one lane entry per sequence; got {len(self.lanes)} for {len(self.query_lens)}"
+            )
         if len(self.query_lens) != len(self.seq_lens) or len(self.query_lens) != self.page_tables.shape[0]:
             raise ValueError(
                 f"ForwardBatch needs one query_len, seq_len and page table row per sequence; got "
@@ -62,6 +77,7 @@ class ForwardBatch:
         seqs: Sequence[NewSequence],
         logits: Literal["last", "all"] = "last",
         device: str | torch.device = "cpu",
+        lanes: Sequence[LaneRef | None] | None = None,
     ) -> ForwardBatch:
         """A batch of ``(new_tokens, start_pos, page_table)`` sequences.
 
@@ -96,4 +112,5 @@ class ForwardBatch:
             seq_lens=seq_lens,
             page_tables=tables.to(device),
             logits_indices=wanted.to(device=device, dtype=torch.long),
+            lanes=None if lanes is None else tuple(lanes),
         )

@@ -2,7 +2,10 @@
 
 Numerics follow transformers' ``modeling_llama.py`` and ``modeling_gemma3.py``
 step by step (same casts, same order), so float32 logits match to rounding.
-The q, k and v projections are fused into one at build time.
+The q, k and v projections are fused into one at build time; q and k are
+normed and rotated as one tensor. In bfloat16 on CPU, projections of decode
+steps and the LM head use oneDNN-packed weights (``PackedLinear``), and
+sliding layers of laned decode rows read ``window_mirror`` rings.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kvrelay.models.attention import (
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.kv_pages import KVPages
+from kvrelay.models.window_mirror import MirrorStep, WindowMirror
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -80,20 +84,22 @@ class RMSNorm:
     """RMS norm over the last dim, computed in float32.
 
     ``unit_offset=True`` is Gemma's ``(x_hat * (1 + w)).to(dtype)``; otherwise
-    Llama's ``w * x_hat.to(dtype)``.
+    Llama's ``w * x_hat.to(dtype)``. ``weight`` may have leading dims that
+    broadcast against the input's (per-head weights of a fused q/k norm).
     """
 
     def __init__(self, weight: torch.Tensor, eps: float, unit_offset: bool) -> None:
         self.eps = eps
         self.unit_offset = unit_offset
         self.weight = (1.0 + weight.float()) if unit_offset else weight
+        self._last_dim = (weight.shape[-1],)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
-            return (h * self.weight).to(x.dtype)
-        return self.weight * h.to(x.dtype)
+            if self.weight.dim() == 1:
+                return F.rms_norm(x.float(), self._last_dim, self.weight, self.eps).to(x.dtype)
+            return (F.rms_norm(x.float(), self._last_dim, None, self.eps) * self.weight).to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), self._last_dim, None, self.eps).to(x.dtype)
 
 
 class Rotary:
@@ -116,6 +122,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+PACKED_MAX_ROWS = 64
+"""Projections of at most this many rows (decode steps) use the packed weight; larger ones the plain one."""
+
+
+class PackedLinear:
+    """``F.linear(x, weight, bias)``, with the weight also laid out once for oneDNN: bfloat16 on CPU.
+
+    Given a plain weight, oneDNN's AMX / AVX-512 bf16 kernels re-lay it out on
+    every call, which costs as much as the projection itself when few rows
+    (decode) stream the weight from memory; for the 262k-row tied LM head of
+    Gemma 3 270M it is a third of the step. The packed copy
+    (``mkldnn._reorder_linear_weight``, what inductor's CPU freezing uses)
+    takes the weight's size again in memory and gives the same values; it
+    serves inputs of at most ``max_rows`` rows (``None``: all), the plain
+    weight the rest (long prefill chunks, where re-laying out is amortized).
+    Elsewhere (float32, CUDA, no mkldnn) this is plain ``F.linear``.
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows: int | None = PACKED_MAX_ROWS
+    ) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.max_rows = max_rows
+        self.packed: torch.Tensor | None = None
+        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+            except (AttributeError, NotImplementedError, RuntimeError):
+                self.packed = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.packed is None or rows == 0 or x.dim() != 2 or (self.max_rows is not None and rows > self.max_rows):
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+
 class GatedMLP:
     """``down(act(gate(x)) * up(x))``.
 
@@ -132,22 +176,25 @@ class GatedMLP:
                 f"activation '{config.hidden_activation}' is not supported; supported: {', '.join(ACTIVATIONS)}"
             )
         self.act = ACTIVATIONS[config.hidden_activation]
-        self.gate = w.take(f"{prefix}.gate_proj.weight", (inner, hidden))
-        self.up = w.take(f"{prefix}.up_proj.weight", (inner, hidden))
-        self.down = w.take(f"{prefix}.down_proj.weight", (hidden, inner))
+        self.gate = PackedLinear(w.take(f"{prefix}.gate_proj.weight", (inner, hidden)))
+        self.up = PackedLinear(w.take(f"{prefix}.up_proj.weight", (inner, hidden)))
+        self.down = PackedLinear(w.take(f"{prefix}.down_proj.weight", (hidden, inner)))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.act(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+        return self.down(self.act(self.gate(x)) * self.up(x))
 
 
 @dataclass(frozen=True, slots=True)
 class StepContext:
-    """What every layer of one forward pass shares: the plan, the pool, rope tables per layer type, gather space."""
+    """What every layer of one forward pass shares: the plan, the pool, rope tables per layer type, gather
+    space, and the window mirror with its plan for this step (``None`` when no row uses it)."""
 
     plan: AttentionPlan
     kv: KVPages
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
     buffers: GatherBuffers
+    mirror: WindowMirror | None = None
+    mirror_step: MirrorStep | None = None
 
 
 class PagedSelfAttention:
@@ -167,35 +214,60 @@ class PagedSelfAttention:
         self.scale = config.attention_scale
         names = [f"{prefix}.{p}_proj" for p in ("q", "k", "v")]
         shapes = [q_out, kv_out, kv_out]
-        self.qkv = torch.cat([w.take(f"{n}.weight", (o, hidden)) for n, o in zip(names, shapes, strict=True)])
-        self.qkv_bias = None
+        qkv_bias = None
         if config.attention_bias:
-            self.qkv_bias = torch.cat([w.take(f"{n}.bias", (o,)) for n, o in zip(names, shapes, strict=True)])
-        self.o = w.take(f"{prefix}.o_proj.weight", (hidden, q_out))
-        self.o_bias = w.take_optional(f"{prefix}.o_proj.bias", (hidden,))
-        self.q_norm = self.k_norm = None
+            qkv_bias = torch.cat([w.take(f"{n}.bias", (o,)) for n, o in zip(names, shapes, strict=True)])
+        self.qkv = PackedLinear(
+            torch.cat([w.take(f"{n}.weight", (o, hidden)) for n, o in zip(names, shapes, strict=True)]), qkv_bias
+        )
+        self.o = PackedLinear(
+            w.take(f"{prefix}.o_proj.weight", (hidden, q_out)), w.take_optional(f"{prefix}.o_proj.bias", (hidden,))
+        )
+        self.qk_norm = None
         if config.qk_norm:
-            eps = config.rms_norm_eps
-            self.q_norm = RMSNorm(w.take(f"{prefix}.q_norm.weight", (d,)), eps, qk_norm_unit_offset)
-            self.k_norm = RMSNorm(w.take(f"{prefix}.k_norm.weight", (d,)), eps, qk_norm_unit_offset)
+            q_w, k_w = w.take(f"{prefix}.q_norm.weight", (d,)), w.take(f"{prefix}.k_norm.weight", (d,))
+            per_head = torch.stack([q_w] * self.heads + [k_w] * self.kv_heads)
+            self.qk_norm = RMSNorm(per_head, config.rms_norm_eps, qk_norm_unit_offset)
 
     def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """q and k heads are normed and rotated together, as one ``[T, heads + kv_heads, D]`` tensor."""
         tokens = x.shape[0]
-        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
-        )
-        q = q.view(tokens, self.heads, self.head_dim)
-        k = k.view(tokens, self.kv_heads, self.head_dim)
-        v = v.view(tokens, self.kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        qkv = self.qkv(x)
+        qk_width = (self.heads + self.kv_heads) * self.head_dim
+        qk = qkv[:, :qk_width].view(tokens, self.heads + self.kv_heads, self.head_dim)
+        v = qkv[:, qk_width:].view(tokens, self.kv_heads, self.head_dim)
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
         cos, sin = ctx.rope[self.layer_type]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, : self.heads], qk[:, self.heads :]
         k_pool, v_pool = ctx.kv.k[self.layer], ctx.kv.v[self.layer]
         write_kv(k_pool, v_pool, ctx.plan.slots, k, v)
-        groups = ctx.plan.sliding if self.layer_type == "sliding_attention" else ctx.plan.full
-        out = paged_attention(q, k_pool, v_pool, groups, self.scale, ctx.buffers)
-        return F.linear(out.reshape(tokens, -1), self.o, self.o_bias)
+        if self.layer_type != "sliding_attention":
+            out = paged_attention(q, k_pool, v_pool, ctx.plan.full, self.scale, ctx.buffers)
+        elif ctx.mirror is None or ctx.mirror_step is None:
+            out = paged_attention(q, k_pool, v_pool, ctx.plan.sliding, self.scale, ctx.buffers)
+        else:
+            out = self._attend_mirrored(q, k, v, k_pool, v_pool, ctx, ctx.mirror, ctx.mirror_step)
+        return self.o(out.reshape(tokens, -1))
+
+    def _attend_mirrored(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        ctx: StepContext,
+        mirror: WindowMirror,
+        step: MirrorStep,
+    ) -> torch.Tensor:
+        """Sliding attention with the mirrored decode rows read from their rings, the rest from pages."""
+        mirror.write(self.layer, step, k, v)
+        if step.rows is None:
+            return mirror.attend(self.layer, step, q, self.scale)
+        out = paged_attention(q, k_pool, v_pool, ctx.plan.sliding, self.scale, ctx.buffers)
+        return out.index_copy_(0, step.rows, mirror.attend(self.layer, step, q.index_select(0, step.rows), self.scale))
 
 
 DecoderLayer = Callable[[torch.Tensor, StepContext], torch.Tensor]
@@ -225,6 +297,11 @@ class PagedModel:
         self.device = device
         self.sliding_window = config.sliding_window if "sliding_attention" in config.layer_types else None
         self.buffers = GatherBuffers()
+        self.mirror: WindowMirror | None = None
+        if self.sliding_window is not None:
+            sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
+            self.mirror = WindowMirror(sliding, config.num_kv_heads, config.head_dim, self.sliding_window)
+        self._head: PackedLinear | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.embedding)
@@ -238,15 +315,27 @@ class PagedModel:
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv: KVPages) -> torch.Tensor:
         self._check_pool(kv)
-        plan = plan_attention(batch, kv.page_tokens, self.sliding_window, self.device, self.dtype)
+        mirror_step = None if self.mirror is None else self.mirror.prepare(batch, kv, self.dtype)
+        try:
+            return self._forward(batch, kv, mirror_step)
+        except BaseException:
+            if self.mirror is not None:
+                self.mirror.forget(mirror_step)
+            raise
+
+    def _forward(self, batch: ForwardBatch, kv: KVPages, mirror_step: MirrorStep | None) -> torch.Tensor:
+        mirrored = frozenset() if mirror_step is None else mirror_step.seqs
+        plan = plan_attention(batch, kv.page_tokens, self.sliding_window, self.device, self.dtype, mirrored)
         positions = batch.positions.to(self.device)
         rope = {kind: rotary.cos_sin(positions, self.dtype) for kind, rotary in self.rotaries.items()}
-        ctx = StepContext(plan=plan, kv=kv, rope=rope, buffers=self.buffers)
+        ctx = StepContext(plan, kv, rope, self.buffers, self.mirror, mirror_step)
         h = self.embed(batch.input_ids.to(self.device))
         for layer in self.layers:
             h = layer(h, ctx)
         h = self.norm(h.index_select(0, batch.logits_indices.to(self.device)))
-        return F.linear(h, self.lm_head).float()
+        if self._head is None or self._head.weight is not self.lm_head:
+            self._head = PackedLinear(self.lm_head, max_rows=None)
+        return self._head(h).float()
 
     def _check_pool(self, kv: KVPages) -> None:
         c = self.config

@@ -32,7 +32,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from kvrelay.models.batch import ForwardBatch
+from kvrelay.models.batch import ForwardBatch, LaneRef
 from kvrelay.models.kv_pages import KVPages
 from kvrelay.models.sampling import sample_next
 from kvrelay.protocol.messages import FinishReason
@@ -287,7 +287,11 @@ class PagedRuntime:
 
     def _forward(self, rows: list[_Row]) -> list[int]:
         """Run one forward over ``rows`` and sample the rows that want a token, in row order."""
-        batch = ForwardBatch.build([(r.tokens, r.start, r.seq.job.page_table) for r in rows], device=self.kv.device)
+        batch = ForwardBatch.build(
+            [(r.tokens, r.start, r.seq.job.page_table) for r in rows],
+            device=self.kv.device,
+            lanes=[LaneRef(r.seq.lane, r.seq.handle.job_id) for r in rows],
+        )
         wanted = [i for i, row in enumerate(rows) if row.sample]
         if len(wanted) != len(rows):
             batch = replace(batch, logits_indices=batch.logits_indices[wanted])
