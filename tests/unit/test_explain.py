@@ -175,3 +175,11 @@ def test_the_real_routers_records_are_stored_and_explained(tmp_path: Path, capsy
     out = capsys.readouterr().out
     assert f"winner: {first.worker_id} [" in out and f"offer: declined by {first.worker_id}" in out
     assert f"offer: accepted by {second.worker_id}" in out and "measured outcome" in out
+
+
+def test_why_lost_names_the_work_term_when_a_quicker_start_loses_on_score() -> None:
+    winner = {**W1_GPU, "predicted_ttft_s": 0.541, "score_s": 0.542}
+    quicker = {**W2_SSD, "predicted_ttft_s": 0.533, "score_s": 1.046}
+    assert explain.why_lost(quicker, winner, "kvrelay") == (
+        "predicted TTFT 8.0 ms lower, but its score was 504.0 ms higher: it recomputes more on a busy "
+        "cluster (the score adds weighted prefill seconds)")

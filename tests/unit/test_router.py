@@ -208,7 +208,13 @@ def test_max_attempts_ends_the_request_with_an_error() -> None:
 
 
 def test_a_workers_new_epoch_asks_for_its_durable_replicas_and_they_feed_the_candidates() -> None:
-    from kvrelay.controller.events import LoadReplicas, MessageReceived, ReplicasKnown, Request, RequestArrived
+    from kvrelay.controller.events import (
+        LoadReplicas,
+        MessageReceived,
+        ReplicasKnown,
+        Request,
+        RequestArrived,
+    )
     from kvrelay.controller.router import request_chain
 
     d = Driver()

@@ -26,8 +26,8 @@ iteration instead of one in all.)
 Candidates are ranked by a score: the predicted TTFT plus ``work_weight`` times
 the candidate's prefill seconds. Recomputing occupies the device that every
 later request queues behind, which a request's own TTFT does not count; kvrelay's
-policy weighs that work at one half (``policies.kvrelay_ttft``), the other
-policies plan with weight 0, where the score is the predicted TTFT.
+policy weighs that work by how busy the cluster is (``policies.kvrelay_ttft``),
+the other policies plan with weight 0, where the score is the predicted TTFT.
 
 Cost is linear inside a segment, so the optimum always lies on a boundary.
 Hard constraints (model, epoch, context limit, page capacity, exactness of the

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvrelay.controller import candidates as cand
-from kvrelay.controller.index import LOCAL_MASK, ResidencyIndex
+from kvrelay.controller.index import ResidencyIndex
 from kvrelay.controller.routes import runs_of
 
 GroupKey = tuple[frozenset[str], int, tuple[float, int, float, float], int, frozenset[tuple[str, bytes]]]

@@ -81,6 +81,9 @@ def why_lost(candidate: dict[str, Any], winner: dict[str, Any], policy: str) -> 
         return f"predicted TTFT {_signed_ms(gap)} higher" + (f" ({', '.join(diffs)})" if diffs else "")
     if gap == 0:
         return "same predicted TTFT; lost the deterministic tie-break"
+    if candidate.get("score_s", 0.0) > winner.get("score_s", 0.0) > 0.0:
+        return (f"predicted TTFT {_ms(-gap)} lower, but its score was {_ms(candidate['score_s'] - winner['score_s'])}"
+                " higher: it recomputes more on a busy cluster (the score adds weighted prefill seconds)")
     return f"predicted TTFT {_ms(-gap)} lower, but policy {policy!r} chose by its own rule"
 
 

@@ -49,8 +49,9 @@ class Invalid:
     message: str
 
 
-RouteInputs = tuple[Heartbeat, float, float, tuple[RouteSegment, ...], Boundary, int, int]
-"""``make_candidate``'s arguments: heartbeat, base queue, lower-tier load, segments, boundary, prompt, chunk tokens."""
+RouteInputs = tuple[Heartbeat, float, float, tuple[RouteSegment, ...], Boundary, int, int, float]
+"""``make_candidate``'s arguments: heartbeat, base queue, lower-tier load, segments, boundary, prompt, chunk tokens,
+work weight."""
 
 _route_encoder = msgspec.msgpack.Encoder()
 _route_decoder = msgspec.msgpack.Decoder(RouteInputs)
@@ -59,7 +60,7 @@ _route_decoder = msgspec.msgpack.Decoder(RouteInputs)
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, WorkerRoute):
         inputs = (obj.heartbeat, obj.base_queue_s, obj.lower_load_s, obj.segments, obj.bounds[obj.best_index],
-                  obj.prompt_len, obj.chunk_tokens)
+                  obj.prompt_len, obj.chunk_tokens, obj.work_weight)
         return msgspec.msgpack.Ext(ROUTE_EXT, _route_encoder.encode(inputs))
     best = getattr(obj, "best", None)
     if best is not None:
