@@ -209,10 +209,7 @@ class SsdTier(ChunkTier):
                 if self._index.pop(key) is not None:
                     self._emit((), (key,), "removed")
             return None
-        view = self._verified_or_discarded(buffer, key, fingerprint)
-        if view is not None:
-            self._counters.add(hits=1, bytes_read=view.nbytes)
-        return view
+        return self._served(buffer, key, fingerprint)
 
     def contains(self, key: bytes) -> bool:
         with self._lock:
@@ -273,10 +270,7 @@ class SharedDirTier(ChunkTier):
         if buffer is None:
             self._counters.add(misses=1)
             return None
-        view = self._verified_or_discarded(buffer, key, fingerprint)
-        if view is not None:
-            self._counters.add(hits=1, bytes_read=view.nbytes)
-        return view
+        return self._served(buffer, key, fingerprint)
 
     def contains(self, key: bytes) -> bool:
         return self.path_for(key).exists()

@@ -72,10 +72,7 @@ class RamTier(ChunkTier):
                 self._counters.add(misses=1)
                 return None
             self._index.touch(key)
-        view = self._verified_or_discarded(blob, key, fingerprint)
-        if view is not None:
-            self._counters.add(hits=1, bytes_read=view.nbytes)
-        return view
+        return self._served(blob, key, fingerprint)
 
     def contains(self, key: bytes) -> bool:
         with self._lock:

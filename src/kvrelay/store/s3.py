@@ -123,10 +123,7 @@ class S3Tier(ChunkTier):
             log.warning("S3 download of chunk %s from bucket %s failed: %s", key.hex(), self.bucket, err)
             self._counters.add(errors=1, misses=1)
             return None
-        chunk = self._verified_or_discarded(buffer, key, fingerprint)
-        if chunk is not None:
-            self._counters.add(hits=1, bytes_read=chunk.nbytes)
-        return chunk
+        return self._served(buffer, key, fingerprint)
 
     def _download(self, key: bytes) -> bytearray:
         """The whole object, read into one preallocated buffer; raises on a short body."""

@@ -168,13 +168,16 @@ class ChunkTier(ChunkSource):
     def _delete(self, key: bytes) -> bool:
         """Drop ``key`` from storage and index without reporting it; True when it was held."""
 
-    def _verified_or_discarded(self, buffer: Any, key: bytes, fingerprint: bytes | None) -> ChunkView | None:
-        """Verify a buffer read from this tier; a corrupt one is removed and reported, and None returned."""
+    def _served(self, buffer: Any, key: bytes, fingerprint: bytes | None) -> ChunkView | None:
+        """Verify a buffer read from this tier and count the hit; a corrupt one is removed and reported,
+        and None returned."""
         view = self._verify(buffer, key, fingerprint)
         if view is None:
             with self._lock:
                 if self._delete(key):
                     self._emit((), (key,), "corrupt")
+        else:
+            self._counters.add(hits=1, bytes_read=view.nbytes)
         return view
 
     @abstractmethod
