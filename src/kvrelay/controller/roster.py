@@ -155,25 +155,28 @@ def plan_pruned(
     shared, present = cand.shared_route(runs, index, chunk_tokens)
     need = prompt_len + max_new
     best, best_id = float("inf"), ""
-    local = _holders(present, index)
-    for wid in local:
-        view = roster.view(wid)
-        if view is None:
-            continue
-        hb = view.heartbeat
-        if request_model not in hb.models or need > hb.context_limit:
-            continue  # its group names the reason
+
+    def plan_worker(view: cand.WorkerView) -> None:
+        """Plan one eligible worker into ``result``, keeping the best (score, id) so far."""
+        nonlocal best, best_id
+        wid = view.heartbeat.worker_id
         if wid in excluded_workers:
             result.excluded[wid] = cand.EXCLUDED_AFTER_FAILURE
-            continue
+            return
         route = cand.route_for(request_model, prompt_len, max_new, runs, chain_fingerprint, chunk_tokens, view,
                                index, excluded_pairs, shared, present, now, work_weight)
         if route is None:
             result.excluded[wid] = "capacity"
-        else:
-            result.routes.append(route)
-            if (route.best_score, wid) < (best, best_id):
-                best, best_id = route.best_score, wid
+            return
+        result.routes.append(route)
+        if (route.best_score, wid) < (best, best_id):
+            best, best_id = route.best_score, wid
+
+    local = _holders(present, index)
+    for wid in local:
+        view = roster.view(wid)
+        if view is not None and request_model in view.heartbeat.models and need <= view.heartbeat.context_limit:
+            plan_worker(view)  # otherwise its group names the reason
     local_set = set(local)
     for group in roster.groups.values():
         models, context_limit, _, group_chunk_tokens, fingerprints = group.key
@@ -193,19 +196,8 @@ def plan_pruned(
             if (wait + intrinsic, wid) > (best, best_id):  # neither this worker nor any after it can win
                 result.pruned.update({w: q + intrinsic for q, w in group.order[i:] if w not in local_set})
                 break
-            if wid in local_set:
-                continue
-            if wid in excluded_workers:
-                result.excluded[wid] = cand.EXCLUDED_AFTER_FAILURE
-                continue
-            route = cand.route_for(request_model, prompt_len, max_new, runs, chain_fingerprint, chunk_tokens,
-                                   group.views[wid], index, excluded_pairs, shared, present, now, work_weight)
-            if route is None:
-                result.excluded[wid] = "capacity"
-            else:
-                result.routes.append(route)
-                if (route.best_score, wid) < (best, best_id):
-                    best, best_id = route.best_score, wid
+            if wid not in local_set:
+                plan_worker(group.views[wid])
     if not result.routes:
         views = [v for g in roster.groups.values() for v in g.views.values()]
         return cand.plan(request_model, prompt_len, max_new, chain, chain_fingerprint, chunk_tokens, views, index,
