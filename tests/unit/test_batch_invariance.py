@@ -9,7 +9,6 @@ alone, greedily and under seeded sampling.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,20 +24,12 @@ from kvrelay.models.registry import build_model
 from kvrelay.models.sampling import sample_next
 from kvrelay.protocol.messages import Sampling
 from tests.support.tiny_models import make_tiny_model
+from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 PAGE = 8
 NEW_TOKENS = 10
 CHUNK = 16
 PROMPT_LENS = [3, 41, 17, 60, 9, 33, 25, 52, 1, 47, 12, 38, 29, 56, 6, 20]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread; two threads stall badly when other processes share the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @dataclass

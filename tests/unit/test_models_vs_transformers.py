@@ -10,7 +10,6 @@ order so no test passes by contiguity. Error bound: max abs difference under
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,18 +24,10 @@ from kvrelay.models.kv_pages import KVPages
 from kvrelay.models.layers import PagedModel
 from kvrelay.models.registry import build_model
 from tests.support.tiny_models import TINY_ARCHITECTURES, make_tiny_model
+from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 PAGE = 8
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread; two threads stall badly when other processes share the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @dataclass

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -21,15 +19,7 @@ from kvrelay.models.sampling import (
     uniform_draw,
 )
 from kvrelay.protocol.messages import Sampling
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Small tensors run fastest on one thread; two threads stall badly when other processes share the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 
 def random_logits(rows: int, vocab: int, seed: int, spread: float = 3.0) -> torch.Tensor:

@@ -10,7 +10,6 @@ that takes a multi-token row between decodes (a stale ring, rebuilt from pages).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,17 +22,10 @@ from kvrelay.models.kv_pages import KVPages
 from kvrelay.models.layers import PagedModel
 from kvrelay.models.registry import build_model
 from tests.support.tiny_models import make_tiny_model
+from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 PAGE = 4
 PAGES_EACH = 20
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
