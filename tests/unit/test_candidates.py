@@ -196,7 +196,27 @@ def test_work_weight_prefers_the_start_that_leaves_device_time_to_others() -> No
     by_ttft = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index).best()
     assert by_ttft is not None and by_ttft.worker_id == "w1"
     assert by_ttft.predicted_ttft_s == pytest.approx(0.533)
-    weighted = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index, work_weight=0.5).best()
+    weighted = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index,
+                         scoring=cand.Scoring(work_weight=0.5)).best()
     assert weighted is not None and weighted.worker_id == "w0" and weighted.cached_tokens == 512
     assert weighted.predicted_ttft_s == pytest.approx(0.541)
     assert weighted.score_s == pytest.approx(0.541 + 0.5 * 1e-3)
+
+
+def test_counted_interleave_sends_a_long_prefill_to_the_idle_worker_without_lanes() -> None:
+    # Chunks of 128 tokens: 513 uncached tokens take 5 iterations, so w0 (1 lane, empty queue) runs 4 decode
+    # steps between them: 0.513 + 4 * 0.02 + 0.02 = 0.613 s. w1 has no lanes: 0.533 s. w2 has lanes but a
+    # queue of 10 ms, so the lanes its prefill will meet are unknown and not counted: 0.543 s.
+    workers = [heartbeat("w0", prefill_chunk_tokens=128), idle_heartbeat("w1", prefill_chunk_tokens=128),
+               heartbeat("w2", prefill_chunk_tokens=128, queue_delay_s=0.01)]
+    views = [cand.WorkerView(hb, cand.WorkerLoad(), cand.reported_fingerprints(hb)) for hb in workers]
+    plan = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, ResidencyIndex(),
+                     scoring=cand.Scoring(interleave=True))
+    by_worker = {r.worker_id: r.best for r in plan.routes}
+    assert by_worker["w0"].predicted_ttft_s == pytest.approx(0.613)
+    assert by_worker["w0"].terms.decode_s == pytest.approx(0.1)
+    assert by_worker["w1"].predicted_ttft_s == pytest.approx(0.533)
+    assert by_worker["w2"].predicted_ttft_s == pytest.approx(0.543)
+    assert plan.best() == by_worker["w1"]
+    uncounted = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, ResidencyIndex()).best()
+    assert uncounted is not None and uncounted.worker_id == "w0"  # a tie with w1, to the lower id

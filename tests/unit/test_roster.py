@@ -69,6 +69,7 @@ def random_case(rng: random.Random) -> tuple[list[cand.WorkerView], ResidencyInd
             f"w{i:02d}", outstanding_s=rng.choice([0.0, rng.random()]),
             queue_delay_s=rng.choice([0.0, 0.05, rng.random()]),
             prefill_s_per_token=rng.choice([1e-3, 2e-3]),
+            active_lanes=rng.choice([0, 3]), prefill_chunk_tokens=rng.choice([0, 64, 256]),
             pages_free=rng.choice([0, 3, 100]), pages_evictable=rng.choice([0, 10]),
             models=rng.choice([("m",), ("m",), ("other",)]),
             context_limit=rng.choice([100_000, 100_000, 500]),
@@ -99,9 +100,9 @@ def test_pruned_planning_finds_the_same_best_candidate(seed: int) -> None:
     for v in rng.sample(views, len(views) // 2):  # loads move after the views were placed
         v.load.outstanding_s = rng.random()
         roster.requeue(v)
-    weight = rng.choice([0.0, 0.5])
-    full = cand.plan("m", len(PROMPT), 16, CHAIN, b"m", 64, views, index, excluded, pairs, 0.0, weight)
-    pruned = plan_pruned("m", len(PROMPT), 16, CHAIN, b"m", 64, roster, index, excluded, pairs, 0.0, weight)
+    scoring = cand.Scoring(rng.choice([0.0, 0.5]), rng.random() < 0.5)
+    full = cand.plan("m", len(PROMPT), 16, CHAIN, b"m", 64, views, index, excluded, pairs, 0.0, scoring)
+    pruned = plan_pruned("m", len(PROMPT), 16, CHAIN, b"m", 64, roster, index, excluded, pairs, 0.0, scoring)
     assert pruned.best() == full.best()
     planned = {r.worker_id for r in pruned.routes}
     assert planned <= {r.worker_id for r in full.routes}

@@ -10,6 +10,7 @@ to first token is
       + restore bytes / restore rate of each tier used                (restore_s)
       + uncached prompt tokens * prefill seconds per token             (prefill_s)
       + one decode step                                                (decode_s)
+      [+ one decode step per further prefill chunk, when counted]
 
 The queue delay is the larger of the worker's last reported queue and the
 router's own knowledge: the predicted restore + prefill of the offers it sent
@@ -21,9 +22,13 @@ section 8), behind whatever arrived meanwhile. (Three refinements were measured
 in the simulator on the dev trace at 1x and 2x the recorded rate and dropped
 because they did not lower mean and p99 TTFT at both: a restore overlapping the
 queue, a fluid model of the device queue, and one decode step per chunked-prefill
-iteration instead of one in all.)
+iteration on every worker.) A worker whose queue is empty but which has active
+decode lanes runs a decode step between the chunks of a long prefill; the
+``Scoring.interleave`` flag counts those steps for such workers, where the lanes
+the prefill will meet are known (kvrelay's policy sets it while the cluster is
+calm, ``policies.kvrelay_ttft``).
 
-Candidates are ranked by a score: the predicted TTFT plus ``work_weight`` times
+Candidates are ranked by a score: the predicted TTFT plus ``Scoring.work_weight`` times
 the candidate's prefill seconds. Recomputing occupies the device that every
 later request queues behind, which a request's own TTFT does not count; kvrelay's
 policy weighs that work by how busy the cluster is (``policies.kvrelay_ttft``),
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 
@@ -49,6 +55,19 @@ from kvrelay.protocol.messages import Heartbeat, RouteSegment
 EXCLUDED_AFTER_FAILURE = "excluded after an earlier failure of this request"
 
 
+class Scoring(NamedTuple):
+    """How a plan ranks candidates beyond their predicted TTFT (see the module docstring)."""
+
+    work_weight: float = 0.0
+    """Seconds of score added per second of the candidate's own prefill."""
+    interleave: bool = False
+    """Count the decode steps an idle worker with active lanes runs between the chunks of the prefill."""
+
+
+PREDICTED_TTFT = Scoring()
+"""Rank by the predicted TTFT alone."""
+
+
 class Terms(msgspec.Struct, frozen=True):
     """The predicted TTFT of a candidate, term by term (seconds; see the module docstring)."""
 
@@ -56,6 +75,7 @@ class Terms(msgspec.Struct, frozen=True):
     restore_s: dict[str, float]
     prefill_s: float
     decode_s: float
+    """The first decode step, plus the decode steps interleaved with the prefill when counted."""
 
     @property
     def total_s(self) -> float:
@@ -141,11 +161,11 @@ class WorkerRoute:
     """
 
     __slots__ = ("worker_id", "segments", "bounds", "best_score", "best_index", "heartbeat", "base_queue_s",
-                 "lower_load_s", "prompt_len", "chunk_tokens", "work_weight", "_best")
+                 "lower_load_s", "prompt_len", "chunk_tokens", "scoring", "_best")
 
     def __init__(self, view: WorkerView, segments: tuple[RouteSegment, ...], bounds: list[Boundary],
                  best_score: float, best_index: int, prompt_len: int, chunk_tokens: int, now: float,
-                 work_weight: float = 0.0) -> None:
+                 scoring: Scoring = PREDICTED_TTFT) -> None:
         self.worker_id = view.heartbeat.worker_id
         self.heartbeat = view.heartbeat
         self.base_queue_s = queue_of(view, now)
@@ -157,7 +177,7 @@ class WorkerRoute:
         self.best_index = best_index
         self.prompt_len = prompt_len
         self.chunk_tokens = chunk_tokens
-        self.work_weight = work_weight
+        self.scoring = scoring
         self._best: Candidate | None = None
 
     @property
@@ -165,7 +185,7 @@ class WorkerRoute:
         if self._best is None:
             self._best = make_candidate(self.heartbeat, self.base_queue_s, self.lower_load_s, self.segments,
                                         self.bounds[self.best_index], self.prompt_len, self.chunk_tokens,
-                                        self.work_weight)
+                                        self.scoring)
         return self._best
 
     @property
@@ -215,7 +235,7 @@ def page_demand(prompt_len: int, max_new: int, gpu_cached_tokens: int, page_toke
 
 def _evaluate(
     worker: WorkerView, boundaries: list[Boundary], prompt_len: int, max_new: int, chunk_tokens: int, now: float,
-    work_weight: float,
+    scoring: Scoring,
 ) -> list[tuple[float, int]]:
     """``(score, boundary index)`` of every boundary that fits the worker's capacity.
 
@@ -227,9 +247,10 @@ def _evaluate(
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
     base_queue = queue_of(worker, now)
     lower_load = lower_load_of(worker, now)
-    per_token = hb.prefill_s_per_token * (1.0 + work_weight)
+    per_token = hb.prefill_s_per_token * (1.0 + scoring.work_weight)
     fixed = prompt_len * per_token
     decode = hb.decode_s_per_token
+    chunk = interleave_chunk(hb, base_queue, scoring)
     rates = hb.restore_bytes_per_s
     total_pages = -(-(prompt_len + max_new) // pt)
     out: list[tuple[float, int]] = []
@@ -243,8 +264,20 @@ def _evaluate(
         if total_pages - gpu // pt + (1 if gpu % pt else 0) > available:
             continue
         wait = max(base_queue, lower_load) + restore if restore else base_queue
-        out.append((wait + fixed - cached * per_token + decode, i))
+        interleaved = decode * ((prompt_len - cached - 1) // chunk) if chunk and prompt_len > cached else 0.0
+        out.append((wait + fixed - cached * per_token + decode + interleaved, i))
     return out
+
+
+def interleave_chunk(hb: Heartbeat, base_queue: float, scoring: Scoring) -> int:
+    """The prefill chunk between whose iterations decode steps are counted; 0: none are counted.
+
+    Counted only when ``scoring.interleave`` is set, the worker reports its chunk size and active
+    lanes, and its queue is empty: then the prefill starts now and meets those lanes.
+    """
+    if not scoring.interleave or base_queue > 0.0 or not hb.active_lanes:
+        return 0
+    return hb.prefill_chunk_tokens
 
 
 def queue_of(worker: WorkerView, now: float) -> float:
@@ -259,10 +292,10 @@ def lower_load_of(worker: WorkerView, now: float) -> float:
 
 
 def intrinsic_cost(hb: Heartbeat, bounds: list[Boundary], prompt_len: int, chunk_tokens: int,
-                   work_weight: float) -> float:
+                   scoring: Scoring) -> float:
     """The lowest score over ``bounds`` on a worker like ``hb`` without its queue and decode step."""
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
-    per_token = hb.prefill_s_per_token * (1.0 + work_weight)
+    per_token = hb.prefill_s_per_token * (1.0 + scoring.work_weight)
     best = prompt_len * per_token
     for cached, _, restored, _ in bounds[1:]:
         restore = 0.0
@@ -277,7 +310,7 @@ def intrinsic_cost(hb: Heartbeat, bounds: list[Boundary], prompt_len: int, chunk
 
 def make_candidate(
     hb: Heartbeat, base_queue: float, lower_load: float, segments: tuple[RouteSegment, ...], boundary: Boundary,
-    prompt_len: int, chunk_tokens: int, work_weight: float = 0.0,
+    prompt_len: int, chunk_tokens: int, scoring: Scoring = PREDICTED_TTFT,
 ) -> Candidate:
     """The candidate of one boundary, with its predicted TTFT broken into terms and its score."""
     cached, _, restored, used = boundary
@@ -287,6 +320,9 @@ def make_candidate(
     queue = max(base_queue, lower_load) if restore else base_queue
     prefill = (prompt_len - cached) * hb.prefill_s_per_token
     decode = hb.decode_s_per_token
+    chunk = interleave_chunk(hb, base_queue, scoring)
+    if chunk and prompt_len > cached:
+        decode += hb.decode_s_per_token * ((prompt_len - cached - 1) // chunk)
     return Candidate(
         worker_id=hb.worker_id,
         epoch=hb.epoch,
@@ -294,7 +330,7 @@ def make_candidate(
         cached_tokens=cached,
         predicted_ttft_s=queue + total_restore + prefill + decode,
         terms=Terms(queue, restore, prefill, decode),
-        score_s=queue + total_restore + prefill * (1.0 + work_weight) + decode,
+        score_s=queue + total_restore + prefill * (1.0 + scoring.work_weight) + decode,
     )
 
 
@@ -302,11 +338,11 @@ def alternatives(route: WorkerRoute, worker: WorkerView, prompt_len: int, max_ne
                  now: float) -> list[Candidate]:
     """Every feasible boundary candidate of one worker at ``now``, lowest score first."""
     bounds = boundaries_of(route.segments, chunk_tokens)
-    w = route.work_weight
-    scored = sorted(_evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now, w), key=lambda x: (x[0], -x[1]))
+    s = route.scoring
+    scored = sorted(_evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now, s), key=lambda x: (x[0], -x[1]))
     base_queue, lower_load = queue_of(worker, now), lower_load_of(worker, now)
     return [make_candidate(worker.heartbeat, base_queue, lower_load, route.segments, bounds[i], prompt_len,
-                           chunk_tokens, w) for _, i in scored]
+                           chunk_tokens, s) for _, i in scored]
 
 
 SharedRoute = tuple[tuple[RouteSegment, ...], list[Boundary]]
@@ -325,7 +361,7 @@ def route_for(
     request_model: str, prompt_len: int, max_new: int, runs: Sequence[Run], chain_fingerprint: bytes,
     chunk_tokens: int, worker: WorkerView, index: ResidencyIndex,
     excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]], shared: SharedRoute, present: int,
-    now: float, work_weight: float,
+    now: float, scoring: Scoring,
 ) -> WorkerRoute | None:
     """One eligible worker's longest reachable route and its cheapest feasible boundary; None: no capacity.
 
@@ -352,11 +388,11 @@ def route_for(
         else:
             segments = walk_route(runs, index, shift, allowed, allow_peer, allow_object)
             bounds = boundaries_of(segments, chunk_tokens)
-    scored = _evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now, work_weight)
+    scored = _evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, now, scoring)
     if not scored:
         return None
     best_t, best_i = min(scored, key=lambda x: (x[0], -x[1])) if len(scored) > 1 else scored[0]
-    return WorkerRoute(worker, segments, bounds, best_t, best_i, prompt_len, chunk_tokens, now, work_weight)
+    return WorkerRoute(worker, segments, bounds, best_t, best_i, prompt_len, chunk_tokens, now, scoring)
 
 
 def plan(
@@ -371,7 +407,7 @@ def plan(
     excluded_workers: frozenset[str] | set[str] = frozenset(),
     excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
     now: float = 0.0,
-    work_weight: float = 0.0,
+    scoring: Scoring = PREDICTED_TTFT,
 ) -> Plan:
     """Candidates of every eligible worker for one request at ``now`` (see the module docstring).
 
@@ -392,7 +428,7 @@ def plan(
             result.excluded[wid] = f"context limit {hb.context_limit} < {need}"
         else:
             route = route_for(request_model, prompt_len, max_new, runs, chain_fingerprint, chunk_tokens, worker,
-                              index, excluded_pairs, shared, present, now, work_weight)
+                              index, excluded_pairs, shared, present, now, scoring)
             if route is None:
                 result.excluded[wid] = "capacity"
             else:

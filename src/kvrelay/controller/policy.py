@@ -40,7 +40,11 @@ class Policy(ABC):
     needs_all_routes: bool = True
     """False when the policy only ever takes the lowest score, so planning may prune."""
     work_weight: float = 0.0
-    """How much a candidate's prefill seconds add to its score (``candidates``); 0: the score is the TTFT."""
+    """How much a candidate's prefill seconds add to its score, times the share of workers with a queue
+    (``candidates.Scoring``); 0: the score is the TTFT."""
+    interleave_below_busy_share: float = 0.0
+    """Count the decode steps interleaved with a prefill (``candidates.Scoring.interleave``) while fewer
+    than this share of workers have a queue; 0: never."""
 
     @abstractmethod
     def choose(self, ctx: RoutingContext) -> Candidate | None:

@@ -141,7 +141,7 @@ def plan_pruned(
     excluded_workers: frozenset[str] | set[str] = frozenset(),
     excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
     now: float = 0.0,
-    work_weight: float = 0.0,
+    scoring: cand.Scoring = cand.PREDICTED_TTFT,
 ) -> cand.Plan:
     """The plan of ``candidates.plan`` restricted to the workers that can still win (see the module docstring).
 
@@ -164,7 +164,7 @@ def plan_pruned(
             result.excluded[wid] = cand.EXCLUDED_AFTER_FAILURE
             return
         route = cand.route_for(request_model, prompt_len, max_new, runs, chain_fingerprint, chunk_tokens, view,
-                               index, excluded_pairs, shared, present, now, work_weight)
+                               index, excluded_pairs, shared, present, now, scoring)
         if route is None:
             result.excluded[wid] = "capacity"
             return
@@ -189,9 +189,9 @@ def plan_pruned(
         first = group.views[group.order[0][1]]
         exact = dict(fingerprints).get(request_model) == chain_fingerprint and group_chunk_tokens == chunk_tokens
         if exact and runs:
-            intrinsic = cand.intrinsic_cost(first.heartbeat, shared[1], prompt_len, chunk_tokens, work_weight)
+            intrinsic = cand.intrinsic_cost(first.heartbeat, shared[1], prompt_len, chunk_tokens, scoring)
         else:
-            intrinsic = prompt_len * first.heartbeat.prefill_s_per_token * (1.0 + work_weight)
+            intrinsic = prompt_len * first.heartbeat.prefill_s_per_token * (1.0 + scoring.work_weight)
         for i, (wait, wid) in enumerate(group.order):
             if (wait + intrinsic, wid) > (best, best_id):  # neither this worker nor any after it can win
                 result.pruned.update({w: q + intrinsic for q, w in group.order[i:] if w not in local_set})
@@ -201,5 +201,5 @@ def plan_pruned(
     if not result.routes:
         views = [v for g in roster.groups.values() for v in g.views.values()]
         return cand.plan(request_model, prompt_len, max_new, chain, chain_fingerprint, chunk_tokens, views, index,
-                         excluded_workers, excluded_pairs, now, work_weight)
+                         excluded_workers, excluded_pairs, now, scoring)
     return result

@@ -50,15 +50,16 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         chain = request.chain[: cacheable_chunks(len(prompt), config.chunk_tokens)]
     else:
         chain = prompt_chain(rs.fingerprint, prompt, config.chunk_tokens)
-    work_weight = state.policy.work_weight * state.roster.busy_share() if state.policy.work_weight else 0.0
+    policy, busy = state.policy, state.roster.busy_share()
+    scoring = cand.Scoring(policy.work_weight * busy, busy < policy.interleave_below_busy_share)
     if state.policy.needs_all_routes:
         plan = cand.plan(request.model, len(prompt), remaining, chain, rs.fingerprint, config.chunk_tokens,
                          list(state.views.values()), state.index, rs.excluded_workers, rs.excluded_pairs, now,
-                         work_weight)
+                         scoring)
     else:
         plan = plan_pruned(request.model, len(prompt), remaining, chain, rs.fingerprint, config.chunk_tokens,
                            state.roster, state.index, rs.excluded_workers, rs.excluded_pairs, now,
-                           work_weight)
+                           scoring)
     ctx = RoutingContext(request, prompt, chain, config.chunk_tokens, plan, state.views, state.rng, now)
     chosen = state.policy.choose(ctx) if plan.routes else None
     if chosen is None:

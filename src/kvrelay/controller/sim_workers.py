@@ -168,7 +168,7 @@ class SimWorker:
             queue_delay_s=sum(x.prefill_left for x in waiting) * w.prefill_s_per_token,
             lower_tier_load_s=max(0.0, self.restore_free_at - now), active_lanes=len(self.decoding),
             max_lanes=w.max_lanes, prefill_s_per_token=w.prefill_s_per_token,
-            decode_s_per_token=w.decode_step(len(self.decoding)),
+            decode_s_per_token=w.decode_step(len(self.decoding)), prefill_chunk_tokens=w.prefill_chunk_tokens,
             restore_bytes_per_s=dict(w.restore_bytes_per_s), kv_bytes_per_token=self.cluster.kv_bytes_per_token,
             context_limit=w.context_limit,
         )

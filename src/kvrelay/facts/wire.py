@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from kvrelay.controller.candidates import Candidate, WorkerRoute, make_candidate
+from kvrelay.controller.candidates import Candidate, Scoring, WorkerRoute, make_candidate
 from kvrelay.controller.events import Record
 from kvrelay.controller.routes import Boundary
 from kvrelay.facts.records import Fact
@@ -49,9 +49,9 @@ class Invalid:
     message: str
 
 
-RouteInputs = tuple[Heartbeat, float, float, tuple[RouteSegment, ...], Boundary, int, int, float]
+RouteInputs = tuple[Heartbeat, float, float, tuple[RouteSegment, ...], Boundary, int, int, Scoring]
 """``make_candidate``'s arguments: heartbeat, base queue, lower-tier load, segments, boundary, prompt, chunk tokens,
-work weight."""
+scoring."""
 
 _route_encoder = msgspec.msgpack.Encoder()
 _route_decoder = msgspec.msgpack.Decoder(RouteInputs)
@@ -60,7 +60,7 @@ _route_decoder = msgspec.msgpack.Decoder(RouteInputs)
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, WorkerRoute):
         inputs = (obj.heartbeat, obj.base_queue_s, obj.lower_load_s, obj.segments, obj.bounds[obj.best_index],
-                  obj.prompt_len, obj.chunk_tokens, obj.work_weight)
+                  obj.prompt_len, obj.chunk_tokens, obj.scoring)
         return msgspec.msgpack.Ext(ROUTE_EXT, _route_encoder.encode(inputs))
     best = getattr(obj, "best", None)
     if best is not None:

@@ -187,6 +187,8 @@ class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
     max_lanes: PositiveInt = 1
     prefill_s_per_token: NonNegFloat = 0.0
     decode_s_per_token: NonNegFloat = 0.0
+    prefill_chunk_tokens: NonNegInt = 0
+    """Prompt tokens one device iteration prefills at most (chunked prefill); 0: not reported."""
     restore_bytes_per_s: dict[Tier, NonNegFloat] = {}
     chunk_bytes_by_tier: dict[Tier, NonNegInt] = {}
     kv_bytes_per_token: NonNegInt = 0

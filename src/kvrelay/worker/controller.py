@@ -107,6 +107,7 @@ class WorkerController:
             queue_delay_s=self._pending_prefill_tokens * self.prefill_s_per_token,
             active_lanes=self.runtime.num_active, max_lanes=self.runtime.policy.num_lanes,
             prefill_s_per_token=self.prefill_s_per_token, decode_s_per_token=self.decode_s_per_token,
+            prefill_chunk_tokens=self.runtime.policy.token_budget,
             restore_bytes_per_s=self.restore_bytes_per_s, kv_bytes_per_token=self.kv_bytes_per_token,
             context_limit=self.me.context_limit, peer_url=self.peer_url,
         )
