@@ -11,7 +11,14 @@ joined into the index as a running router joins them (every object replica at
 start, a worker's own when its epoch begins; untimed), and each timed decision
 also hands its records to the store (encoded on the routing thread, written by
 the store's writer process); the untimed completion steps' records go there
-too. After the timed loop the store is drained and its counters reported.
+too. After the timed loop the store is drained and its counters reported:
+every record submitted must be written, none may overflow the store's default
+buffer. The records the router produced per second of the timed loop (wall
+clock, completion steps included: the sustained load on the writer) are
+compared with what the writer writes per second of its busy time (time spent
+writing batches, counted by the writer, during the loop and the drain after
+it); its busy share is busy time over the loop's wall time (under 1: it keeps
+up). The sink's time per record is the routing thread's share.
 
     .venv/bin/python bench/router_decisions.py [--requests N] [--json PATH]
 """
@@ -28,6 +35,7 @@ import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
@@ -46,7 +54,7 @@ from kvrelay.controller.index import ResidencyIndex  # noqa: E402
 from kvrelay.controller.router import RouterConfig, new_router, step  # noqa: E402
 from kvrelay.facts.replica_map import ReplicaMap  # noqa: E402
 from kvrelay.facts.sink import record_sink  # noqa: E402
-from kvrelay.facts.store import FactStore  # noqa: E402
+from kvrelay.facts.store import FactStore, FactStoreStats  # noqa: E402
 from kvrelay.protocol.messages import Heartbeat, OfferResult, Residency, Result  # noqa: E402
 
 WORKERS = 64
@@ -99,17 +107,32 @@ def bytes_per_entry(n: int = 200_000) -> float:
     return (after - before) / len(ix)
 
 
-def run(requests: int, seed: int, policy: str, facts: FactStore | None = None) -> tuple[list[float], int]:
+@dataclass
+class Loop:
+    """What one run's timed loop took: per-decision latencies, wall time, and with a store its stats before the
+    loop (after the start-up burst was written), the records submitted and the time the sink calls took."""
+
+    latencies: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    index_keys: int = 0
+    before: FactStoreStats | None = None
+    records: int = 0
+    sink_s: float = 0.0
+
+
+def run(requests: int, seed: int, policy: str, facts: FactStore | None = None) -> Loop:
     """Time ``step(RequestArrived)`` per request; with ``facts``, also the record sink."""
     replica_map = ReplicaMap.load(facts.engine) if facts is not None else None
     sink = record_sink(facts, replica_map) if facts is not None else None
+    loop = Loop()
     state, rng = build(seed, policy, sink)
     if facts is not None and replica_map is not None:
         facts.flush(600)  # the start-up burst of replica facts is written before the timed decisions
         state, _ = step(state, ReplicasKnown(0.0, replica_map.of_tier("object")))
         for i in range(WORKERS):
             state, _ = step(state, ReplicasKnown(0.0, replica_map.held_by(f"w{i:02d}")))
-    lat: list[float] = []
+        loop.before = facts.stats()
+    lat = loop.latencies
     prompts = []
     for r in range(requests):
         d = rng.randrange(DOCS)
@@ -121,13 +144,17 @@ def run(requests: int, seed: int, policy: str, facts: FactStore | None = None) -
     gc.collect()
     gc.freeze()
     perf = time.perf_counter
+    started = perf()
     for r, req in enumerate(prompts):
         t0 = perf()
         state, fx = step(state, RequestArrived(float(r), req))
         if sink is not None:
+            t1 = perf()
             for effect in fx:
                 if isinstance(effect, Record):
                     sink(effect)
+                    loop.records += 1
+            loop.sink_s += perf() - t1
         lat.append(perf() - t0)
         offer = next(e for e in fx if isinstance(e, SendOffer)).offer
         state, fx = step(state, MessageReceived(float(r), OfferResult(
@@ -135,31 +162,45 @@ def run(requests: int, seed: int, policy: str, facts: FactStore | None = None) -
         state, more = step(state, MessageReceived(float(r), Result(
             assignment=offer.assignment, worker_id=offer.worker_id, tokens=(1,), finish_reason="stop")))
         if sink is not None:
+            t1 = perf()
             for effect in (*fx, *more):
                 if isinstance(effect, Record):
                     sink(effect)
+                    loop.records += 1
+            loop.sink_s += perf() - t1
         w = int(offer.worker_id[1:])
         state, _ = step(state, MessageReceived(float(r), heartbeat(w, seq=r + 2)))
+    loop.wall_s = perf() - started
     gc.unfreeze()
-    return lat, len(state.index)
+    loop.index_keys = len(state.index)
+    return loop
 
 
 def with_fact_store(requests: int, seed: int, without: float) -> list[Figure]:
     """The kvrelay run with the fact store attached (a SQLite file in a temporary directory)."""
     with tempfile.TemporaryDirectory() as tmp, FactStore(f"sqlite:///{tmp}/facts.sqlite3") as facts:
-        lat, _ = run(requests, seed, "kvrelay", facts)
+        loop = run(requests, seed, "kvrelay", facts)
         behind = facts.stats().pending
         facts.flush(600)
         stats = facts.stats()
+    assert loop.before is not None
+    written = stats.written - loop.before.written
+    busy_s = (stats.writer_busy_us - loop.before.writer_busy_us) / 1e6
+    lat = loop.latencies
     lat_sorted = sorted(lat)
+    produced = loop.records / loop.wall_s
     return [
         Figure("decisions_per_s_with_fact_store", len(lat) / sum(lat), "1/s", "goal", 5000),
         Figure("decisions_per_s_with_fact_store_vs_without", len(lat) / sum(lat), "1/s", "kvrelay", without),
         Figure("decision_p99_with_fact_store", lat_sorted[int(0.99 * (len(lat_sorted) - 1))] * 1e3, "ms"),
-        Figure("fact_store_overflow", stats.overflow, "records"),
+        Figure("fact_records_per_s_produced", produced, "1/s"),
+        Figure("fact_writer_records_per_busy_s", written / busy_s, "1/s", "produced", produced),
+        Figure("fact_writer_busy_share", busy_s / loop.wall_s, "1", "goal", 1.0),
+        Figure("fact_sink_per_record", loop.sink_s / loop.records * 1e6, "us"),
+        Figure("fact_store_overflow", stats.overflow, "records", "goal", 0),
         Figure("fact_store_pending_after_timed_loop", behind, "records"),
-        Figure("fact_store_written", stats.written, "records"),
-        Figure("fact_store_dropped_or_rejected", stats.dropped + stats.rejected, "records"),
+        Figure("fact_store_written", stats.written, "records", "submitted", stats.submitted),
+        Figure("fact_store_dropped_or_rejected", stats.dropped + stats.rejected, "records", "goal", 0),
     ]
 
 
@@ -171,7 +212,8 @@ def main() -> None:
     args = parser.parse_args()
     figures: list[Figure] = []
     for policy in ("kvrelay", "round_robin"):
-        lat, index_size = run(args.requests, args.seed, policy)
+        loop = run(args.requests, args.seed, policy)
+        lat, index_size = loop.latencies, loop.index_keys
         lat_sorted = sorted(lat)
         rate = len(lat) / sum(lat)
         p50 = statistics.median(lat_sorted) * 1e3

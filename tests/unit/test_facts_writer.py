@@ -63,6 +63,7 @@ def test_close_drains_a_backlog_of_many_batches(tmp_path: Path) -> None:
     assert store.close(timeout=60)
     stats = store.stats()
     assert (stats.written, stats.pending, stats.dropped) == (1000, 0, 0)
+    assert stats.writer_busy_us > 0, "the writer reports the time it spent writing"
     with FactStore(url) as reopened:
         assert reopened.reader.request_history("r999") is not None
 

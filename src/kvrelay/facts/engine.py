@@ -3,8 +3,15 @@
 ``make_engine(url)`` returns a lazy engine (it connects on first use). SQLite
 connections run in WAL mode with ``synchronous=NORMAL`` and a busy timeout,
 set by a connect event, so the writer process and routing-path readers do not
-block each other. JSON columns are encoded and decoded with ``msgspec`` (several
-times faster than the standard library on decision snapshots). PostgreSQL URLs use psycopg 3
+block each other. ``synchronous=NORMAL`` in WAL mode (SQLite's documented
+choice for WAL): a commit appends to the write-ahead log without an fsync, and
+the log is fsynced at each checkpoint. Every commit is atomic and the file
+never corrupts; a committed transaction survives a crash of the writer or of
+any other process, and only an operating-system crash or a power loss may roll
+back the transactions committed since the last checkpoint (``FULL`` would fsync
+every commit). JSON columns are decoded (and, for writes through SQLAlchemy,
+encoded) with ``msgspec``, several times faster than the standard library on
+decision snapshots. PostgreSQL URLs use psycopg 3
 (``postgresql+psycopg://user@host:port/db``) with a connect timeout. There is
 no pre-ping (it would double the round trips of a routing-path read): a
 connection that a restarted server dropped fails once, is discarded, and the

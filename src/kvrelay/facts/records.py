@@ -5,9 +5,12 @@ Input is either a router ``Record`` effect (kinds ``decision``,
 ``record_*`` methods. ``to_writes`` checks the shape of the data (unknown extra
 keys are ignored; missing or mistyped fields, unknown tiers and non-finite
 numbers are rejected; over-long free text is clipped) and returns its ``Write``s: an operation name from
-``OPS`` and the parameters of its statement (see ``statements``); JSON
-parameters may hold ``msgspec`` structs, which the engine's JSON encoder
-(``engine.make_engine``) writes as objects (and route segments as arrays). It raises
+``OPS`` and the parameters of its statement (see ``statements``), ready for
+the driver: JSON columns as JSON text (``json_text``: msgspec structs as
+objects, route segments as arrays; None stays SQL NULL). A decision's
+parameters include its offer outcome (``offered``, or ``unroutable`` when
+nothing was chosen) so that an outcome arriving in the same batch can be
+folded into the insert (``batch_plan``). It raises
 ``UnknownKind`` for a kind it does not know and ``MalformedRecord`` for bad
 data, each with a message naming the record and the offending field.
 """
@@ -40,7 +43,8 @@ OPS: tuple[str, ...] = (
 
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
 """A finite, non-negative duration or time; NaN and infinities are rejected."""
-Count = Annotated[int, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+"""A non-negative count that fits a BIGINT column."""
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 ChunkKey = Annotated[bytes, msgspec.Meta(min_length=DIGEST_BYTES, max_length=DIGEST_BYTES)]
 Fingerprint = Annotated[bytes, msgspec.Meta(min_length=1, max_length=1024)]
@@ -176,6 +180,14 @@ SOURCE_CHARS = 1024
 """Free text (reasons, errors, sources) is clipped to these lengths, never rejected for its length."""
 
 
+_json_encode = msgspec.json.Encoder().encode
+
+
+def json_text(value: Any) -> str | None:
+    """``value`` as JSON text for a JSON column (None stays None: SQL NULL)."""
+    return None if value is None else _json_encode(value).decode()
+
+
 def clip(text: str | None, limit: int) -> str | None:
     """``text`` cut to ``limit`` characters, the cut marked with an ellipsis."""
     if text is None or len(text) <= limit:
@@ -244,11 +256,13 @@ def _decision_write(head: RecordHeader, data: DecisionData) -> Write:
             "model": data.model,
             "chosen_worker": chosen.worker_id if chosen else None,
             "predicted_ttft_s": chosen.predicted_ttft_s if chosen else None,
-            "terms": chosen.terms if chosen else None,
-            "chosen": chosen,
-            "candidates": data.candidates,
-            "excluded": {worker: clip(reason, ERROR_CHARS) for worker, reason in data.excluded.items()},
+            "terms": json_text(chosen.terms) if chosen else None,
+            "chosen": json_text(chosen),
+            "candidates": json_text(data.candidates),
+            "excluded": json_text({worker: clip(reason, ERROR_CHARS) for worker, reason in data.excluded.items()}),
             "outcome": "offered" if chosen else "unroutable",
+            "outcome_reason": None,
+            "outcome_time": None,
         },
     )
 
@@ -277,10 +291,10 @@ def _outcome_write(head: RecordHeader, data: OutcomeData) -> Write:
             "finish_reason": data.finish_reason,
             "ttft_s": data.ttft_s,
             **inter_token_summary(data.inter_token_s),
-            "cached_tokens": dict(data.cached_tokens),
+            "cached_tokens": json_text(data.cached_tokens),
             "recomputed_tokens": data.recomputed_tokens,
             "generated_tokens": data.generated_tokens,
-            "bytes_by_tier": dict(data.bytes_by_tier),
+            "bytes_by_tier": json_text(data.bytes_by_tier),
             "attempts": data.attempts,
             "error": clip(data.error, ERROR_CHARS),
         },

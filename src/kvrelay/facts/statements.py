@@ -1,9 +1,15 @@
 """The write statement of each operation in ``records.OPS``, for one SQL dialect.
 
-Each statement runs with ``executemany`` over the parameter dicts of a group
-of ``Write``s of the same operation. Inserts are idempotent where a fact may
-arrive twice (lineage, live replicas) and upserts where a later fact completes
-an earlier one (models, worker start and end, a request's measured outcome).
+``build_statements`` defines them in SQLAlchemy Core; ``driver_statements``
+compiles them once into the driver's SQL text with named parameters, which the
+writer runs with the driver's own ``executemany`` over the parameter dicts of a
+group of ``Write``s of the same operation (``Connection.exec_driver_sql``: no
+per-row work in SQLAlchemy, errors still wrapped as ``sqlalchemy.exc``; the
+parameters are driver-ready, JSON already text). Insert statements bind every
+column but an autoincrement ``id`` (and a replica's ``removed`` and ``reason``),
+and return nothing. Inserts are idempotent where a fact may arrive twice
+(lineage, live replicas) and upserts where a later fact completes an earlier
+one (models, worker start and end, a request's measured outcome).
 ``CONFLICT_KEYS`` names, per upsert, the parameters that must be unique within
 one ``executemany`` (PostgreSQL refuses to update one row twice in a statement).
 
@@ -11,7 +17,9 @@ An offer outcome updates the decision it answers: the earliest decision of
 that (request, attempt) chosen for that worker still ``offered``; if none is
 (a worker lost after it accepted), the latest one it ``accepted``. So the
 outcome lands on the right row even when all of a batch's decisions are
-inserted before its offer outcomes.
+inserted before its offer outcomes. (Most outcomes never run this UPDATE: the
+writer folds an outcome into its decision's insert when both are in one batch,
+by the same rule; see ``batch_plan``.)
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects.postgresql import psycopg
+from sqlalchemy.dialects.sqlite import pysqlite
 
 from kvrelay.facts import schema
 
@@ -42,13 +52,14 @@ def _insert(dialect: str, table: sa.Table) -> Any:
 
 def _decision_for_offer(outcome: str, pick: Any) -> sa.ScalarSelect[Any]:
     d = schema.decisions.alias("answered")
+    outcome_text = sa.literal_column(f"'{outcome}'")
     return (
         sa.select(pick(d.c.id))
         .where(
             d.c.request_id == sa.bindparam("p_request_id"),
             d.c.attempt == sa.bindparam("p_attempt"),
             d.c.chosen_worker == sa.bindparam("p_worker_id"),
-            d.c.outcome == outcome,
+            d.c.outcome == outcome_text,
         )
         .scalar_subquery()
     )
@@ -105,3 +116,37 @@ def build_statements(dialect: str) -> dict[str, Any]:
             set_={c.name: outcomes.excluded[c.name] for c in schema.outcomes.c if c.name != "request_id"},
         ),
     }
+
+
+_DRIVER_DIALECTS = {"sqlite": lambda: pysqlite.dialect(paramstyle="named"), "postgresql": psycopg.dialect}
+"""Compilers with named parameters (``:name`` for sqlite3, ``%(name)s`` with casts for psycopg)."""
+
+_INSERTED = {
+    "model": schema.models, "worker": schema.workers, "lineage": schema.chunks, "replica_stored": schema.replicas,
+    "decision": schema.decisions, "outcome": schema.outcomes,
+}
+_NOT_INSERTED = {"replica_stored": ("removed", "reason")}
+"""Columns an insert leaves NULL besides ``id``: a stored replica is live."""
+
+
+def insert_columns(op: str) -> list[str]:
+    """The parameters of an insert operation: its table's columns but ``id`` and those in ``_NOT_INSERTED``."""
+    skipped = ("id", *_NOT_INSERTED.get(op, ()))
+    return [c.name for c in _INSERTED[op].c if c.name not in skipped]
+
+
+def driver_statements(dialect: str) -> dict[str, str]:
+    """Every operation's statement as the driver's SQL text (named parameters, no literal binds left)."""
+    if dialect not in _DRIVER_DIALECTS:
+        raise ValueError(f"the fact store supports {', '.join(SUPPORTED_DIALECTS)}; got a {dialect!r} URL")
+    compiler = _DRIVER_DIALECTS[dialect]()
+    out = {}
+    for op, statement in build_statements(dialect).items():
+        if op in _INSERTED:
+            compiled = statement.inline().compile(dialect=compiler, column_keys=insert_columns(op))
+        else:
+            compiled = statement.compile(dialect=compiler)
+        if not all(bind.required or bind.value is None for bind in compiled.binds.values()):
+            raise AssertionError(f"the {op} statement binds a literal; write it as SQL text")
+        out[op] = compiled.string
+    return out

@@ -12,7 +12,8 @@ Contract:
   hold the router's interpreter lock. It validates each item, writes batches of
   at most ``batch_size`` items in one transaction, retries database failures
   with backoff and rejects bad rows alone; its counters (``written``,
-  ``rejected``, ``unknown_kinds``, ``dropped``, ``failed_attempts``) and its log
+  ``rejected``, ``unknown_kinds``, ``dropped``, ``failed_attempts``,
+  ``writer_busy_us``) and its log
   lines (logger ``kvrelay.facts.store``) come back to this store. A writer
   process that dies is replaced; what it held is counted in ``dropped``.
 - ``flush(timeout)`` returns True once every item accepted before the call has
@@ -53,11 +54,13 @@ class WriterSettings:
 
     ``linger_s``: the longest an item waits to be sent to the writer (``flush`` and ``close`` send at once).
     Each send and each progress report takes the interpreter lock from the routing thread for a moment, so
-    fewer, larger sends keep the routing latency's tail short.
+    fewer, larger sends keep the routing latency's tail short. ``batch_size``: the most items in one
+    transaction; a writer that keeps up commits about once per ``linger_s`` (fewer commits and index page
+    writes per item than with small batches); a batch a data error hits is retried row by row.
     """
 
     buffer_size: int = 10_000
-    batch_size: int = 500
+    batch_size: int = 2000
     max_retries: int = 5
     backoff_s: float = 0.05
     backoff_max_s: float = 2.0
@@ -76,6 +79,8 @@ class FactStoreStats:
     unknown_kinds: int = 0
     dropped: int = 0
     failed_attempts: int = 0
+    writer_busy_us: int = 0
+    """Microseconds the writer spent validating and writing batches (wall clock)."""
     pending: int = 0
 
 

@@ -6,8 +6,14 @@ writer's job) and never raises: an item that cannot be encoded becomes an
 ``Invalid`` entry carrying the reason, which the writer counts as rejected.
 Lazy candidates are cheap on the routing thread: the router's ``WorkerRoute``
 travels as the inputs of ``candidates.make_candidate`` (an ext type, a few
-hundred bytes) and is materialized in the writer; any other object with a
-``best`` attribute is materialized here.
+dozen bytes plus its heartbeat) and is materialized in the writer; any other
+object with a ``best`` attribute is materialized here. Each ``Heartbeat``
+object is encoded once (the router shares one across all routes of its worker
+until the next heartbeat arrives): a bounded cache by identity, which holds
+the object so that its ``id`` is not reused while cached; the writer decodes
+each distinct heartbeat once. A decision record carries
+only the fields the store keeps (``records.DecisionData``): the router's
+``pruned`` map, for one, is not sent.
 ``batch_frame(items)`` frames a list of encoded items without re-encoding them
 (the payload starts with the item count, so a writer accounts for every item
 even if a payload failed to decode).
@@ -29,10 +35,15 @@ from typing import Any
 
 import msgspec
 
-from kvrelay.controller.candidates import Candidate, Scoring, WorkerRoute, make_candidate
+from kvrelay.controller.candidates import (
+    Candidate,
+    Scoring,
+    WorkerRoute,
+    make_candidate,
+)
 from kvrelay.controller.events import Record
 from kvrelay.controller.routes import Boundary
-from kvrelay.facts.records import Fact
+from kvrelay.facts.records import DecisionData, Fact
 from kvrelay.protocol.messages import Heartbeat, RouteSegment
 
 ROUTE_EXT = 1
@@ -49,18 +60,47 @@ class Invalid:
     message: str
 
 
-RouteInputs = tuple[Heartbeat, float, float, tuple[RouteSegment, ...], Boundary, int, int, Scoring]
-"""``make_candidate``'s arguments: heartbeat, base queue, lower-tier load, segments, boundary, prompt, chunk tokens,
-scoring."""
+RouteInputs = tuple[msgspec.Raw, float, float, tuple[RouteSegment, ...], Boundary, int, int, Scoring]
+"""``make_candidate``'s arguments: heartbeat (its msgpack bytes), base queue, lower-tier load, segments, boundary,
+prompt, chunk tokens, scoring."""
+
+HEARTBEATS_CACHED = 4096
+"""Bound of each side's heartbeat cache (encoded by object, decoded by bytes); a full cache starts over."""
+
+DECISION_FIELDS = frozenset(DecisionData.__struct_fields__)
 
 _route_encoder = msgspec.msgpack.Encoder()
 _route_decoder = msgspec.msgpack.Decoder(RouteInputs)
+_heartbeat_decoder = msgspec.msgpack.Decoder(Heartbeat)
+_encoded_heartbeats: dict[int, tuple[Heartbeat, msgspec.Raw]] = {}
+_decoded_heartbeats: dict[bytes, Heartbeat] = {}
+
+
+def _heartbeat_bytes(heartbeat: Heartbeat) -> msgspec.Raw:
+    hit = _encoded_heartbeats.get(id(heartbeat))
+    if hit is not None and hit[0] is heartbeat:
+        return hit[1]
+    if len(_encoded_heartbeats) >= HEARTBEATS_CACHED:
+        _encoded_heartbeats.clear()
+    raw = msgspec.Raw(_route_encoder.encode(heartbeat))
+    _encoded_heartbeats[id(heartbeat)] = (heartbeat, raw)
+    return raw
+
+
+def _heartbeat_of(raw: msgspec.Raw) -> Heartbeat:
+    data = bytes(raw)
+    heartbeat = _decoded_heartbeats.get(data)
+    if heartbeat is None:
+        if len(_decoded_heartbeats) >= HEARTBEATS_CACHED:
+            _decoded_heartbeats.clear()
+        heartbeat = _decoded_heartbeats[data] = _heartbeat_decoder.decode(data)
+    return heartbeat
 
 
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, WorkerRoute):
-        inputs = (obj.heartbeat, obj.base_queue_s, obj.lower_load_s, obj.segments, obj.bounds[obj.best_index],
-                  obj.prompt_len, obj.chunk_tokens, obj.scoring)
+        inputs = (_heartbeat_bytes(obj.heartbeat), obj.base_queue_s, obj.lower_load_s, obj.segments,
+                  obj.bounds[obj.best_index], obj.prompt_len, obj.chunk_tokens, obj.scoring)
         return msgspec.msgpack.Ext(ROUTE_EXT, _route_encoder.encode(inputs))
     best = getattr(obj, "best", None)
     if best is not None:
@@ -83,7 +123,10 @@ def encode_item(item: Any) -> bytes:
     """One item as msgpack bytes; an item that cannot be encoded becomes an ``Invalid`` naming the reason."""
     try:
         if isinstance(item, Record):
-            return _encoder.encode(("r", item.kind, item.request_id, item.attempt, item.now, item.data))
+            data = item.data
+            if item.kind == "decision" and isinstance(data, dict):
+                data = {name: value for name, value in data.items() if name in DECISION_FIELDS}
+            return _encoder.encode(("r", item.kind, item.request_id, item.attempt, item.now, data))
         if isinstance(item, Fact):
             return _encoder.encode(("f", item.kind, item.params))
         message = f"expected a kvrelay.controller.events.Record, got {type(item).__name__}"
@@ -143,7 +186,8 @@ class LazyRoute:
 
     @property
     def best(self) -> Candidate:
-        return make_candidate(*_route_decoder.decode(self._data))
+        heartbeat, *inputs = _route_decoder.decode(self._data)
+        return make_candidate(_heartbeat_of(heartbeat), *inputs)
 
 
 def _ext_hook(code: int, data: memoryview) -> Any:

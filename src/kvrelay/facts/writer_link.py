@@ -23,6 +23,7 @@ Contract:
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import select
@@ -49,6 +50,22 @@ def _writer_command() -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_SRC, env.get("PYTHONPATH", "")) if p)
     return [sys.executable, "-m", "kvrelay.facts.writer_process"], env
+
+
+PIPE_BYTES = 1 << 20
+"""The writer's input pipe is widened to this (Linux; the default unprivileged limit), so that one linger's
+items usually go out in one write: each write is a wake-up of this thread, which takes the interpreter lock
+from the routing thread."""
+
+
+def _widen_pipe(fd: int) -> None:
+    setsize = getattr(fcntl, "F_SETPIPE_SZ", None)
+    if setsize is None:
+        return
+    try:
+        fcntl.fcntl(fd, setsize, PIPE_BYTES)
+    except OSError as exc:
+        log.debug("fact writer pipe keeps its size: %s", exc)
 
 
 class WriterLink:
@@ -139,6 +156,7 @@ class WriterLink:
         assert proc.stdin is not None and proc.stdout is not None
         in_fd, out_fd = proc.stdin.fileno(), proc.stdout.fileno()
         os.set_blocking(in_fd, False)
+        _widen_pipe(in_fd)
         frames = FrameBuffer()
         pending = memoryview(frame(msgspec.msgpack.encode(self._config)))
         sent = done = 0

@@ -15,13 +15,16 @@ Writing (``Writer.write_batch``):
 - each item is validated (``records.to_writes``): an unknown kind is counted in
   ``unknown_kinds``, malformed data (and a ``wire.Invalid``) in ``rejected``,
   each logged with the reason; neither stops the writer;
-- a batch is written in one transaction with one ``executemany`` per group of
-  same-operation writes (lanes in ``records.OPS`` order, order kept within a lane);
+- a batch is written in one transaction with one driver ``executemany`` per
+  group of same-operation writes (``batch_plan``: offer outcomes folded into
+  their decisions' inserts where the batch holds both, then lanes in
+  ``records.OPS`` order, order kept within a lane);
 - a batch that fails for a database reason (down, locked, read-only, schema
   missing) is retried with exponential backoff up to ``max_retries`` times,
   then dropped and counted in ``dropped`` (every failed attempt is counted in
   ``failed_attempts``); one that fails for a data reason (a constraint, a value
-  the database refuses) is retried row by row so only the bad rows are rejected;
+  the database refuses) is retried row by row, unfolded, so only the bad rows
+  are rejected;
 - the schema is created before the first write (and after any failure).
 """
 
@@ -41,23 +44,18 @@ import msgspec
 import sqlalchemy as sa
 
 from kvrelay.controller.events import Record
+from kvrelay.facts.batch_plan import IndexedWrite, fold_offer_outcomes, plan_groups
 from kvrelay.facts.engine import create_schema, make_engine
-from kvrelay.facts.records import (
-    OPS,
-    Fact,
-    MalformedRecord,
-    UnknownKind,
-    Write,
-    to_writes,
-)
-from kvrelay.facts.statements import CONFLICT_KEYS, build_statements
+from kvrelay.facts.records import Fact, MalformedRecord, UnknownKind, to_writes
+from kvrelay.facts.statements import driver_statements
 from kvrelay.facts.wire import FrameBuffer, Invalid, decode_items, frame
 
 REPORT_EVERY_S = 0.1
 """While a backlog lasts, progress is reported this often (and whenever the writer has caught up)."""
 
-COUNTERS = ("written", "rejected", "unknown_kinds", "dropped", "failed_attempts")
-"""The counters a writer reports (deltas); the store adds them to its own."""
+COUNTERS = ("written", "rejected", "unknown_kinds", "dropped", "failed_attempts", "writer_busy_us")
+"""The counters a writer reports (deltas); the store adds them to its own. ``writer_busy_us``: microseconds spent
+validating and writing batches (wall clock), so written items per busy second is what the writer can sustain."""
 
 
 class WriterConfig(msgspec.Struct, frozen=True):
@@ -74,31 +72,6 @@ def is_data_error(exc: BaseException) -> bool:
     if isinstance(exc, (sa.exc.IntegrityError, sa.exc.DataError)):
         return True
     return isinstance(exc, sa.exc.StatementError) and not isinstance(exc, sa.exc.DBAPIError)
-
-
-def plan_groups(writes: list[tuple[int, Write]]) -> list[tuple[str, list[tuple[int, Write]]]]:
-    """Group a batch's writes for ``executemany``: lanes in ``OPS`` order, order kept within a lane.
-
-    Replica stores and removals share one lane, so a store, removal and re-store
-    of one replica keep their order. A new group starts whenever the operation
-    changes or an upsert's conflict key repeats within the group.
-    """
-    lane = {op: i for i, op in enumerate(OPS)}
-    lane["replica_removed"] = lane["replica_stored"]
-    ordered = sorted(writes, key=lambda iw: lane[iw[1].op])
-    groups: list[tuple[str, list[tuple[int, Write]]]] = []
-    seen: set[tuple[Any, ...]] = set()
-    for item in ordered:
-        op = item[1].op
-        conflict = CONFLICT_KEYS.get(op)
-        key = tuple(item[1].params[k] for k in conflict) if conflict else None
-        if not groups or groups[-1][0] != op or (key is not None and key in seen):
-            groups.append((op, []))
-            seen = set()
-        groups[-1][1].append(item)
-        if key is not None:
-            seen.add(key)
-    return groups
 
 
 class Throttle:
@@ -121,7 +94,7 @@ class Writer:
         self.config = config
         self.engine = make_engine(config.url, connect_timeout_s=config.connect_timeout_s)
         self.counts = dict.fromkeys(COUNTERS, 0)
-        self._statements = build_statements(self.engine.dialect.name)
+        self._statements = driver_statements(self.engine.dialect.name)
         self._throttle = Throttle(emit)
         self._closing = closing
         self._give_up = False
@@ -133,8 +106,8 @@ class Writer:
         self.counts = dict.fromkeys(COUNTERS, 0)
         return out
 
-    def _validated(self, batch: list[Record | Fact | Invalid]) -> list[tuple[int, Write]]:
-        writes: list[tuple[int, Write]] = []
+    def _validated(self, batch: list[Record | Fact | Invalid]) -> list[IndexedWrite]:
+        writes: list[IndexedWrite] = []
         for index, item in enumerate(batch):
             try:
                 if isinstance(item, Invalid):
@@ -156,7 +129,7 @@ class Writer:
         if self._give_up:
             self.counts["dropped"] += len(items)
             return
-        groups = plan_groups(writes)
+        groups = plan_groups(fold_offer_outcomes(writes))
         for attempt in range(self.config.max_retries + 1):
             try:
                 self._execute(groups)
@@ -187,22 +160,22 @@ class Writer:
                 )
                 self._closing.wait(delay)
 
-    def _execute(self, groups: list[tuple[str, list[tuple[int, Write]]]]) -> None:
+    def _execute(self, groups: list[tuple[str, list[IndexedWrite]]]) -> None:
         if not self._schema_ready:
             create_schema(self.engine)
             self._schema_ready = True
         with self.engine.begin() as conn:
             for op, group in groups:
-                conn.execute(self._statements[op], [w.params for _, w in group])
+                conn.exec_driver_sql(self._statements[op], [w.params for _, w in group])
 
-    def _write_rows(self, writes: list[tuple[int, Write]]) -> None:
+    def _write_rows(self, writes: list[IndexedWrite]) -> None:
         failed: set[int] = set()
         for index, write in writes:
             if index in failed:
                 continue
             try:
                 with self.engine.begin() as conn:
-                    conn.execute(self._statements[write.op], [write.params])
+                    conn.exec_driver_sql(self._statements[write.op], write.params)
             except (sa.exc.SQLAlchemyError, OSError) as exc:
                 failed.add(index)
                 self._throttle.log(logging.WARNING, "row_rejected", "fact store rejected one %s row: %s", write.op, exc)
@@ -268,11 +241,13 @@ def serve(in_fd: int, out_fd: int) -> int:
                 carry = more
                 break
             batch = batch + more
+        started = time.perf_counter()
         try:
             writer.write_batch(batch)
         except Exception as exc:  # the writer survives everything; the batch is counted as dropped
             writer.counts["dropped"] += len(batch)
             _send(out_fd, ("l", logging.ERROR, f"fact writer: unexpected error; {len(batch)} items dropped: {exc!r}"))
+        writer.counts["writer_busy_us"] += round((time.perf_counter() - started) * 1e6)
         unreported += len(batch)
         now = time.monotonic()
         if carry is None and inbox.empty() or now - reported_at >= REPORT_EVERY_S:
