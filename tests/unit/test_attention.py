@@ -202,3 +202,15 @@ def test_allocate_shapes_the_pool_from_the_config() -> None:
     assert (kv.num_pages, kv.page_tokens, kv.dtype) == (5, 8, torch.bfloat16)
     assert kv.page_bytes() == 2 * 3 * 8 * 2 * 4 * 2
     assert not kv.k.any() and not kv.v.any()
+
+
+def test_decode_attention_equals_dense_attention_under_a_mask() -> None:
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(5, KV_HEADS, HEADS // KV_HEADS, DIM, generator=gen)
+    k = torch.randn(5, KV_HEADS, 12, DIM, generator=gen)
+    v = torch.randn(5, KV_HEADS, 12, DIM, generator=gen)
+    visible = torch.arange(12) < torch.tensor([12, 1, 7, 3, 9]).view(5, 1, 1, 1)
+    mask = torch.zeros(5, 1, 1, 12).masked_fill_(~visible, float("-inf"))
+    scores = torch.einsum("bhgd,bhsd->bhgs", q, k) * SCALE + mask
+    want = torch.einsum("bhgs,bhsd->bhgd", scores.softmax(-1), v)
+    torch.testing.assert_close(attention.decode_attention(q, k, v, mask, SCALE), want, rtol=1e-5, atol=1e-5)

@@ -83,9 +83,9 @@ class RecordingModel:
         self.model = model
         self.batches: list[list[int]] = []
 
-    def forward(self, batch: ForwardBatch, kv: KVPages) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: KVPages, logits_dtype: torch.dtype | None = None) -> torch.Tensor:
         self.batches.append(list(batch.query_lens))
-        return self.model.forward(batch, kv)
+        return self.model.forward(batch, kv, logits_dtype)
 
 
 class GatedModel:
@@ -102,13 +102,13 @@ class GatedModel:
         self.entered.clear()
         self.release.clear()
 
-    def forward(self, batch: ForwardBatch, kv: KVPages) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: KVPages, logits_dtype: torch.dtype | None = None) -> torch.Tensor:
         self.entered.set()
         assert self.release.wait(WAIT), "test never released the gated forward"
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected forward failure")
-        return self.model.forward(batch, kv)
+        return self.model.forward(batch, kv, logits_dtype)
 
 
 @pytest.fixture

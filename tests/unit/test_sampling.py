@@ -146,3 +146,11 @@ def test_finish_reason_prefers_stop_tokens_to_the_length_limit() -> None:
 def test_mismatched_rows_are_refused() -> None:
     with pytest.raises(ValueError, match="B == len\\(params\\) == len\\(positions\\)"):
         sample_next(torch.zeros(2, 5), [Sampling()], [0, 1])
+
+
+def test_greedy_on_bfloat16_logits_picks_what_float32_picks() -> None:
+    logits = random_logits(6, 5000, seed=9).bfloat16()
+    logits[2, 17] = logits[2, 4000] = logits[2].max() + 1  # a tie: the lowest id wins in both dtypes
+    chosen = sample_next(logits, [Sampling()] * 6, list(range(6)))
+    assert chosen == sample_next(logits.float(), [Sampling()] * 6, list(range(6)))
+    assert chosen == logits.float().argmax(-1).tolist() and chosen[2] == 17

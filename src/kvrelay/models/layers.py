@@ -278,9 +278,11 @@ class PagedModel:
 
     Subclasses set ``layers``, ``norm``, ``rotaries`` (per layer type) and
     ``lm_head``, and may override ``embed``. ``forward`` writes the batch's new
-    keys and values into their pages and returns float32 logits
-    ``[len(logits_indices), vocab]``. It reads the resident prefix of every
-    sequence from its pages, so those pages must hold it; pages written in the
+    keys and values into their pages and returns logits
+    ``[len(logits_indices), vocab]`` in ``logits_dtype`` (``None``: the model's
+    dtype, which spares a float32 copy of the whole vocabulary per row). It
+    reads the resident prefix of every sequence from its pages, so those pages
+    must hold it; pages written in the
     same step must not be shared between sequences. One thread at a time may
     call ``forward`` (the gather storage is reused between calls).
     """
@@ -313,15 +315,18 @@ class PagedModel:
         return w.take("lm_head.weight", (self.config.vocab_size, self.config.hidden_size))
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, kv: KVPages) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, kv: KVPages, logits_dtype: torch.dtype | None = torch.float32
+    ) -> torch.Tensor:
         self._check_pool(kv)
         mirror_step = None if self.mirror is None else self.mirror.prepare(batch, kv, self.dtype)
         try:
-            return self._forward(batch, kv, mirror_step)
+            logits = self._forward(batch, kv, mirror_step)
         except BaseException:
             if self.mirror is not None:
                 self.mirror.forget(mirror_step)
             raise
+        return logits if logits_dtype is None else logits.to(logits_dtype)
 
     def _forward(self, batch: ForwardBatch, kv: KVPages, mirror_step: MirrorStep | None) -> torch.Tensor:
         mirrored = frozenset() if mirror_step is None else mirror_step.seqs
@@ -335,7 +340,7 @@ class PagedModel:
         h = self.norm(h.index_select(0, batch.logits_indices.to(self.device)))
         if self._head is None or self._head.weight is not self.lm_head:
             self._head = PackedLinear(self.lm_head, max_rows=None)
-        return self._head(h).float()
+        return self._head(h)
 
     def _check_pool(self, kv: KVPages) -> None:
         c = self.config

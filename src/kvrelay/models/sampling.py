@@ -46,7 +46,10 @@ def uniform_draw(seed: int, position: int) -> float:
 
 
 def sample_next(logits: torch.Tensor, params: Sequence[Sampling], positions: Sequence[int]) -> list[int]:
-    """One token per row of ``logits`` (``[B, vocab]``), row ``i`` under ``params[i]``.
+    """One token per row of ``logits`` (``[B, vocab]``, float32 or bfloat16), row ``i`` under ``params[i]``.
+
+    Greedy rows take the argmax of the logits as given (bfloat16 values convert to
+    float32 exactly, so the choice is the same either way); sampled rows convert to float32.
 
     ``positions[i]`` is the absolute position the drawn token will occupy.
     """

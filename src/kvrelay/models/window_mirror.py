@@ -4,7 +4,7 @@ A decoding sequence reads, in every sliding layer, only its last ``window``
 positions. ``WindowMirror`` keeps them for each runtime lane in a ring per
 sliding layer, shaped ``[lanes, kv_heads, window, head_dim]`` (position ``p`` at
 ring slot ``p % window``; rope is already applied, so slot order does not
-matter to attention). One ``scaled_dot_product_attention`` call per layer then
+matter to attention). One batched ``decode_attention`` per layer then
 reads every decoding lane's window in place: one pass over the keys per step,
 instead of gathering scattered pages into a buffer and reading that again.
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from kvrelay.models.attention import decode_attention
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.kv_pages import KVPages
 
@@ -119,7 +119,7 @@ class WindowMirror:
         queries = q.view(lanes, self.kv_heads, heads // self.kv_heads, head_dim)
         k = self.k[ring, step.lo : step.hi].to(q.dtype)
         v = self.v[ring, step.lo : step.hi].to(q.dtype)
-        out = F.scaled_dot_product_attention(queries, k, v, attn_mask=step.mask, scale=scale)
+        out = decode_attention(queries, k, v, step.mask, scale)
         out = out.reshape(lanes, heads, head_dim)
         return out if step.lane_rows is None else out.index_select(0, step.lane_rows)
 

@@ -52,9 +52,13 @@ log = logging.getLogger(__name__)
 
 
 class StepModel(Protocol):
-    """What the runtime needs of a model: one forward over a batch, writing its K/V into ``kv``."""
+    """What the runtime needs of a model: one forward over a batch, writing its K/V into ``kv``.
 
-    def forward(self, batch: ForwardBatch, kv: KVPages) -> torch.Tensor: ...
+    The runtime asks for ``logits_dtype=None`` (logits in the model's own dtype): sampling
+    reads bfloat16 logits as they are, sparing a float32 copy of ``[rows, vocab]`` per step.
+    """
+
+    def forward(self, batch: ForwardBatch, kv: KVPages, logits_dtype: torch.dtype | None = ...) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -295,7 +299,7 @@ class PagedRuntime:
         wanted = [i for i, row in enumerate(rows) if row.sample]
         if len(wanted) != len(rows):
             batch = replace(batch, logits_indices=batch.logits_indices[wanted])
-        logits = self.model.forward(batch, self.kv)
+        logits = self.model.forward(batch, self.kv, logits_dtype=None)
         if not wanted:
             return []
         seqs = [rows[i].seq for i in wanted]
