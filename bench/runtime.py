@@ -1,7 +1,8 @@
 """Benchmark of the paged runtime against ``transformers`` on the same weights, dtype and prompts.
 
 Figures (one run, one process; the baseline is measured in the same run, right after
-or interleaved with ours; prefill and TTFT are the best of ``--repeats`` interleaved
+or interleaved with ours, on the runtime's device thread so both use the same torch
+thread pool (``kvrelay.worker.torch_threads``); prefill and TTFT are the best of ``--repeats`` interleaved
 runs because the CPU is shared; ``*_median`` figures give the median of the same runs):
 
 1. ``decode_tokens_per_s``: aggregate decode throughput with ``--sequences`` (32)
@@ -40,6 +41,7 @@ from kvrelay.models.loader import load_artifacts
 from kvrelay.protocol.messages import Sampling
 from kvrelay.worker.engine import Engine, EngineOptions, parse_dtype
 from kvrelay.worker.jobs import Job
+from kvrelay.worker.torch_threads import confine_threads
 
 GREEDY_NO_STOP = Sampling()
 
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    confine_threads()  # the runtime's device thread owns the torch pool; the baseline runs there too
     dtype = parse_dtype(args.dtype)
     t0 = time.perf_counter()
     artifacts = load_artifacts(args.model, dtype=dtype)
@@ -83,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         warm_up(engine)
         ours_decode = runtime_decode(engine, prompts, args.new_tokens)
         rss_ours = peak_rss_mib()
-        hf = None if args.skip_baseline else hf_model(artifacts, dtype)
+        on_device = engine.runtime.run_on_device
+        hf = None if args.skip_baseline else on_device(lambda: hf_model(artifacts, dtype))
         hf_prompts = prompts[:: max(1, len(prompts) // args.hf_batch)][: args.hf_batch]
-        hf_decode = None if hf is None else hf_decode_rate(hf, hf_prompts, args.new_tokens)
+        hf_decode = None if hf is None else on_device(lambda: hf_decode_rate(hf, hf_prompts, args.new_tokens))
         ours_prefill: list[float] = []
         hf_prefill: list[float] = []
         cold: list[float] = []
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):  # interleaved, best of each: the CPU is shared and noisy
             ours_prefill.append(runtime_ttft(engine, prefill_prompt, resident=0))
             if hf is not None:
-                hf_prefill.append(hf_prefill_time(hf, prefill_prompt))
+                hf_prefill.append(on_device(lambda: hf_prefill_time(hf, prefill_prompt)))
             cold.append(runtime_ttft(engine, ttft_prompt, resident=0))
             warm.append(runtime_ttft(engine, ttft_prompt, resident=args.resident_tokens))
     rss_all = peak_rss_mib()

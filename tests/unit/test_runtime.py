@@ -21,7 +21,7 @@ from kvrelay.models.kv_pages import KVPages
 from kvrelay.models.registry import build_model
 from kvrelay.protocol.messages import Sampling
 from kvrelay.worker.iteration import PolicyConfig
-from kvrelay.worker.jobs import Job, JobResult, QueueFullError, RuntimeEvent, TokenEvent
+from kvrelay.worker.jobs import Job, JobResult, QueueFullError, RuntimeClosedError, RuntimeEvent, TokenEvent
 from kvrelay.worker.page_pool import PagePool
 from kvrelay.worker.runtime import PagedRuntime
 from tests.support.tiny_models import make_tiny_model
@@ -368,3 +368,21 @@ def test_engine_generates_and_returns_its_pages(tiny: Tiny) -> None:
         with pytest.raises(TimeoutError):
             engine.generate(prompt, 60, Sampling(), timeout=0)
         assert engine.pool.num_free == total, "a timed-out job's pages come back once it has quiesced"
+
+
+def test_the_device_thread_alone_runs_torch_in_parallel_and_runs_calls_between_steps(tiny: Tiny) -> None:
+    with PagedRuntime(tiny.model, new_kv(tiny, 8), PolicyConfig(2, 8), threads=2) as runtime:
+        assert runtime.run_on_device(torch.get_num_threads, timeout=WAIT) == 2
+        assert torch.get_num_threads() == 1  # the constructing thread runs torch serially
+        seen: list[int] = []
+        other = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        other.start()
+        other.join(WAIT)
+        assert seen == [1]
+        assert runtime.run_on_device(lambda: torch.is_inference_mode_enabled(), timeout=WAIT) is False
+        with pytest.raises(ZeroDivisionError):
+            runtime.run_on_device(lambda: 1 // 0, timeout=WAIT)
+        done = runtime.submit(Job(tuple(range(4, 8)), (0, 1), max_new_tokens=2)).result(WAIT)
+        assert done.finish_reason == "length"  # the loop keeps serving after a failed call
+    with pytest.raises(RuntimeClosedError):
+        runtime.run_on_device(torch.get_num_threads)

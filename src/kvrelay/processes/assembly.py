@@ -39,6 +39,7 @@ from kvrelay.worker.iteration import PolicyConfig
 from kvrelay.worker.page_pool import PagePool
 from kvrelay.worker.restore import StoreRestore
 from kvrelay.worker.runtime import PagedRuntime
+from kvrelay.worker.torch_threads import confine_threads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -113,6 +114,7 @@ async def build_worker(spec: WorkerSpec) -> WorkerParts:
     if spec.dtype not in DTYPES:
         raise ValueError(f"dtype {spec.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     dtype = DTYPES[spec.dtype]
+    confine_threads()  # before any torch work: the device thread alone runs torch ops in parallel
     artifacts = await asyncio.to_thread(load_artifacts, spec.model, dtype)
     config = artifacts.config
     model = build_model(config, artifacts.weights, dtype)

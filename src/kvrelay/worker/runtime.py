@@ -16,6 +16,10 @@ while the queue is full and raises ``QueueFullError`` after ``timeout`` seconds
 (``timeout=0``: fail at once); ``submit_async`` waits the same way without
 blocking the event loop. A forward that raises fails only the jobs in that batch
 (``finish_reason="error"``); the loop keeps serving.
+
+Threads: the device thread owns torch's intra-op pool; the thread that constructs
+the runtime and every other thread run torch ops serially (``torch_threads``); heavy
+torch work runs on the device thread through ``run_on_device``.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -47,6 +52,9 @@ from kvrelay.worker.jobs import (
     RuntimeClosedError,
     TokenEvent,
 )
+from kvrelay.worker.torch_threads import confine_threads, own_pool
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +125,9 @@ class PagedRuntime:
         policy: PolicyConfig,
         queue_capacity: int = 64,
         name: str = "kvrelay-device",
+        threads: int | None = None,
     ) -> None:
+        """``threads``: the device thread's torch pool (default: the process's, see ``torch_threads``)."""
         if queue_capacity < 1:
             raise ValueError(f"queue_capacity must be at least 1, got {queue_capacity}")
         self.model = model
@@ -131,6 +141,9 @@ class PagedRuntime:
         self._ids = itertools.count(1)
         self._tickets = itertools.count()
         self._step = 0
+        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        pool = confine_threads()
+        self.threads = pool if threads is None else threads
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -171,6 +184,21 @@ class PagedRuntime:
                 pending.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().cancel())
                 raise
         return stream
+
+    def run_on_device(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run ``fn`` on the device thread between two iterations; return its result or raise its error.
+
+        For heavy torch work beside the runtime (a baseline model, a bulk copy): there it uses
+        the runtime's torch pool instead of opening a second one (``torch_threads``). ``fn``
+        runs outside the loop's inference mode.
+        """
+        future: Future[T] = Future()
+        with self._cond:
+            if self._closing:
+                raise RuntimeClosedError("the runtime is closed; it runs nothing more")
+            self._calls.append((fn, future))
+            self._cond.notify_all()
+        return future.result(timeout)
 
     def generate(self, job: Job, timeout: float | None = None) -> JobResult:
         """Submit ``job`` and wait for its result (convenience for scripts and tests)."""
@@ -222,19 +250,24 @@ class PagedRuntime:
     # ---- device thread ----
 
     def _run(self) -> None:
+        own_pool(self.threads)
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not self._closing and not self._waiting and self.num_active == 0:
+                    while not self._closing and not self._waiting and not self._calls and self.num_active == 0:
                         self._cond.wait()
                     if self._closing:
                         break
+                    calls = list(self._calls)
+                    self._calls.clear()
                     cancelled = [s for s in self._waiting if s.handle.cancel_requested]
                     for seq in cancelled:
                         self._waiting.remove(seq)
                     waiting = list(itertools.islice(self._waiting, self.policy.num_lanes))
                     if cancelled:
                         self._cond.notify_all()
+                for fn, future in calls:
+                    _call(fn, future)
                 for seq in cancelled:
                     self._finish(seq, "cancelled")
                 for seq in self._lanes:
@@ -339,6 +372,21 @@ class PagedRuntime:
         with self._cond:
             pending = list(self._waiting)
             self._waiting.clear()
+            calls = list(self._calls)
+            self._calls.clear()
             self._cond.notify_all()
+        for _, future in calls:
+            future.set_exception(RuntimeClosedError("the runtime closed before running this call"))
         for seq in pending + [s for s in self._lanes if s is not None]:
             self._finish(seq, "cancelled")
+
+
+def _call(fn: Callable[[], Any], future: Future[Any]) -> None:
+    """Run ``fn`` into ``future`` on the device thread, outside inference mode (a caller's model may train)."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        with torch.inference_mode(False):
+            future.set_result(fn())
+    except BaseException as exc:  # the caller gets the error; the loop keeps serving
+        future.set_exception(exc)

@@ -1,0 +1,64 @@
+"""Torch's intra-op thread pool belongs to the device thread alone.
+
+PyTorch's CPU build parallelises an op with OpenMP (libgomp), which gives every
+OS thread that opens a parallel region a team of its own. Once two teams exist
+on a machine with no more cores than one team has threads, libgomp counts more
+managed threads than CPUs and its idle workers stop spinning, so every parallel
+op pays a wake-up. ``bench/torch_threads.py`` on the 2-core development machine,
+torch at 2 threads, ops on a second thread: a 40,960-element add 5.2 us alone,
+76 us once the main thread had run one parallel op, 4.8 us when the main thread
+had been confined first; a 32-row bfloat16 linear 159 / 274 / 156 us.
+
+``confine_threads`` sets torch's process-wide count to one, so every thread
+runs its torch ops serially; a process that runs a ``PagedRuntime`` calls it
+before its first torch op (model loading included; ``PagedRuntime`` calls it
+too). ``own_pool`` then gives the device thread its pool through libgomp's
+per-thread setting, leaving every other thread serial. Where torch's libgomp
+is not found it falls back to torch's process-wide count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import os
+from collections.abc import Callable
+
+import torch
+
+_pool_threads: list[int] = []
+"""Torch's thread count at the first confinement: the size of the device thread's pool."""
+
+
+def confine_threads() -> int:
+    """Make torch ops run on one thread in every thread but a device thread; return the device pool's size.
+
+    The pool's size is torch's thread count at the first call in the process.
+    """
+    if not _pool_threads:
+        _pool_threads.append(torch.get_num_threads())
+    torch.set_num_threads(1)
+    return _pool_threads[0]
+
+
+def own_pool(threads: int) -> None:
+    """Give the calling thread (the device thread) ``threads`` torch threads."""
+    torch.get_num_threads()  # torch sets a thread's count from the process-wide one on its first use
+    set_this_thread = _omp_set_num_threads()
+    if set_this_thread is None:
+        torch.set_num_threads(threads)
+    else:
+        set_this_thread(threads)
+
+
+@functools.cache
+def _omp_set_num_threads() -> Callable[[int], object] | None:
+    """libgomp's ``omp_set_num_threads`` (the calling thread's count) from torch's own copy, if present."""
+    found = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")))
+    if not found:
+        return None
+    try:
+        return ctypes.CDLL(found[0]).omp_set_num_threads  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
