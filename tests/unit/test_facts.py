@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ from tests.support.databases import (  # noqa: F401 (fact_db_url is a fixture)
     postgres_schema_url,
     sqlite_file_url,
 )
+from tests.support.log_signal import LogSignal
 
 FP = b"model-fingerprint"
 
@@ -327,25 +327,13 @@ def test_a_down_database_never_blocks_submit_and_overflow_is_counted(
     assert f"fact buffer full (50 items): {stats.overflow} items dropped so far" in caplog.text
 
 
-class _Signal(logging.Handler):
-    """Sets an event when a log message contains ``needle``."""
-
-    def __init__(self, needle: str) -> None:
-        super().__init__()
-        self.needle, self.seen = needle, threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.needle in record.getMessage():
-            self.seen.set()
-
-
 def test_a_locked_sqlite_file_is_retried_until_it_frees(tmp_path: Path) -> None:
     url = sqlite_file_url(tmp_path)
     settings = WriterSettings(max_retries=50, backoff_s=0.02, backoff_max_s=0.1)
     with FactStore(url, settings=settings, connect_timeout_s=0.05) as store:
         store.submit(outcome("first"))
         assert store.flush(10)
-        signal = _Signal("retrying")
+        signal = LogSignal("retrying")
         logging.getLogger("kvrelay.facts.store").addHandler(signal)
         locker = make_engine(url).raw_connection()
         try:

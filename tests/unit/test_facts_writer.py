@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 from pathlib import Path
 
 from kvrelay.controller.events import Record
@@ -19,6 +18,7 @@ from kvrelay.facts.wire import (
     frame,
 )
 from tests.support.databases import sqlite_file_url
+from tests.support.log_signal import LogSignal
 
 
 def outcome(rid: str) -> Record:
@@ -68,18 +68,8 @@ def test_close_drains_a_backlog_of_many_batches(tmp_path: Path) -> None:
         assert reopened.reader.request_history("r999") is not None
 
 
-class _Signal(logging.Handler):
-    def __init__(self, needle: str) -> None:
-        super().__init__()
-        self.needle, self.seen = needle, threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.needle in record.getMessage():
-            self.seen.set()
-
-
 def test_a_killed_writer_process_is_replaced_and_facts_keep_flowing(tmp_path: Path) -> None:
-    signal_lost = _Signal("fact writer process exited with code -9")
+    signal_lost = LogSignal("fact writer process exited with code -9")
     logger = logging.getLogger("kvrelay.facts.store")
     logger.addHandler(signal_lost)
     try:

@@ -67,6 +67,10 @@ class Scoring(NamedTuple):
 PREDICTED_TTFT = Scoring()
 """Rank by the predicted TTFT alone."""
 
+BestInputs = tuple[Heartbeat, float, float, tuple[RouteSegment, ...], Boundary, int, int, Scoring]
+"""``make_candidate``'s arguments: heartbeat, base queue, lower-tier load, segments, boundary, prompt length,
+chunk tokens, scoring."""
+
 
 class Terms(msgspec.Struct, frozen=True):
     """The predicted TTFT of a candidate, term by term (seconds; see the module docstring)."""
@@ -183,10 +187,13 @@ class WorkerRoute:
     @property
     def best(self) -> Candidate:
         if self._best is None:
-            self._best = make_candidate(self.heartbeat, self.base_queue_s, self.lower_load_s, self.segments,
-                                        self.bounds[self.best_index], self.prompt_len, self.chunk_tokens,
-                                        self.scoring)
+            self._best = make_candidate(*self.best_inputs())
         return self._best
+
+    def best_inputs(self) -> BestInputs:
+        """``make_candidate``'s arguments for the best boundary (a decision record ships these, not the candidate)."""
+        return (self.heartbeat, self.base_queue_s, self.lower_load_s, self.segments, self.bounds[self.best_index],
+                self.prompt_len, self.chunk_tokens, self.scoring)
 
     @property
     def cached_tokens(self) -> int:
@@ -264,8 +271,8 @@ def _evaluate(
         if total_pages - gpu // pt + (1 if gpu % pt else 0) > available:
             continue
         wait = max(base_queue, lower_load) + restore if restore else base_queue
-        interleaved = decode * ((prompt_len - cached - 1) // chunk) if chunk and prompt_len > cached else 0.0
-        out.append((wait + fixed - cached * per_token + decode + interleaved, i))
+        steps = interleaved_steps(prompt_len - cached, chunk)
+        out.append((wait + fixed - cached * per_token + decode + decode * steps, i))
     return out
 
 
@@ -278,6 +285,11 @@ def interleave_chunk(hb: Heartbeat, base_queue: float, scoring: Scoring) -> int:
     if not scoring.interleave or base_queue > 0.0 or not hb.active_lanes:
         return 0
     return hb.prefill_chunk_tokens
+
+
+def interleaved_steps(uncached: int, chunk: int) -> int:
+    """Decode steps run between the chunks of a prefill of ``uncached`` tokens; 0 when ``chunk`` is 0."""
+    return (uncached - 1) // chunk if chunk and uncached > 0 else 0
 
 
 def queue_of(worker: WorkerView, now: float) -> float:
@@ -319,10 +331,8 @@ def make_candidate(
     total_restore = sum(restore.values())
     queue = max(base_queue, lower_load) if restore else base_queue
     prefill = (prompt_len - cached) * hb.prefill_s_per_token
-    decode = hb.decode_s_per_token
-    chunk = interleave_chunk(hb, base_queue, scoring)
-    if chunk and prompt_len > cached:
-        decode += hb.decode_s_per_token * ((prompt_len - cached - 1) // chunk)
+    steps = interleaved_steps(prompt_len - cached, interleave_chunk(hb, base_queue, scoring))
+    decode = hb.decode_s_per_token + hb.decode_s_per_token * steps
     return Candidate(
         worker_id=hb.worker_id,
         epoch=hb.epoch,

@@ -61,8 +61,7 @@ class Invalid:
 
 
 RouteInputs = tuple[msgspec.Raw, float, float, tuple[RouteSegment, ...], Boundary, int, int, Scoring]
-"""``make_candidate``'s arguments: heartbeat (its msgpack bytes), base queue, lower-tier load, segments, boundary,
-prompt, chunk tokens, scoring."""
+"""``WorkerRoute.best_inputs`` as the writer decodes them: the heartbeat stays its msgpack bytes."""
 
 HEARTBEATS_CACHED = 4096
 """Bound of each side's heartbeat cache (encoded by object, decoded by bytes); a full cache starts over."""
@@ -99,8 +98,8 @@ def _heartbeat_of(raw: msgspec.Raw) -> Heartbeat:
 
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, WorkerRoute):
-        inputs = (_heartbeat_bytes(obj.heartbeat), obj.base_queue_s, obj.lower_load_s, obj.segments,
-                  obj.bounds[obj.best_index], obj.prompt_len, obj.chunk_tokens, obj.scoring)
+        heartbeat, *rest = obj.best_inputs()
+        inputs = (_heartbeat_bytes(heartbeat), *rest)
         return msgspec.msgpack.Ext(ROUTE_EXT, _route_encoder.encode(inputs))
     best = getattr(obj, "best", None)
     if best is not None:
