@@ -216,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     from kvrelay.models.loader import load_artifacts
     from kvrelay.tracebench.faces import sched_of
     from kvrelay.worker.engine import Engine, EngineOptions, parse_dtype
+    from kvrelay.worker.torch_threads import confine_threads
 
     torch.set_num_threads(args.threads)
+    confine_threads()  # before loading: the runtime's device thread alone runs torch ops in parallel
     dtype = parse_dtype(args.dtype)
     artifacts = load_artifacts(args.model, dtype=dtype)
     cfg = artifacts.config

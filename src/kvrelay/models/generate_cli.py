@@ -33,10 +33,12 @@ def run(args: argparse.Namespace) -> int:
     from kvrelay.protocol.messages import Sampling
     from kvrelay.worker.engine import Engine, EngineOptions, parse_dtype
     from kvrelay.worker.jobs import Job, JobResult, RuntimeEvent, TokenEvent
+    from kvrelay.worker.torch_threads import confine_threads
 
     if args.max_tokens < 1:
         return _fail(f"--max-tokens must be at least 1, got {args.max_tokens}")
     torch.set_num_threads(max(1, args.threads))
+    confine_threads()  # before loading: the runtime's device thread alone runs torch ops in parallel
     try:
         sampling = msgspec.convert(
             {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}, Sampling

@@ -24,6 +24,7 @@ from kvrelay.worker.iteration import PolicyConfig
 from kvrelay.worker.jobs import EventCallback, Job, JobResult
 from kvrelay.worker.page_pool import PagePool
 from kvrelay.worker.runtime import PagedRuntime, StepModel
+from kvrelay.worker.torch_threads import confine_threads
 
 if TYPE_CHECKING:
     from kvrelay.models.loader import LoadedArtifacts
@@ -66,6 +67,7 @@ class Engine:
         from kvrelay.models.loader import load_artifacts
 
         torch_dtype = parse_dtype(dtype)
+        confine_threads()  # before loading: the device thread alone runs torch ops in parallel
         artifacts = load_artifacts(None if source is None else Path(source), dtype=torch_dtype)
         return cls.from_artifacts(artifacts, torch_dtype, options or EngineOptions())
 
