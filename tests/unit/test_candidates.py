@@ -220,3 +220,27 @@ def test_counted_interleave_sends_a_long_prefill_to_the_idle_worker_without_lane
     assert plan.best() == by_worker["w1"]
     uncounted = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, ResidencyIndex()).best()
     assert uncounted is not None and uncounted.worker_id == "w0"  # a tie with w1, to the lower id
+
+
+def test_alternative_routes_stand_for_the_alternatives_also_after_the_load_changed() -> None:
+    # w0: gpu 3 + peer 3 + object 2 (four boundaries, all feasible); the lazy routes expand to the same candidates.
+    workers = [heartbeat("w0"), heartbeat("w1", queue_delay_s=9.0)]
+    index = ResidencyIndex()
+    for wid, tier, n in [("w0", "gpu", 3), ("w1", "ram", 6), ("w1", "object", 8)]:
+        index.store(wid, tier, CHAIN[:n])
+    views = {hb.worker_id: cand.WorkerView(hb, cand.WorkerLoad(), cand.reported_fingerprints(hb)) for hb in workers}
+    plan = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, list(views.values()), index)
+    route = next(r for r in plan.routes if r.worker_id == "w0")
+    view = views["w0"]
+    eager = cand.alternatives(route, view, len(PROMPT), 4, 64, 0.0)
+    lazy = cand.alternative_routes(route, view, len(PROMPT), 4, 0.0)
+    assert len(eager) == 4 and [r.best for r in lazy] == eager
+    assert lazy[0].best == route.best and [r.predicted_ttft_s for r in lazy] == [c.predicted_ttft_s for c in eager]
+    view.load.outstanding_s = 0.25  # the worker's queue grew since planning: the alternatives are re-scored
+    # 517 tokens need 33 pages of 16; sharing the 192-token gpu prefix, 21: with 25 left, recomputing does not fit
+    assert view.heartbeat.page_tokens == 16
+    view.load.inflight_pages = view.heartbeat.pages_free + view.heartbeat.pages_evictable - 25
+    eager = cand.alternatives(route, view, len(PROMPT), 4, 64, 0.0)
+    lazy = cand.alternative_routes(route, view, len(PROMPT), 4, 0.0)
+    assert [r.best for r in lazy] == eager and all(c.terms.queue_s == 0.25 for c in eager)
+    assert sorted(c.cached_tokens for c in eager) == [192, 384, 512]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -99,4 +100,18 @@ def test_random_events_match_a_plain_model(seed: int) -> None:
                 break
             expected.append(model[k])
         assert ix.lookup(chain) == expected
+        assert ix.runs(chain) == [(v, len(list(g))) for v, g in itertools.groupby(expected)]
         assert len(ix) == len(model)
+
+
+def test_equal_values_are_one_object_and_runs_count_them() -> None:
+    ix = ResidencyIndex()
+    ks = keys(6)
+    ix.store("a", "gpu", ks[:2])
+    ix.store("a", "gpu", ks[2:4])  # another event, the same resulting value
+    ix.store("b", "ram", ks[3:5])
+    values = ix.lookup(ks)
+    assert values[0] is values[1] is values[2] and values[3] is not values[2]
+    assert ix.runs(ks) == [(values[0], 3), (values[3], 1), (values[4], 1)]
+    ix.remove("b", "ram", ks[3:4])  # k3 goes back to gpu of a alone: the shared value again
+    assert ix.lookup(ks)[3] is values[0] and ix.runs(ks)[0] == (values[0], 4)

@@ -7,6 +7,11 @@ in that slot. Memory is bounded by ``max_keys``: an LRU over keys by the time of
 their last store event; the oldest key is forgotten first (the router then
 merely under-estimates a cache hit; the worker stays authoritative).
 
+Equal packed values are one shared int object (``_shared``, bounded): a
+chain's keys mostly carry the same few values, so a lookup touches one hot
+object per run instead of one cold object per key, and ``runs`` compares them
+by identity.
+
 Contract:
 - after ``store(w, tier, keys)``, ``lookup`` reports ``tier`` for ``w`` on each key;
 - after ``remove`` it does not; after ``drop_worker(w)`` nothing of ``w`` remains;
@@ -15,13 +20,16 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from itertools import groupby, takewhile
 
 GPU, RAM, SSD, OBJECT = 1, 2, 4, 8
 TIER_BITS: dict[str, int] = {"gpu": GPU, "ram": RAM, "ssd": SSD, "object": OBJECT}
 LOCAL_MASK = GPU | RAM | SSD
 PEER_SERVABLE = RAM | SSD
 """A peer serves its ram and ssd chunks, not its device pages."""
+SHARED_VALUES = 1 << 16
+"""Bound of the pool of shared packed values; a full pool starts over (values already stored stay shared)."""
 
 
 class ResidencyIndex:
@@ -32,6 +40,7 @@ class ResidencyIndex:
         self._entries: dict[bytes, int] = {}
         self._slots: dict[str, int] = {}
         self._worker_keys: dict[str, set[bytes]] = {}
+        self._shared: dict[int, int] = {}
         self.workers_by_slot: list[str] = []
         self.all_peer_bits = 0
         """Peer-servable bits of every known worker."""
@@ -58,9 +67,11 @@ class ResidencyIndex:
         shift = 0 if bit == OBJECT else 4 * (self.slot(worker_id) + 1)
         mine = self._worker_keys[worker_id] if bit != OBJECT else None
         entries = self._entries
+        share = self._share()
+        add = bit << shift
         for key in keys:
-            value = entries.pop(key, 0) | (bit << shift)
-            entries[key] = value
+            value = entries.pop(key, 0) | add
+            entries[key] = share(value, value)
             if mine is not None:
                 mine.add(key)
         while len(entries) > self.max_keys:
@@ -72,13 +83,14 @@ class ResidencyIndex:
             return
         shift = 0 if bit == OBJECT else 4 * (self.slot(worker_id) + 1)
         entries = self._entries
+        share = self._share()
         for key in keys:
             value = entries.get(key)
             if value is None:
                 continue
             value &= ~(bit << shift)
             if value:
-                entries[key] = value
+                entries[key] = share(value, value)
             else:
                 del entries[key]
             if bit != OBJECT and not (value >> shift) & LOCAL_MASK:
@@ -91,18 +103,25 @@ class ResidencyIndex:
             return 0
         clear = ~(0xF << (4 * (self._slots[worker_id] + 1)))
         entries = self._entries
+        share = self._share()
         for key in keys:
             value = entries.get(key)
             if value is None:
                 continue
             value &= clear
             if value:
-                entries[key] = value
+                entries[key] = share(value, value)
             else:
                 del entries[key]
         n = len(keys)
         self._worker_keys[worker_id] = set()
         return n
+
+    def _share(self) -> Callable[[int, int], int]:
+        """``setdefault`` of the shared value pool (emptied first when it reached its bound)."""
+        if len(self._shared) >= SHARED_VALUES:
+            self._shared.clear()
+        return self._shared.setdefault
 
     def _forget(self, key: bytes) -> None:
         value = self._entries.pop(key)
@@ -111,20 +130,13 @@ class ResidencyIndex:
             if (value >> (4 * (s + 1))) & LOCAL_MASK:
                 self._worker_keys[wid].discard(key)
 
+    def runs(self, chain: Sequence[bytes]) -> list[tuple[int, int]]:
+        """``lookup(chain)`` run-length encoded: ``(packed value, consecutive keys with it)``, in chain order."""
+        return [(value, len(list(group))) for value, group in groupby(takewhile(bool, map(self._entries.get, chain)))]
+
     def lookup(self, chain: Sequence[bytes]) -> list[int]:
         """Packed values of the chain's leading keys, stopping at the first key nobody holds."""
-        get = self._entries.get
-        if chain and get(chain[-1]):  # the whole chain is held (the common case): no early exit needed
-            out = list(map(get, chain))
-            if all(out):
-                return out  # type: ignore[return-value]
-        out2: list[int] = []
-        for key in chain:
-            value = get(key)
-            if not value:
-                break
-            out2.append(value)
-        return out2
+        return list(takewhile(bool, map(self._entries.get, chain)))  # type: ignore[arg-type]
 
     def tiers_of(self, value: int, worker_id: str) -> int:
         """The local tier bits ``worker_id`` holds in a packed value."""

@@ -20,12 +20,11 @@ Contract: the roster's members are exactly the router's live views;
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvrelay.controller import candidates as cand
 from kvrelay.controller.index import ResidencyIndex
-from kvrelay.controller.routes import runs_of
 
 GroupKey = tuple[frozenset[str], int, tuple[float, int, float, float], int, frozenset[tuple[str, bytes]]]
 Entry = tuple[float, str]
@@ -114,6 +113,43 @@ class Roster:
             del self.groups[group.key]
 
 
+class PrunedBounds(Mapping[str, float]):
+    """Worker id -> the lower bound on its score, for the workers ``plan_pruned`` skipped.
+
+    Holds the skipped tails of the groups' queue orders (copies) and builds the
+    mapping on first read: most plans' pruned workers are never looked at.
+    """
+
+    __slots__ = ("_bounds", "_parts")
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[list[Entry], float, set[str]]] = []
+        self._bounds: dict[str, float] | None = None
+
+    def add(self, entries: list[Entry], intrinsic: float, planned_apart: set[str]) -> None:
+        """Each ``(wait, worker)`` of ``entries`` not in ``planned_apart`` was skipped with bound wait + intrinsic."""
+        self._parts.append((entries, intrinsic, planned_apart))
+        self._bounds = None
+
+    def _built(self) -> dict[str, float]:
+        if self._bounds is None:
+            self._bounds = {w: q + intrinsic for entries, intrinsic, apart in self._parts for q, w in entries
+                            if w not in apart}
+        return self._bounds
+
+    def __getitem__(self, worker_id: str) -> float:
+        return self._built()[worker_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._built())
+
+    def __repr__(self) -> str:
+        return f"PrunedBounds({self._built()!r})"
+
+
 def _wait_of(view: cand.WorkerView) -> float:
     return cand.queue_of(view, 0.0) + view.heartbeat.decode_s_per_token
 
@@ -150,8 +186,9 @@ def plan_pruned(
     ``Plan.excluded``; skipped workers are listed in ``Plan.pruned`` with their bound.
     When nothing is feasible the result is the full plan, which names every exclusion.
     """
-    result = cand.Plan()
-    runs = runs_of(index.lookup(chain))
+    pruned = PrunedBounds()
+    result = cand.Plan(pruned=pruned)
+    runs = index.runs(chain)
     shared, present = cand.shared_route(runs, index, chunk_tokens)
     need = prompt_len + max_new
     best, best_id = float("inf"), ""
@@ -194,7 +231,7 @@ def plan_pruned(
             intrinsic = prompt_len * first.heartbeat.prefill_s_per_token * (1.0 + scoring.work_weight)
         for i, (wait, wid) in enumerate(group.order):
             if (wait + intrinsic, wid) > (best, best_id):  # neither this worker nor any after it can win
-                result.pruned.update({w: q + intrinsic for q, w in group.order[i:] if w not in local_set})
+                pruned.add(group.order[i:], intrinsic, local_set)
                 break
             if wid not in local_set:
                 plan_worker(group.views[wid])

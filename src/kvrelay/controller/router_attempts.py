@@ -68,7 +68,7 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
     state.policy.on_routed(ctx, chosen)
     view = state.views[chosen.worker_id]
     chosen_route = next(r for r in plan.routes if r.worker_id == chosen.worker_id)
-    alternatives = cand.alternatives(chosen_route, view, len(prompt), remaining, config.chunk_tokens, now)
+    alternatives = cand.alternative_routes(chosen_route, view, len(prompt), remaining, now)
     rs.attempt += 1
     rs.phase, rs.worker_id, rs.epoch, rs.candidate = "offered", chosen.worker_id, chosen.epoch, chosen
     rs.attempt_start, rs.next_seq, rs.pending = len(rs.delivered), 0, {}

@@ -1,7 +1,7 @@
 """Routes over the residency index: which tier serves each chunk of a chain for one worker.
 
 ``walk_route`` reads the packed index values of a chain's leading keys (as
-``runs_of`` encodes them) and, per chunk, takes the fastest tier a worker reaches: its own gpu, ram or ssd,
+``ResidencyIndex.runs`` encodes them) and, per chunk, takes the fastest tier a worker reaches: its own gpu, ram or ssd,
 a peer's ram or ssd, or the shared object tier; it run-length encodes the
 result and stops at the first chunk nothing reaches. ``boundaries_of`` lists
 the places a route may end (recompute everything, or after any segment),
@@ -17,22 +17,6 @@ from kvrelay.protocol.messages import RouteSegment
 
 Run = tuple[int, int]
 """``(packed index value, consecutive chunks with it)``: chains are mostly long runs of equal values."""
-
-
-def runs_of(values: Sequence[int]) -> list[Run]:
-    """The chain's index values, run-length encoded (walks then cost per run, not per chunk)."""
-    out: list[Run] = []
-    last, n = -1, 0
-    for value in values:
-        if value == last:
-            n += 1
-        else:
-            if n:
-                out.append((last, n))
-            last, n = value, 1
-    if n:
-        out.append((last, n))
-    return out
 
 
 def walk_route(

@@ -97,10 +97,9 @@ def _heartbeat_of(raw: msgspec.Raw) -> Heartbeat:
 
 
 def _enc_hook(obj: Any) -> Any:
-    if isinstance(obj, WorkerRoute):
-        heartbeat, *rest = obj.best_inputs()
-        inputs = (_heartbeat_bytes(heartbeat), *rest)
-        return msgspec.msgpack.Ext(ROUTE_EXT, _route_encoder.encode(inputs))
+    if type(obj) is WorkerRoute:
+        inputs = obj.best_inputs()
+        return msgspec.msgpack.Ext(ROUTE_EXT, _route_encoder.encode((_heartbeat_bytes(inputs[0]), *inputs[1:])))
     best = getattr(obj, "best", None)
     if best is not None:
         return best
