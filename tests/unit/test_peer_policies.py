@@ -57,7 +57,7 @@ def context(workers: list[Heartbeat], residency: Sequence[tuple[str, str, int]] 
              for hb in workers]
     plan = cand.plan("m", len(prompt), 4, chain, b"m", 64, views, index)
     return RoutingContext(Request("r", "m", prompt, 4), prompt, chain, 64, plan,
-                          {v.heartbeat.worker_id: v for v in views}, random.Random(seed), now)
+                          {v.heartbeat.worker_id: v for v in views}, random.Random(seed), now, now)
 
 
 def idle(*ids: str) -> list[Heartbeat]:

@@ -7,6 +7,8 @@ reachable route, its best candidate and its observations) and returns the
 deterministic: any randomness comes from ``ctx.rng``, seeded in the router
 state. ``on_routed`` lets stateful policies (round-robin's cursor, SGLang's
 approximate tree) learn the choice; it is called exactly once per offer sent.
+``priority`` sets the offer's place in the chosen worker's prefill queue
+(``Offer.priority``); the peers' published policies set none (0: FIFO).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class RoutingContext(NamedTuple):
     workers: dict[str, WorkerView]
     rng: random.Random
     now: float
+    arrived: float
+    """When the request reached the router (the same for every attempt)."""
 
     @property
     def routes(self) -> Sequence[WorkerRoute]:
@@ -49,6 +53,10 @@ class Policy(ABC):
     @abstractmethod
     def choose(self, ctx: RoutingContext) -> Candidate | None:
         """The candidate to offer among ``ctx.routes`` (each worker's alternatives), or None."""
+
+    def priority(self, ctx: RoutingContext, chosen: Candidate) -> float:
+        """The ``Offer.priority`` of an offer of ``chosen`` (default 0: every worker queue is FIFO)."""
+        return 0.0
 
     def on_routed(self, ctx: RoutingContext, chosen: Candidate) -> None:
         """Learn that ``chosen`` was offered (default: nothing to learn)."""

@@ -60,7 +60,7 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         plan = plan_pruned(request.model, len(prompt), remaining, chain, rs.fingerprint, config.chunk_tokens,
                            state.roster, state.index, rs.excluded_workers, rs.excluded_pairs, now,
                            scoring)
-    ctx = RoutingContext(request, prompt, chain, config.chunk_tokens, plan, state.views, state.rng, now)
+    ctx = RoutingContext(request, prompt, chain, config.chunk_tokens, plan, state.views, state.rng, now, rs.arrived)
     chosen = state.policy.choose(ctx) if plan.routes else None
     if chosen is None:
         no_candidate(state, rs, plan, now, fx)
@@ -95,7 +95,7 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         assignment=assignment, worker_id=chosen.worker_id, epoch=chosen.epoch, model=request.model,
         model_fingerprint=rs.fingerprint.hex(), prompt=prompt, max_new_tokens=remaining,
         generated_before=len(rs.delivered), sampling=request.sampling, route=_peer_urls(state, chosen.route),
-        chain=chain[: sum(s.chunks for s in chosen.route)],
+        chain=chain[: sum(s.chunks for s in chosen.route)], priority=state.policy.priority(ctx, chosen),
     )))
     fx.append(StartTimer(("offer", request.request_id, rs.attempt), now + config.offer_timeout_s))
     fx.append(Record("decision", request.request_id, rs.attempt, now, {

@@ -88,6 +88,7 @@ class OfferSent:
     route: tuple[RouteSegment, ...]
     prompt_tokens: int
     generated_before: int
+    priority: float
 
 
 class Simulation:
@@ -201,7 +202,7 @@ class Simulation:
             self.current[effect.offer.assignment.request_id] = effect.offer.assignment
             o = effect.offer
             self.offers.append(OfferSent(self.now, effect.worker_id, o.epoch, o.assignment, o.route,
-                                         len(o.prompt), o.generated_before))
+                                         len(o.prompt), o.generated_before, o.priority))
             self._send_to_worker(effect.worker_id, effect.offer)
         elif isinstance(effect, SendCancel):
             self.cancelled.add(effect.cancel.assignment)

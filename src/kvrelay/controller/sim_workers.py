@@ -12,7 +12,8 @@ Execution model (declared costs, logical time):
   worker's one restore channel (FIFO), taking ``bytes / rate`` per tier.
 - Continuous batching: the device runs one iteration at a time. An iteration
   takes every decoding sequence (one token each) plus up to
-  ``prefill_chunk_tokens`` prompt tokens of waiting prefills (FIFO; each holds
+  ``prefill_chunk_tokens`` prompt tokens of waiting prefills (in queue order:
+  ``prefill_order.queue_position`` by the offer's priority, FIFO among equals; each holds
   one of ``max_lanes`` lanes from its first chunk to its last token; chunked
   prefill as in vLLM and Sarathi-Serve), and lasts
   ``decode_step(lanes) + prefill tokens * prefill_s_per_token``. A prefill that
@@ -49,6 +50,7 @@ from kvrelay.protocol.messages import (
     WireMessage,
 )
 from kvrelay.store.keys import prompt_chain
+from kvrelay.worker.prefill_order import queue_position
 
 
 @dataclass(slots=True)
@@ -253,7 +255,13 @@ class SimWorker:
             work.in_flight = True
             self.schedule(work.restore_done_at, "restore_done", self.worker_id, self.epoch, offer.assignment)
         else:
-            self.prefill_queue.append(work)
+            self._enqueue(work)
+
+    def _enqueue(self, work: Work) -> None:
+        """Queue ``work`` for prefill at its priority's place; started prefills stay first."""
+        queue = self.prefill_queue
+        started = sum(1 for w in queue if w.prefill_started_at is not None)
+        queue.insert(queue_position([w.offer.priority for w in queue], started, work.offer.priority), work)
 
     def _fence(self, now: float, assignment: Assignment) -> machine.WorkerEvent | None:
         work = self.works[assignment]
@@ -302,7 +310,7 @@ class SimWorker:
         if work.fenced:
             self._feed(now, [machine.WorkQuiesced(now, assignment)])
         else:
-            self.prefill_queue.append(work)
+            self._enqueue(work)
         self._maybe_iterate(now)
         self.flush_residency(now)
 
@@ -314,7 +322,7 @@ class SimWorker:
         lanes = w.max_lanes - len(decode)
         budget = w.prefill_chunk_tokens
         prefill: list[tuple[Work, int]] = []
-        for work in self.prefill_queue:  # FIFO; a waiting prefill holds its lane even without budget
+        for work in self.prefill_queue:  # queue order; a waiting prefill holds its lane even without budget
             if lanes <= 0:
                 break
             lanes -= 1

@@ -85,6 +85,10 @@ class Offer(Message, frozen=True, kw_only=True, tag="offer"):
     consumer's stream index continue where the last attempt stopped.
     ``route`` is the planned prefix: a list of tier segments covering
     ``sum(s.chunks)`` full chunks; the worker re-checks it against its pool.
+    ``priority`` orders the worker's prefill queue: a prefill that has not
+    started runs before every waiting one of higher priority value, ties in
+    arrival order (vLLM's priority scheduling convention, lower first); a
+    prefill that has started keeps its place. The default 0 everywhere is FIFO.
     """
 
     assignment: Assignment
@@ -98,6 +102,7 @@ class Offer(Message, frozen=True, kw_only=True, tag="offer"):
     sampling: Sampling = Sampling()
     route: tuple[RouteSegment, ...] = ()
     chain: tuple[ChunkKey, ...] = ()
+    priority: Annotated[float, msgspec.Meta(ge=-1e15, le=1e15)] = 0.0
 
 
 class Cancel(Message, frozen=True, kw_only=True, tag="cancel"):

@@ -252,7 +252,7 @@ class WorkerController:
         cached = run.registered * self.me.chunk_tokens
         offer = run.offer
         job = Job(tokens=offer.prompt[cached:], page_table=tuple(run.page_table), start_pos=cached,
-                  max_new_tokens=offer.max_new_tokens, sampling=offer.sampling)
+                  max_new_tokens=offer.max_new_tokens, sampling=offer.sampling, priority=offer.priority)
         loop = asyncio.get_running_loop()
         self._pending_prefill_tokens += len(job.tokens)
         run.submitted_at = self.clock()

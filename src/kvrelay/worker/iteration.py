@@ -10,7 +10,7 @@
 - Lanes are stable physical slots: a sequence keeps the lane it was admitted to until
   it finishes; a waiting job gets the lowest free lane.
 - Prefill is chunked under the token budget: lanes already prefilling continue in
-  admission order, then waiting jobs are admitted (FIFO, never skipping the head) while
+  admission order, then waiting jobs are admitted in queue order (never skipping the head) while
   a lane and budget remain; each takes ``min(prompt_left, budget_left)`` tokens.
 
 Follows the shape of vLLM's and nano-vllm's chunked-prefill schedulers (decode
@@ -94,7 +94,7 @@ def plan_iteration(
     """Plan one iteration.
 
     ``lanes[i]`` is lane i's sequence or ``None`` (free); ``len(lanes) == config.num_lanes``.
-    ``waiting`` lists the input lengths (each >= 1) of queued jobs, oldest first.
+    ``waiting`` lists the input lengths (each >= 1) of queued jobs in queue order (``prefill_order``).
     The plan never exceeds ``config.token_budget`` tokens and never gives a lane two roles.
     """
     if len(lanes) != config.num_lanes:

@@ -43,6 +43,8 @@ class Job:
     start_pos: int = 0
     max_new_tokens: int = 0
     sampling: Sampling = field(default_factory=Sampling)
+    priority: float = 0.0
+    """Its place among jobs waiting for a lane (``prefill_order``: lower first, ties in submission order)."""
 
     @property
     def positions_needed(self) -> int:

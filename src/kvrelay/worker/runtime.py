@@ -52,6 +52,7 @@ from kvrelay.worker.jobs import (
     RuntimeClosedError,
     TokenEvent,
 )
+from kvrelay.worker.prefill_order import queue_position
 from kvrelay.worker.torch_threads import confine_threads, own_pool
 
 T = TypeVar("T")
@@ -150,7 +151,8 @@ class PagedRuntime:
     # ---- caller side (any thread) ----
 
     def submit(self, job: Job, on_event: EventCallback | None = None, timeout: float | None = None) -> JobHandle:
-        """Queue ``job``; block while the queue is full, raising ``QueueFullError`` after ``timeout`` s."""
+        """Queue ``job`` at its priority's place (``prefill_order``); block while the queue is full, raising
+        ``QueueFullError`` after ``timeout`` s."""
         self._validate(job)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -165,7 +167,8 @@ class PagedRuntime:
             if self._closing:
                 raise RuntimeClosedError("the runtime is closed; it accepts no more jobs")
             handle = JobHandle(next(self._ids), job, on_event, self._wake)
-            self._waiting.append(_Sequence(handle, submitted=time.perf_counter()))
+            at = queue_position([w.handle.job.priority for w in self._waiting], 0, job.priority)
+            self._waiting.insert(at, _Sequence(handle, submitted=time.perf_counter()))
             self._cond.notify_all()
         return handle
 

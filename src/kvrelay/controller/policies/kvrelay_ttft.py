@@ -28,6 +28,20 @@ TTFT from 0.6547 to 0.6469 s and p99 from 5.167 to 5.150 s at 1x, and the mean f
 went to 11.35 s: the overload burst that sets it reacts chaotically to any change of
 placement, and there the lanes a prefill will meet are not known anyway. Ties go
 to the lower worker id.
+
+The offer's priority (``Offer.priority``, the worker's prefill-queue order) is a
+deadline: the request's arrival plus ``DEADLINE_STRETCH`` times its predicted
+prefill seconds, earliest first. Under a backlog a short prompt then passes long
+ones that arrived less than ``DEADLINE_STRETCH`` times its own prefill before it
+(shortest-job-first with aging: a long prompt is passed only by prompts that are
+much shorter, so it is never starved). With queues empty the order is moot.
+The peers set no priority (their routers do not), so their workers stay FIFO.
+Measured on the dev trace, 2x rate (the 1x figures do not change), mean / p99
+TTFT: FIFO 1.346 / 10.32 s; stretch 2: 1.249 / 10.05; 5: 1.225 / 9.98;
+10: 1.219 / 10.06; 20: 1.236 / 11.02; pure shortest-first 1.200 / 10.20. The
+same with prefills preempted by shorter newcomers (not done: a started prefill
+keeps its place, ``prefill_order``): 1.185 / 12.59 at stretch 5, the long
+prompts starve.
 """
 
 from __future__ import annotations
@@ -37,6 +51,7 @@ from kvrelay.controller.policy import Policy, RoutingContext
 
 WORK_WEIGHT = 2.0
 CALM_BUSY_SHARE = 0.5
+DEADLINE_STRETCH = 5.0
 
 
 class PredictedTTFT(Policy):
@@ -47,3 +62,7 @@ class PredictedTTFT(Policy):
 
     def choose(self, ctx: RoutingContext) -> Candidate | None:
         return ctx.plan.best()
+
+    def priority(self, ctx: RoutingContext, chosen: Candidate) -> float:
+        """The deadline ``arrived + DEADLINE_STRETCH * predicted prefill seconds``: earliest runs first."""
+        return ctx.arrived + DEADLINE_STRETCH * chosen.terms.prefill_s

@@ -1,0 +1,60 @@
+"""Queue priority under a backlog: kvrelay's deadline order against the peers' FIFO, in the simulator.
+
+One worker. A 30,000-token prompt starts prefilling (3 s in 8,192-token chunks);
+a 20,000-token prompt and then a 1,000-token prompt arrive behind it. kvrelay's
+offers carry the deadline ``arrival + DEADLINE_STRETCH * predicted prefill``, so
+the short prompt passes the waiting long one but not the started one; a peer
+policy's offers carry 0 and its worker stays FIFO.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.controller.policies.kvrelay_ttft import DEADLINE_STRETCH
+from kvrelay.controller.sim import Simulation
+from tests.scenario.scenario_kit import (
+    assert_invariants,
+    offers_of,
+    request,
+    small_cluster,
+    tokens,
+)
+
+PREFILL_S_PER_TOKEN = 1e-4
+
+
+def run_backlog(policy: str) -> Simulation:
+    sim = Simulation(small_cluster(workers=1), policy=policy, seed=0)
+    sim.submit(request("started", tokens(1, 30_000), 2), at=1.0)
+    sim.submit(request("long", tokens(2, 20_000), 2), at=1.01)
+    sim.submit(request("short", tokens(3, 1_000), 2), at=1.02)
+    assert sim.run(until=60.0)
+    assert_invariants(sim)
+    return sim
+
+
+def first_token(sim: Simulation, rid: str) -> float:
+    at = sim.consumers[rid].first_token_at
+    assert at is not None
+    return at
+
+
+def test_kvrelay_lets_a_short_prompt_pass_a_waiting_long_one_but_not_a_started_one() -> None:
+    sim = run_backlog("kvrelay")
+    assert first_token(sim, "started") <= first_token(sim, "short") < first_token(sim, "long")
+    [short], [long] = offers_of(sim, "short"), offers_of(sim, "long")
+    # The router learns of a request one network hop (0.5 to 0.7 ms) after its submission.
+    assert short.priority == pytest.approx(1.02 + DEADLINE_STRETCH * 1_000 * PREFILL_S_PER_TOKEN, abs=1e-3)
+    assert long.priority == pytest.approx(1.01 + DEADLINE_STRETCH * 20_000 * PREFILL_S_PER_TOKEN, abs=1e-3)
+    # Its first token comes with the started prompt's last chunk (5,424 tokens leave budget for it),
+    # instead of after the long prompt's 2 s of prefill.
+    assert first_token(sim, "short") - 1.02 < 3.3
+
+
+@pytest.mark.parametrize("policy", ["mooncake", "least_loaded"])
+def test_a_peer_policy_sets_no_priority_and_its_worker_stays_fifo(policy: str) -> None:
+    sim = run_backlog(policy)
+    assert {o.priority for o in sim.offers} == {0.0}
+    assert first_token(sim, "started") < first_token(sim, "long") <= first_token(sim, "short")
+    assert first_token(sim, "short") - 1.02 > 4.9  # behind 5 s of prefill
