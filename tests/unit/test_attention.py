@@ -101,15 +101,6 @@ def test_decodes_of_very_different_lengths_split_into_groups(window: int | None)
     run_case(starts=starts, new=[1] * len(starts), window=window, seed=6)
 
 
-@pytest.mark.parametrize("budget", [1, 3 * 8 * 2 * PAGE * KV_HEADS * DIM * 4], ids=["one", "three"])
-def test_decode_in_cache_sized_slices_matches(monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
-    """CPU decode attention goes through the group in slices of a byte budget: one sequence, or three
-    (8 float32 pages of keys and values per sequence)."""
-    monkeypatch.setattr(attention, "CPU_GATHER_BYTES", budget)
-    run_case(starts=[0, 3, 11, 30, 17, 9, 25], new=[1] * 7, window=None, seed=7)
-    run_case(starts=[0, 3, 11, 30, 17, 9, 25], new=[1] * 7, window=6, seed=8)
-
-
 def test_split_by_length_trades_padding_against_groups() -> None:
     lengths = [64, 4096, 80, 4000, 2048, 96]
     groups = split_by_length(lengths, GROUP_COST_TOKENS)

@@ -39,8 +39,8 @@ class LlamaLayer:
         self.mlp = GatedMLP(w, f"{prefix}.mlp", config)
 
     def __call__(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        h = h + self.attention(self.input_norm(h), ctx)
-        return h + self.mlp(self.post_attention_norm(h))
+        h = h.add_(self.attention(self.input_norm(h), ctx))
+        return h.add_(self.mlp(self.post_attention_norm(h)))
 
 
 class LlamaModel(PagedModel):
