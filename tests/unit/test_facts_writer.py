@@ -10,6 +10,7 @@ from pathlib import Path
 from kvrelay.controller.events import Record
 from kvrelay.facts.replica_map import ReplicaMap
 from kvrelay.facts.store import FactStore, WriterSettings
+from kvrelay.facts.writer_process import WRITER_NICENESS
 from kvrelay.facts.wire import (
     FrameBuffer,
     batch_frame,
@@ -85,6 +86,15 @@ def test_a_killed_writer_process_is_replaced_and_facts_keep_flowing(tmp_path: Pa
             assert store.stats().written == 2 and store.stats().pending == 0
     finally:
         logger.removeHandler(signal_lost)
+
+
+def test_the_writer_runs_nicer_than_the_router_so_routing_gets_the_cpu_first(tmp_path: Path) -> None:
+    with FactStore(sqlite_file_url(tmp_path)) as store:
+        assert store.submit(outcome("r")) and store.flush(10)  # the writer is up and past its start
+        pid = store.writer_pid
+        assert pid is not None
+        expected = min(os.getpriority(os.PRIO_PROCESS, 0) + WRITER_NICENESS, 19)
+        assert os.getpriority(os.PRIO_PROCESS, pid) == expected
 
 
 def test_items_cross_the_wire_intact_and_what_cannot_be_encoded_is_named() -> None:
