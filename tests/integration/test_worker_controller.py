@@ -136,6 +136,19 @@ def test_admits_until_decline_and_every_admitted_request_finishes_its_budget(mod
     run(model_dir, body, num_pages=24)
 
 
+def test_waiting_offers_run_in_the_order_of_their_priority(model_dir: Path) -> None:
+    async def body(h: WorkerHarness) -> None:
+        _, running = h.offer("running", PROMPT, 20)  # priority 0: runs first, then holds the only lane
+        _, low = h.offer("low", tuple(range(300, 340)), 4, priority=5.0)
+        _, high = h.offer("high", tuple(range(400, 440)), 4, priority=1.0)
+        await low.wait_for(Result)
+        assert high.of(Result), "the later offer of lower priority value ran first"
+        assert (await running.wait_for(Result)).finish_reason == "length"
+        await h.quiesce()
+
+    run(model_dir, body, lanes=1)
+
+
 def cold_chunks(model_dir: Path) -> tuple[list[int], dict]:
     """Run PROMPT cold on a fresh worker; return its tokens and the KV of its two full chunks."""
     from tests.support.restore_double import capture

@@ -94,10 +94,11 @@ class WorkerHarness:
         self.pool = self.controller.pool
 
     def offer(self, rid: str, prompt: tuple[int, ...], max_new: int, attempt: int = 1,
-              route: tuple[RouteSegment, ...] = (), sampling: Sampling = Sampling()) -> tuple[Offer, Replies]:
+              route: tuple[RouteSegment, ...] = (), sampling: Sampling = Sampling(),
+              priority: float = 0.0) -> tuple[Offer, Replies]:
         offer = Offer(assignment=Assignment(rid, attempt), worker_id="w0", epoch=self.identity.epoch, model="tiny",
                       model_fingerprint=self.fingerprint.hex(), prompt=prompt, max_new_tokens=max_new,
-                      sampling=sampling, route=route)
+                      sampling=sampling, route=route, priority=priority)
         replies = Replies()
         self.controller.on_offer(offer, replies)
         return offer, replies
