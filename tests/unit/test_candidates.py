@@ -52,7 +52,7 @@ def test_ssd_prefix_slower_to_restore_than_to_recompute_loses() -> None:
     assert [s.tier for s in route.segments] == ["ssd"] and route.segments[0].chunks == 8
     assert route.best.route == ()
     view = cand.WorkerView(slow_ssd, cand.WorkerLoad(), cand.reported_fingerprints(slow_ssd))
-    alternatives = cand.alternatives(route, view, len(PROMPT), 4, 64, 0.0)
+    alternatives = cand.alternatives(route, view, len(PROMPT), 4, 0.0)
     assert [c.cached_tokens for c in alternatives] == [0, 512]
     ssd = alternatives[1]
     assert ssd.predicted_ttft_s == pytest.approx(8 * 0.128 + 1e-3 + 0.02)
@@ -147,7 +147,7 @@ def test_a_restore_adds_to_the_queue_and_waits_for_the_restore_channel() -> None
     fast = heartbeat("w0", queue_delay_s=0.5, lower_tier_load_s=0.8, restore_bytes_per_s={"ssd": 1e9})
     plan = plan_for([fast], [("w0", "ssd", 8)])
     view = cand.WorkerView(fast, cand.WorkerLoad(restore_backlog_s=0.8), {})
-    ssd = cand.alternatives(plan.routes[0], view, len(PROMPT), 4, 64, 0.0)
+    ssd = cand.alternatives(plan.routes[0], view, len(PROMPT), 4, 0.0)
     restored = next(c for c in ssd if c.cached_tokens == 512)
     assert restored.terms.queue_s == pytest.approx(0.8)
     assert restored.predicted_ttft_s == pytest.approx(0.8 + 8 * 64000 / 1e9 + 1e-3 + 0.02)
@@ -232,7 +232,7 @@ def test_alternative_routes_stand_for_the_alternatives_also_after_the_load_chang
     plan = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, list(views.values()), index)
     route = next(r for r in plan.routes if r.worker_id == "w0")
     view = views["w0"]
-    eager = cand.alternatives(route, view, len(PROMPT), 4, 64, 0.0)
+    eager = cand.alternatives(route, view, len(PROMPT), 4, 0.0)
     lazy = cand.alternative_routes(route, view, len(PROMPT), 4, 0.0)
     assert len(eager) == 4 and [r.best for r in lazy] == eager
     assert lazy[0].best == route.best and [r.predicted_ttft_s for r in lazy] == [c.predicted_ttft_s for c in eager]
@@ -240,7 +240,7 @@ def test_alternative_routes_stand_for_the_alternatives_also_after_the_load_chang
     # 517 tokens need 33 pages of 16; sharing the 192-token gpu prefix, 21: with 25 left, recomputing does not fit
     assert view.heartbeat.page_tokens == 16
     view.load.inflight_pages = view.heartbeat.pages_free + view.heartbeat.pages_evictable - 25
-    eager = cand.alternatives(route, view, len(PROMPT), 4, 64, 0.0)
+    eager = cand.alternatives(route, view, len(PROMPT), 4, 0.0)
     lazy = cand.alternative_routes(route, view, len(PROMPT), 4, 0.0)
     assert [r.best for r in lazy] == eager and all(c.terms.queue_s == 0.25 for c in eager)
     assert sorted(c.cached_tokens for c in eager) == [192, 384, 512]

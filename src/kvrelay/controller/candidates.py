@@ -198,21 +198,17 @@ def _by_rank(scored: list[tuple[float, int]]) -> list[tuple[float, int]]:
     return sorted(scored, key=lambda x: (x[0], -x[1]))
 
 
-def alternatives(route: WorkerRoute, worker: WorkerView, prompt_len: int, max_new: int, chunk_tokens: int,
-                 now: float) -> list[Candidate]:
+def alternatives(route: WorkerRoute, worker: WorkerView, prompt_len: int, max_new: int, now: float
+                 ) -> list[Candidate]:
     """Every feasible boundary candidate of one worker at ``now``, lowest score first."""
-    bounds = boundaries_of(route.segments, chunk_tokens)
-    s = route.scoring
-    base_queue, lower_load = queue_of(worker, now), lower_load_of(worker, now)
-    scored = _by_rank(_evaluate(worker, bounds, prompt_len, max_new, chunk_tokens, base_queue, lower_load, s))
-    return [make_candidate(worker.heartbeat, base_queue, lower_load, route.segments, bounds[i], prompt_len,
-                           chunk_tokens, s) for _, i in scored]
+    return [r.best for r in alternative_routes(route, worker, prompt_len, max_new, now)]
 
 
 def alternative_routes(route: WorkerRoute, worker: WorkerView, prompt_len: int, max_new: int, now: float
                        ) -> list[WorkerRoute]:
-    """``alternatives`` as lazy routes: ``alternative_routes(...)[k].best == alternatives(...)[k]`` (the
-    candidates are built only when read; a decision record ships their inputs)."""
+    """Every feasible boundary of one worker at ``now`` as a lazy route, lowest score first; among equal
+    scores the longer route first (candidates are built only when read; a decision record ships their
+    inputs). Scores from planning are reused while nothing they read has changed."""
     base_queue, lower_load = queue_of(worker, now), lower_load_of(worker, now)
     scored = route.feasible
     if scored is None or route.planned_for != _planned_for(worker, prompt_len, max_new, base_queue, lower_load):

@@ -73,7 +73,7 @@ class MooncakeConductor(Policy):
         want = len(route.segments) if self.fetches_remote(route) else local_segments(route)
         max_new = ctx.request.max_new_tokens - (len(ctx.prompt) - len(ctx.request.prompt))
         view = ctx.workers[route.worker_id]
-        feasible = cand.alternatives(route, view, len(ctx.prompt), max_new, ctx.chunk_tokens, ctx.now)
+        feasible = cand.alternatives(route, view, len(ctx.prompt), max_new, ctx.now)
         fitting = [c for c in feasible if len(c.route) <= want]
         return max(fitting, key=lambda c: len(c.route), default=None)
 
