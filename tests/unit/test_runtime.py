@@ -386,3 +386,23 @@ def test_the_device_thread_alone_runs_torch_in_parallel_and_runs_calls_between_s
         assert done.finish_reason == "length"  # the loop keeps serving after a failed call
     with pytest.raises(RuntimeClosedError):
         runtime.run_on_device(torch.get_num_threads)
+
+
+def test_waiting_jobs_are_admitted_by_priority_and_a_running_one_is_not_passed(tiny: Tiny) -> None:
+    gated = GatedModel(tiny.model)
+    pool = PagePool(256)
+    with PagedRuntime(gated, new_kv(tiny), PolicyConfig(num_lanes=1, token_budget=64), queue_capacity=8) as runtime:
+        gated.hold()
+        running = runtime.submit(job_for(pool, prompt_of(6, 0), 2, priority=9.0))
+        assert gated.entered.wait(WAIT)  # admitted to the only lane, its prefill blocked in the model
+        finished: list[str] = []  # one lane: jobs finish in the order they were admitted
+        handles = [
+            runtime.submit(job_for(pool, prompt_of(6, i + 1), 2, priority=p),
+                           on_event=lambda e, name=name: finished.append(name) if isinstance(e, JobResult) else None)
+            for i, (name, p) in enumerate([("late5", 5.0), ("first1", 1.0), ("later5", 5.0), ("second1", 1.0),
+                                           ("default0", 0.0)])
+        ]
+        gated.release.set()
+        assert running.result(WAIT).finish_reason == "length"
+        assert all(h.result(WAIT).finish_reason == "length" for h in handles)
+    assert finished == ["default0", "first1", "second1", "late5", "later5"]
