@@ -19,7 +19,12 @@ runs because the CPU is shared; ``*_median`` figures give the median of the same
    over time to first token. Baseline: ``generate(max_new_tokens=1)``.
 3. ``warm_ttft_share``: TTFT of a ``--ttft-tokens`` (2,048) prompt whose first
    ``--resident-tokens`` (1,792) are already in pages, over its cold TTFT.
-4. ``peak_rss``: peak resident memory of the process after the kvrelay decode run
+4. ``decode_bandwidth_floor_tokens_per_s``: the decode rate if a step took only the time to read,
+   once, what it must read (every projection weight, the LM head, and each sequence's keys
+   and values: its sliding window in sliding layers, all of it in full ones; averaged over
+   the decode) at the read rate measured here (``stream_read_gbs``: a 1 GiB float32 sum, more
+   than the last-level cache, on the device thread, best of 5). ``decode_share_of_bandwidth_floor`` is ours over it.
+5. ``peak_rss``: peak resident memory of the process after the kvrelay decode run
    (before the baseline model exists), and at the end. It includes the runtime's
    extra copies made for speed: oneDNN-packed bf16 weights (the projections and the
    LM head, the weights' size again) and the per-lane sliding-window rings.
@@ -110,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                 hf_prefill.append(on_device(lambda: hf_prefill_time(hf, prefill_prompt)))
             cold.append(runtime_ttft(engine, ttft_prompt, resident=0))
             warm.append(runtime_ttft(engine, ttft_prompt, resident=args.resident_tokens))
-    rss_all = peak_rss_mib()
+        rss_all = peak_rss_mib()
+        read_gbs = on_device(stream_read_gbs)  # after the memory figures: it holds 1 GiB for a moment
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
     baseline_name = f"transformers generate batch {args.hf_batch}"
@@ -119,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     figures.append(figure("decode_tokens_per_s_median", median(ours_decode), "tokens/s", baseline_name,
                           median(hf_decode) if hf_decode else None))
     figures.append(figure("decode_share_of_700_compute_limit", max(ours_decode) / 700.0, "ratio", "compute limit", 1.0))
+    step_bytes = decode_bytes_per_step(artifacts.config, prompts, args.new_tokens, dtype)
+    floor = len(prompts) / (step_bytes / (read_gbs * 1e9))
+    figures.append(figure("stream_read_gbs", read_gbs, "GB/s", "none", None))
+    figures.append(figure("decode_bytes_per_step", step_bytes / 1e6, "MB", "none", None))
+    figures.append(figure("decode_bandwidth_floor_tokens_per_s", floor, "tokens/s", "none", None))
+    figures.append(figure("decode_share_of_bandwidth_floor", max(ours_decode) / floor, "ratio", "bandwidth floor", 1.0))
     figures.append(figure("prefill_tokens_per_s", len(prefill_prompt) / min(ours_prefill), "tokens/s",
                           "transformers generate batch 1", len(prefill_prompt) / min(hf_prefill) if hf_prefill else None))
     figures.append(figure("prefill_tokens_per_s_median", len(prefill_prompt) / median(ours_prefill), "tokens/s",
@@ -204,6 +216,39 @@ def runtime_ttft(engine: Engine, prompt: list[int], resident: int) -> float:
     assert result.first_token_s is not None
     print(f"  kvrelay TTFT of {len(prompt)} tokens with {resident} resident: {result.first_token_s:.3f} s")
     return result.first_token_s
+
+
+def stream_read_gbs(mib: int = 1024, repeats: int = 5) -> float:
+    """The best rate, in GB/s, at which torch sums a ``mib`` MiB float32 tensor (a memory read bound)."""
+    data = torch.ones(mib * 2**18)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - t0)
+    return data.numel() * 4 / best / 1e9
+
+
+def decode_bytes_per_step(config: Any, prompts: list[list[int]], new_tokens: int, dtype: torch.dtype) -> float:
+    """Bytes one decode step of all ``prompts`` must read, averaged over ``new_tokens`` steps.
+
+    Every projection weight and the LM head once, and each sequence's keys and values:
+    the last ``sliding_window`` positions in sliding layers, all positions in full ones.
+    """
+    width = torch.tensor([], dtype=dtype).element_size()
+    hidden, inner, d = config.hidden_size, config.intermediate_size, config.head_dim
+    per_layer = hidden * (config.num_heads + 2 * config.num_kv_heads) * d + config.num_heads * d * hidden + 3 * hidden * inner
+    weights = (config.num_layers * per_layer + config.vocab_size * hidden) * width
+    kv_per_position = 2 * config.num_kv_heads * d * width
+    sliding = sum(kind == "sliding_attention" for kind in config.layer_types)
+    full = config.num_layers - sliding
+    window = config.sliding_window or 0
+    positions = 0
+    for step in range(new_tokens):
+        for p in prompts:
+            length = len(p) + step
+            positions += full * length + sliding * min(length, window)
+    return weights + kv_per_position * positions / new_tokens
 
 
 def hf_model(artifacts: Any, dtype: torch.dtype) -> Any:
