@@ -17,7 +17,9 @@ written with gathers instead of custom kernels so it runs on CPU and CUDA alike.
 
 Decoding sequences that the model mirrors per lane (``window_mirror``) are left
 out of the sliding-layer groups (``mirrored``): their sliding layers read a
-per-lane ring in place instead of gathered pages.
+per-lane ring in place instead of gathered pages. In full-attention layers, the
+gathered window of a decode group whose members all have lanes is kept from one
+step to the next and only appended to (``kept_gathers``).
 
 Masks: query at position ``q`` sees key position ``k`` iff ``k <= q`` and, in
 sliding layers, ``k > q - sliding_window`` (the window counts the query).
@@ -26,15 +28,21 @@ sliding layers, ``k > q - sliding_window`` (the window counts the query).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from kvrelay.models.batch import ForwardBatch
+from kvrelay.models.kept_gathers import KeptGathers, KeptGroup
 
 GROUP_COST_TOKENS = 1024
 """Padding, in key tokens per layer, worth one more decode group (one more gather and attention call per layer)."""
+
+KEPT_PAGE_QUANTUM = 4
+"""Full-attention decode groups of laned batches span a multiple of this many pages (and are
+grouped by lengths rounded up to it), so a kept window (``kept_gathers``) outlives more steps:
+a group's width, and the grouping, change when a member crosses a quantum, not a page."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,12 +55,15 @@ class AttentionGroup:
     key, ``-inf`` elsewhere; or ``None`` for a prefill from position 0 whose
     window does not bind, where the first ``Q`` keys are attended with a plain
     causal mask (which lets the attention kernel skip the masked blocks).
+    ``kept`` identifies a full-attention decode group whose members all have lanes, so
+    its gathered window can be kept between steps (``kept_gathers``); else ``None``.
     """
 
     query_rows: torch.Tensor | None
     pages: torch.Tensor
     mask: torch.Tensor | None
     queries_per_seq: int
+    kept: KeptGroup | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,12 +109,22 @@ def plan_attention(
     groups: dict[str, list[AttentionGroup]] = {"full": [], "sliding": []}
     for kind, window in windows.items():
         paged = decoding if kind == "full" else [i for i in decoding if i not in mirrored]
-        for members in split_by_length(_decode_key_tokens(batch, paged, page_tokens, window), GROUP_COST_TOKENS):
+        quantum = KEPT_PAGE_QUANTUM if window is None and batch.lanes is not None else 1
+        for members in split_by_length(_decode_key_tokens(batch, paged, page_tokens * quantum, window), GROUP_COST_TOKENS):
             idx = torch.tensor([paged[m] for m in members], dtype=torch.long)
             whole = len(members) == batch.num_seqs
             rows = None if whole else torch.tensor([starts[paged[m]] for m in members], dtype=torch.long)
             q_pos = (seq_lens[idx] - 1).unsqueeze(1)
-            groups[kind].append(_group(tables[idx], rows, q_pos, page_tokens, window, device, dtype))
+            group = _group(tables[idx], rows, q_pos, page_tokens, window, device, dtype, quantum)
+            lanes = [None if batch.lanes is None else batch.lanes[paged[m]] for m in members]
+            if window is None and all(lane is not None for lane in lanes):
+                width = group.pages.shape[1] * page_tokens
+                window_rows = torch.arange(len(members)) * width + q_pos[:, 0]
+                new_slots = slots[[starts[paged[m]] for m in members]]
+                lengths = tuple(batch.seq_lens[paged[m]] for m in members)
+                kept = KeptGroup(tuple(lanes), lengths, new_slots.to(device), window_rows.to(device))  # type: ignore[arg-type]
+                group = replace(group, kept=kept)
+            groups[kind].append(group)
         for i in prefilling:
             first, stop = starts[i], starts[i] + batch.query_lens[i]
             step = stop - first if window is None else window
@@ -188,18 +209,23 @@ def _group(
     window: int | None,
     device: torch.device,
     dtype: torch.dtype,
+    page_quantum: int = 1,
 ) -> AttentionGroup:
-    """Gather indices and mask for sequences ``tables`` whose queries sit at ``q_pos`` (``[G, Q]``)."""
+    """Gather indices and mask for sequences ``tables`` whose queries sit at ``q_pos`` (``[G, Q]``).
+
+    Without a window the group spans a multiple of ``page_quantum`` pages; pages past a
+    table's end repeat its last entry and are masked.
+    """
     last_page = q_pos[:, -1] // page_tokens
     if window is None:
         first_page = torch.zeros_like(last_page)
-        num_pages = int(last_page.max()) + 1
+        num_pages = -(-(int(last_page.max()) + 1) // page_quantum) * page_quantum
     else:
         first_page = (q_pos[:, 0] - window + 1).clamp(min=0) // page_tokens
         num_pages = int((last_page - first_page).max()) + 1
         first_page = last_page - num_pages + 1
     page_idx = first_page.unsqueeze(1) + torch.arange(num_pages)
-    pages = tables.gather(1, page_idx.clamp(min=0))
+    pages = tables.gather(1, page_idx.clamp(min=0, max=tables.shape[1] - 1))
     queries = q_pos.shape[1]
     if q_pos.shape[0] == 1 and int(q_pos[0, 0]) == 0 and queries > 1 and (window is None or queries <= window):
         rows = None if query_rows is None else query_rows.to(device)
@@ -225,7 +251,8 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k:
 
 
 class GatherBuffers:
-    """Reused storage for one layer's gathered keys and values, grown to the largest window seen.
+    """Reused storage for one layer's gathered keys and values, grown to the largest window seen,
+    and the windows of full-attention decode groups kept between steps (``kept``).
 
     Fresh multi-megabyte tensors per layer cost a page fault per 4 KiB on CPU
     (tens of thousands per decode step); reusing one pair avoids that. Not
@@ -235,6 +262,7 @@ class GatherBuffers:
     def __init__(self) -> None:
         self.k = torch.empty(0)
         self.v = torch.empty(0)
+        self.kept = KeptGathers()
 
     def take(self, rows: int, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Two ``[rows, page elements]`` views for gathering pages of ``pool`` (``[pages, P, kv_heads, D]``)."""
@@ -306,7 +334,11 @@ def _attend_decode(
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_pool.shape[2]
     assert group.mask is not None, "decode groups always carry a mask"
-    k, v = _gather(k_pool, v_pool, group.pages, buffers, q.dtype)
+    if group.kept is None:
+        k, v = _gather(k_pool, v_pool, group.pages, buffers, q.dtype)
+    else:
+        kept_k, kept_v = buffers.kept.keys_values(k_pool, v_pool, group.pages, group.kept)
+        k, v = kept_k.transpose(1, 2).to(q.dtype), kept_v.transpose(1, 2).to(q.dtype)
     queries = q.view(num_seqs, kv_heads, heads // kv_heads, head_dim)
     return decode_attention(queries, k, v, group.mask, scale).reshape(num_seqs, heads, head_dim)
 

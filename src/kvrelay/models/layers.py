@@ -368,7 +368,9 @@ class PagedModel:
         except BaseException:
             if self.mirror is not None:
                 self.mirror.forget(mirror_step)
+            self.buffers.kept.clear()
             raise
+        self.buffers.kept.end_step()
         return logits if logits_dtype is None else logits.to(logits_dtype)
 
     def _forward(self, batch: ForwardBatch, kv: KVPages, mirror_step: MirrorStep | None) -> torch.Tensor:
