@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.kept_gathers import KeptGathers, KeptGroup
+from kvrelay.models.kv_pages import gather_pages
 
 GROUP_COST_TOKENS = 1024
 """Padding, in key tokens per layer, worth one more decode group (one more gather and attention call per layer)."""
@@ -124,8 +125,8 @@ def plan_attention(
             rows = None if whole else torch.tensor([starts[paged[m]] for m in members], dtype=torch.long)
             q_pos = (seq_lens[idx] - 1).unsqueeze(1)
             group = _group(tables[idx], rows, q_pos, page_tokens, window, device, dtype, quantum)
-            lanes = [None if batch.lanes is None else batch.lanes[paged[m]] for m in members]
-            if window is None and all(lane is not None for lane in lanes):
+            lanes = [] if quantum == 1 else [batch.lanes[paged[m]] for m in members]  # type: ignore[index]
+            if lanes and all(lane is not None for lane in lanes):
                 width = group.pages.shape[1] * page_tokens
                 window_rows = torch.arange(len(members)) * width + q_pos[:, 0]
                 new_slots = slots[[starts[paged[m]] for m in members]]
@@ -374,9 +375,7 @@ def _gather(
     """Keys and values of ``pages`` (``[G, n]``) as ``[G, kv_heads, n * page_tokens, head_dim]`` in ``dtype``."""
     num_seqs, num_pages = pages.shape
     _, page_tokens, kv_heads, head_dim = k_pool.shape
-    flat_pages = pages.flatten()
-    k_rows, v_rows = buffers.take(flat_pages.shape[0], k_pool)
-    torch.index_select(k_pool.flatten(1), 0, flat_pages, out=k_rows)
-    torch.index_select(v_pool.flatten(1), 0, flat_pages, out=v_rows)
+    k_rows, v_rows = buffers.take(num_seqs * num_pages, k_pool)
+    gather_pages(k_pool, v_pool, pages, k_rows, v_rows)
     shape = (num_seqs, num_pages * page_tokens, kv_heads, head_dim)
     return k_rows.view(shape).transpose(1, 2).to(dtype), v_rows.view(shape).transpose(1, 2).to(dtype)

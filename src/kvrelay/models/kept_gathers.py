@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrelay.models.batch import LaneRef
+from kvrelay.models.kv_pages import gather_pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +103,7 @@ class KeptGathers:
             k, v = k_pool.new_empty(shape), v_pool.new_empty(shape)
         else:
             k, v = old.k, old.v
-        flat = pages.flatten()
-        torch.index_select(k_pool.flatten(1), 0, flat, out=k.view(num_seqs * num_pages, -1))
-        torch.index_select(v_pool.flatten(1), 0, flat, out=v.view(num_seqs * num_pages, -1))
+        gather_pages(k_pool, v_pool, pages, k, v)
         return _Kept(pages.clone(), lengths, k, v)
 
     @staticmethod

@@ -72,3 +72,13 @@ class KVPages:
         """Bytes one page occupies across all layers, keys and values together."""
         per_layer_page = self.k[0, 0].numel() * self.k.element_size()
         return 2 * self.num_layers * per_layer_page
+
+
+def gather_pages(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor
+) -> None:
+    """Copy ``pages`` (``[G, n]``) of one layer's pools (``[pages, page_tokens, kv_heads, head_dim]``) into
+    ``k_out`` and ``v_out``: contiguous, of the pool's dtype, ``G * n`` pages long, in ``pages``' order."""
+    flat = pages.flatten()
+    torch.index_select(k_pool.flatten(1), 0, flat, out=k_out.view(flat.shape[0], -1))
+    torch.index_select(v_pool.flatten(1), 0, flat, out=v_out.view(flat.shape[0], -1))
