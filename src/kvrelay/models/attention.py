@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.kept_gathers import KeptGathers, KeptGroup
 from kvrelay.models.kv_pages import gather_pages
+from kvrelay.models.native_attention import decode_attention_native
 
 GROUP_COST_TOKENS = 1024
 """Padding, in key tokens per layer, worth one more decode group (one more gather and attention call per layer)."""
@@ -65,6 +66,8 @@ class AttentionGroup:
     causal mask (which lets the attention kernel skip the masked blocks).
     ``kept`` identifies a full-attention decode group whose members all have lanes, so
     its gathered window can be kept between steps (``kept_gathers``); else ``None``.
+    ``visible`` (``[G]``, on the CPU) counts the leading keys each sequence sees when that
+    is all its mask says (decode groups without a window); else ``None``.
     """
 
     query_rows: torch.Tensor | None
@@ -72,6 +75,7 @@ class AttentionGroup:
     mask: torch.Tensor | None
     queries_per_seq: int
     kept: KeptGroup | None = None
+    visible: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +254,7 @@ def _group(
         pages=pages.to(device),
         mask=mask.unsqueeze(1).to(device),
         queries_per_seq=queries,
+        visible=q_pos[:, 0] + 1 if window is None and queries == 1 else None,
     )
 
 
@@ -349,7 +354,10 @@ def _attend_decode(
         kept_k, kept_v = buffers.kept.keys_values(k_pool, v_pool, group.pages, group.kept)
         k, v = kept_k.transpose(1, 2).to(q.dtype), kept_v.transpose(1, 2).to(q.dtype)
     queries = q.view(num_seqs, kv_heads, heads // kv_heads, head_dim)
-    return decode_attention(queries, k, v, group.mask, scale).reshape(num_seqs, heads, head_dim)
+    out = None if group.visible is None else decode_attention_native(queries, k, v, group.visible, scale)
+    if out is None:
+        out = decode_attention(queries, k, v, group.mask, scale)
+    return out.reshape(num_seqs, heads, head_dim)
 
 
 def decode_attention(

@@ -6,7 +6,8 @@ sliding layer, shaped ``[lanes, kv_heads, window, head_dim]`` (position ``p`` at
 ring slot ``p % window``; rope is already applied, so slot order does not
 matter to attention). One batched ``decode_attention`` per layer then
 reads every decoding lane's window in place: one pass over the keys per step,
-instead of gathering scattered pages into a buffer and reading that again.
+instead of gathering scattered pages into a buffer and reading that again. On a
+CPU with AVX-512 BF16 that read is the C kernel of ``native_attention``.
 
 The pages stay the source of truth. A lane's ring is valid for one
 ``LaneRef.owner`` of one pool up to a length; a decode row whose lane holds another owner,
@@ -29,6 +30,7 @@ import torch
 from kvrelay.models.attention import decode_attention
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.kv_pages import KVPages
+from kvrelay.models.native_attention import decode_attention_native
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,8 @@ class MirrorStep:
     lo``) or in order (``None``: the rows are exactly lanes ``lo .. hi - 1``).
     ``write_index`` (``[n * kv_heads]``) is where each row's new key and value go
     in a ring flattened to ``[lanes * kv_heads * window, head_dim]``; ``mask`` is
-    ``[hi - lo, 1, 1, window]``, additive.
+    ``[hi - lo, 1, 1, window]``, additive; ``visible`` (``[hi - lo]``, on the CPU) the
+    count of leading ring slots it leaves visible per lane.
     """
 
     rows: torch.Tensor | None
@@ -49,6 +52,7 @@ class MirrorStep:
     lane_rows: torch.Tensor | None
     write_index: torch.Tensor
     mask: torch.Tensor
+    visible: torch.Tensor
     seqs: frozenset[int]
 
 
@@ -119,7 +123,9 @@ class WindowMirror:
         queries = q.view(lanes, self.kv_heads, heads // self.kv_heads, head_dim)
         k = self.k[ring, step.lo : step.hi].to(q.dtype)
         v = self.v[ring, step.lo : step.hi].to(q.dtype)
-        out = decode_attention(queries, k, v, step.mask, scale)
+        out = decode_attention_native(queries, k, v, step.visible, scale)
+        if out is None:
+            out = decode_attention(queries, k, v, step.mask, scale)
         out = out.reshape(lanes, heads, head_dim)
         return out if step.lane_rows is None else out.index_select(0, step.lane_rows)
 
@@ -192,5 +198,6 @@ class WindowMirror:
             lane_rows=None if in_order else (slot_t - lo).to(device),
             write_index=self._ring_index(slot_t, positions).to(device),
             mask=mask.to(device),
+            visible=visible,
             seqs=frozenset(chosen),
         )
