@@ -33,7 +33,7 @@ import torch
 from common import Figure, report
 
 from kvrelay.models.attention import decode_attention
-from kvrelay.models.native_attention import decode_attention_native
+from kvrelay.models.native.attention import decode_attention_native
 
 LANES, HEADS, HEAD_DIM = 32, 4, 256
 SHAPES = {"rings": (15, 512), "full": (3, 1152)}

@@ -18,18 +18,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import kvrelay.models.native_attention as native
+import kvrelay.models.native.attention as native
 from kvrelay.models import attention, window_mirror
 from kvrelay.models.attention import decode_attention
 from kvrelay.models.batch import ForwardBatch, LaneRef
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.kv_pages import KVPages
-from kvrelay.models.native_attention import decode_attention_native
+from kvrelay.models.native import build
+from kvrelay.models.native.attention import decode_attention_native
 from kvrelay.models.registry import build_model
 from tests.support.tiny_models import make_tiny_model
 
 needs_kernel = pytest.mark.skipif(
-    native._library() is None, reason="the native kernel does not run here (no AVX-512 BF16 or no C compiler)"
+    build.load("decode_attention", native._SIGNATURES) is None,
+    reason="the native kernel does not run here (no AVX-512 BF16 or no C compiler)",
 )
 
 
@@ -127,19 +129,19 @@ def test_without_a_build_the_pytorch_path_serves(
 ) -> None:
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
     if setting == "turned off":
-        monkeypatch.setenv(native.DISABLE_ENV, "0")
+        monkeypatch.setenv(build.DISABLE_ENV, "0")
     elif setting == "no compiler":
         monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     else:
         monkeypatch.setenv("CC", "false")
-    monkeypatch.setattr(native, "_cpu_supports", lambda: True)
-    native._library.cache_clear()
+    monkeypatch.setattr(build, "cpu_supports", lambda: True)
+    build.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger=native.__name__):
+        with caplog.at_level(logging.WARNING, logger=build.__name__):
             q, k, v, visible = inputs(2, 1, 4, 32, 128, seed=7)
             assert decode_attention_native(q, k, v, visible, 0.1) is None
     finally:
-        native._library.cache_clear()
+        build.load.cache_clear()
     expected = {"turned off": None, "no compiler": "no C compiler", "compiler fails": "failed on"}[setting]
     if expected is None:
         assert not caplog.records

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.kept_gathers import KeptGathers, KeptGroup
 from kvrelay.models.kv_pages import gather_pages
-from kvrelay.models.native_attention import decode_attention_native
+from kvrelay.models.native.attention import decode_attention_native
 
 GROUP_COST_TOKENS = 1024
 """Padding, in key tokens per layer, worth one more decode group (one more gather and attention call per layer)."""

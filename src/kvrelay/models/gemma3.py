@@ -42,8 +42,8 @@ class Gemma3Layer:
         self.mlp = GatedMLP(w, f"{prefix}.mlp", config)
 
     def __call__(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        h = h.add_(self.post_attention_norm(self.attention(self.input_norm(h), ctx)))
-        return h.add_(self.post_feedforward_norm(self.mlp(self.pre_feedforward_norm(h))))
+        h = self.post_attention_norm.add_to(h, self.attention(self.input_norm(h), ctx))
+        return self.post_feedforward_norm.add_to(h, self.mlp(self.pre_feedforward_norm(h)))
 
 
 class Gemma3Model(PagedModel):

@@ -28,6 +28,7 @@ from kvrelay.models.attention import (
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.kv_pages import KVPages
+from kvrelay.models.native.rms_norm import add_rms_norm_native, rms_norm_native
 from kvrelay.models.window_mirror import MirrorStep, WindowMirror
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -87,19 +88,30 @@ class RMSNorm:
     ``unit_offset=True`` is Gemma's ``(x_hat * (1 + w)).to(dtype)``; otherwise
     Llama's ``w * x_hat.to(dtype)``. ``weight`` may have leading dims that
     broadcast against the input's (per-head weights of a fused q/k norm).
+    bfloat16 rows on a CPU with AVX-512 BF16 go through ``native.rms_norm``.
     """
 
     def __init__(self, weight: torch.Tensor, eps: float, unit_offset: bool) -> None:
         self.eps = eps
         self.unit_offset = unit_offset
         self.weight = (1.0 + weight.float()) if unit_offset else weight
+        self.kernel_weight = self.weight.float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        normed = rms_norm_native(x, self.kernel_weight, self.eps, self.unit_offset)
+        if normed is not None:
+            return normed
         xf = x.float()
         x_hat = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True).add_(self.eps))
         if self.unit_offset:
             return x_hat.mul_(self.weight).to(x.dtype)
         return self.weight * x_hat.to(x.dtype)
+
+    def add_to(self, base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``base.add_(self(x))``: ``base`` plus the norm of ``x``, in place, returned."""
+        if add_rms_norm_native(base, x, self.kernel_weight, self.eps, self.unit_offset):
+            return base
+        return base.add_(self(x))
 
 
 class Rotary:

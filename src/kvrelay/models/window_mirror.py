@@ -30,7 +30,7 @@ import torch
 from kvrelay.models.attention import decode_attention
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.kv_pages import KVPages
-from kvrelay.models.native_attention import decode_attention_native
+from kvrelay.models.native.attention import decode_attention_native
 
 
 @dataclass(frozen=True, slots=True)

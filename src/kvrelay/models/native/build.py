@@ -1,0 +1,91 @@
+"""Build and load the C kernels of this package on first use.
+
+``load(name, signatures)`` compiles ``<name>.c`` (next to this file) with the C
+compiler (``$CC``, else ``cc``) into ``cache_dir()/native``, keyed by the digest of
+the source, compiler and flags, loads it with ``ctypes`` and gives its functions
+their ``(argtypes, restype)``. It returns ``None``, and the caller takes its
+PyTorch path, when the kernels are turned off (``KVRELAY_NATIVE_KERNELS=0``), the
+CPU lacks AVX-512 BF16, no compiler is found, or the build fails (logged once per
+kernel). Kernels use OpenMP: the loader resolves their ``libgomp.so.1`` to the
+copy torch loaded first, so they run on the calling thread's torch team.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch  # noqa: F401  (loads torch's libgomp before any kernel, so kernels share it)
+
+from kvrelay.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "KVRELAY_NATIVE_KERNELS"
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16")
+
+Signature = tuple[tuple[Any, ...], Any]
+"""A C function's ``ctypes`` argument types and result type."""
+
+
+@functools.cache
+def load(name: str, signatures: tuple[tuple[str, Signature], ...]) -> ctypes.CDLL | None:
+    """Kernel ``name`` built and loaded, its functions typed by ``signatures``; ``None`` if it cannot run here."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return None
+    if not cpu_supports():
+        log.info("native kernel %s is off: this CPU lacks AVX-512 BF16", name)
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("native kernel %s is off: no C compiler ($CC or cc) on PATH", name)
+        return None
+    source = Path(__file__).with_name(f"{name}.c")
+    try:
+        lib = ctypes.CDLL(str(_build(source, compiler)))
+    except subprocess.CalledProcessError as exc:
+        log.warning("native kernel %s is off: %s failed on %s:\n%s", name, compiler, source, exc.stderr)
+        return None
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("native kernel %s is off: building or loading %s failed: %s", name, source, exc)
+        return None
+    for function, (argtypes, restype) in signatures:
+        getattr(lib, function).argtypes = list(argtypes)
+        getattr(lib, function).restype = restype
+    return lib
+
+
+def _build(source: Path, compiler: str) -> Path:
+    """The shared library of ``source``, compiled into the cache unless an identical build is there."""
+    text = source.read_bytes()
+    key = hashlib.sha256(text + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / "native" / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, *FLAGS, str(source), "-o", str(built)], check=True, capture_output=True, text=True, timeout=120
+        )
+        os.replace(built, target)
+    return target
+
+
+def cpu_supports() -> bool:
+    """Whether this CPU has the AVX-512 extensions the kernels are compiled for."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return all(flag in flags for flag in _CPU_FLAGS)

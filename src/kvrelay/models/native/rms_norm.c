@@ -1,0 +1,71 @@
+/*
+ * RMS norm of bfloat16 rows, computed in float32, AVX-512 BF16.
+ *
+ * x_hat = x * (1 / sqrt(mean(x^2) + eps)), all in float32, then
+ *   unit_offset != 0 (Gemma): out = bf16(x_hat * w), w the float32 (1 + weight);
+ *   unit_offset == 0 (Llama): out = bf16(w * bf16(x_hat)), w the weight's bfloat16 values.
+ * This is kvrelay.models.layers.RMSNorm's order of operations; the sum of squares is taken
+ * in another order than torch's, so an output can differ from it in its last bit.
+ *
+ * Contract: dim % 16 == 0. Row (t, h) of x is at t * token_stride + h * dim; weight has
+ * weight_heads rows of dim (1: shared by all heads, else one per head). Rows run on the
+ * calling thread's OpenMP team when there are many.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define PARALLEL_ELEMENTS (1 << 16)
+
+static inline __m512 load_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+static inline __m512 round_bf16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+static inline float inverse_rms(const uint16_t* x, int64_t dim, float eps) {
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t c = 0; c < dim; c += 16) {
+        __m512 v = load_bf16(x + c);
+        squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    return 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)dim + eps);
+}
+
+/* out = normed x, as above; optionally added to `base` (out = bf16(base + normed)). */
+static inline void norm_row(const uint16_t* x, const float* w, int64_t dim, float eps, int unit_offset,
+                            const uint16_t* base, uint16_t* out) {
+    const __m512 r = _mm512_set1_ps(inverse_rms(x, dim, eps));
+    for (int64_t c = 0; c < dim; c += 16) {
+        __m512 x_hat = _mm512_mul_ps(load_bf16(x + c), r);
+        __m512 y = unit_offset ? _mm512_mul_ps(x_hat, _mm512_loadu_ps(w + c))
+                               : _mm512_mul_ps(_mm512_loadu_ps(w + c), round_bf16(x_hat));
+        if (base != 0) y = _mm512_add_ps(load_bf16(base + c), round_bf16(y));
+        _mm256_storeu_si256((__m256i*)(out + c), (__m256i)_mm512_cvtneps_pbh(y));
+    }
+}
+
+/* out (contiguous [tokens, heads, dim]) = norm of x's rows. Returns 0, or -1 if dim % 16 != 0. */
+int kvrelay_rms_norm(const uint16_t* x, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride,
+                     const float* weight, int64_t weight_heads, float eps, int unit_offset, uint16_t* out) {
+    if (dim <= 0 || dim % 16 != 0) return -1;
+    const int64_t rows = tokens * heads;
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_ELEMENTS)
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t t = i / heads, h = i % heads;
+        const float* w = weight + (weight_heads == 1 ? 0 : h * dim);
+        norm_row(x + t * token_stride + h * dim, w, dim, eps, unit_offset, 0, out + i * dim);
+    }
+    return 0;
+}
+
+/* base (contiguous [tokens, dim]) = bf16(base + norm(x)), in place; x contiguous. Returns 0, or -1. */
+int kvrelay_add_rms_norm(uint16_t* base, const uint16_t* x, int64_t tokens, int64_t dim, const float* weight,
+                         float eps, int unit_offset) {
+    if (dim <= 0 || dim % 16 != 0) return -1;
+#pragma omp parallel for schedule(static) if (tokens * dim >= PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < tokens; t++) norm_row(x + t * dim, weight, dim, eps, unit_offset, base + t * dim, base + t * dim);
+    return 0;
+}
