@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvrelay.models import layers
-from kvrelay.models.layers import RMSNorm
+from kvrelay.models.layers import RMSNorm, Rotary, apply_rope
 from kvrelay.models.native import build
 from kvrelay.models.native.rms_norm import _SIGNATURES, add_rms_norm_native, rms_norm_native
 
@@ -26,7 +26,7 @@ needs_kernel = pytest.mark.skipif(
 @pytest.fixture
 def pytorch_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """``RMSNorm`` on its PyTorch path, as without the kernel."""
-    monkeypatch.setattr(layers, "rms_norm_native", lambda *args: None)
+    monkeypatch.setattr(layers, "rms_norm_native", lambda *args, **kwargs: None)
     monkeypatch.setattr(layers, "add_rms_norm_native", lambda *args: False)
     yield
 
@@ -110,3 +110,34 @@ def test_shapes_the_kernel_does_not_take_fall_back(change: str) -> None:
         base = torch.zeros(x.shape, dtype=x.dtype)
         assert not add_rms_norm_native(base, x, w, 1e-6, True)
         assert not base.any()
+
+
+def rope_tables(tokens: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = torch.arange(100, 100 + tokens)
+    return Rotary(dim, 10_000.0, torch.device("cpu")).cos_sin(positions, torch.bfloat16)
+
+
+@needs_kernel
+def test_norm_then_rope_is_apply_rope_of_the_norm() -> None:
+    """Rope's three roundings are the same in C as in ``apply_rope``: bit for bit, given the same norm."""
+    qkv = rows(7, 6 * 256, seed=8)
+    qk = qkv[:, : 5 * 256].view(7, 5, 256)
+    norm = RMSNorm(torch.stack([weight(256, seed=9)] * 4 + [weight(256, seed=10)]), 1e-6, unit_offset=True)
+    cos, sin = rope_tables(7, 256)
+    normed = rms_norm_native(qk, norm.kernel_weight, 1e-6, True)
+    assert normed is not None
+    assert torch.equal(norm.then_rope(qk, cos, sin), apply_rope(normed, cos, sin))
+
+
+def test_then_rope_without_the_kernel_is_apply_rope_of_the_norm(pytorch_only: None) -> None:
+    qk = rows(3, 2, 64, seed=11)
+    norm = RMSNorm(weight(64, seed=12), 1e-6, unit_offset=False)
+    cos, sin = rope_tables(3, 64)
+    assert torch.equal(norm.then_rope(qk, cos, sin), apply_rope(norm(qk), cos, sin))
+
+
+@needs_kernel
+def test_rope_tables_of_another_shape_fall_back() -> None:
+    qk = rows(3, 2, 64, seed=13)
+    cos, sin = rope_tables(4, 64)
+    assert rms_norm_native(qk, torch.ones(64), 1e-6, True, rope=(cos, sin)) is None

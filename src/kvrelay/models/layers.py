@@ -28,6 +28,7 @@ from kvrelay.models.attention import (
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.kv_pages import KVPages
+from kvrelay.models.native.linear_row import linear_row_native
 from kvrelay.models.native.rms_norm import add_rms_norm_native, rms_norm_native
 from kvrelay.models.window_mirror import MirrorStep, WindowMirror
 
@@ -107,6 +108,11 @@ class RMSNorm:
             return x_hat.mul_(self.weight).to(x.dtype)
         return self.weight * x_hat.to(x.dtype)
 
+    def then_rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """``apply_rope(self(x), cos, signed_sin)``."""
+        rotated = rms_norm_native(x, self.kernel_weight, self.eps, self.unit_offset, rope=(cos, signed_sin))
+        return rotated if rotated is not None else apply_rope(self(x), cos, signed_sin)
+
     def add_to(self, base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``base.add_(self(x))``: ``base`` plus the norm of ``x``, in place, returned."""
         if add_rms_norm_native(base, x, self.kernel_weight, self.eps, self.unit_offset):
@@ -162,7 +168,8 @@ class PackedLinear:
     takes the weight's size again in memory and gives the same values; it
     serves inputs of at most ``max_rows`` rows (``None``: all), the plain
     weight the rest (long prefill chunks, where re-laying out is amortized).
-    Elsewhere (float32, CUDA, no mkldnn) this is plain ``F.linear``.
+    Elsewhere (float32, CUDA, no mkldnn) this is plain ``F.linear``. A single bfloat16
+    row without bias goes through ``native.linear_row`` where it is built.
     """
 
     def __init__(
@@ -184,6 +191,10 @@ class PackedLinear:
         return self.packed is not None and rows > 0 and x.dim() == 2 and (self.max_rows is None or rows <= self.max_rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None and x.dim() == 2 and x.shape[0] == 1:
+            row = linear_row_native(x, self.weight)
+            if row is not None:
+                return row
         if not self.packs(x):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
@@ -291,10 +302,8 @@ class PagedSelfAttention:
         qk_width = (self.heads + self.kv_heads) * self.head_dim
         qk = qkv[:, :qk_width].view(tokens, self.heads + self.kv_heads, self.head_dim)
         v = qkv[:, qk_width:].view(tokens, self.kv_heads, self.head_dim)
-        if self.qk_norm is not None:
-            qk = self.qk_norm(qk)
         cos, sin = ctx.rope[self.layer_type]
-        qk = apply_rope(qk, cos, sin)
+        qk = apply_rope(qk, cos, sin) if self.qk_norm is None else self.qk_norm.then_rope(qk, cos, sin)
         q, k = qk[:, : self.heads], qk[:, self.heads :]
         k_pool, v_pool = ctx.kv.k[self.layer], ctx.kv.v[self.layer]
         write_kv(k_pool, v_pool, ctx.plan.slots, k, v)

@@ -4,7 +4,8 @@ In a decode step of Gemma 3 270M (32 rows) each of the 91 norms is eight small
 PyTorch ops (cast, square, mean, add, rsqrt, two products, cast back) that
 together took 100 to 140 us inside the running model, 9 to 13 ms a step.
 ``rms_norm.c`` does a row in one pass; ``add_rms_norm_native`` also folds in the
-residual add that follows Gemma's post-attention and post-feedforward norms.
+residual add that follows Gemma's post-attention and post-feedforward norms, and
+``rms_norm_native(..., rope=...)`` the rotation that follows the q/k norm.
 The numerics are ``layers.RMSNorm``'s; only the order of the sum of squares
 differs (``tests/unit/test_native_rms_norm.py``). Applies to contiguous-row
 bfloat16 tensors on the CPU whose last dim is a multiple of 16, where the kernel
@@ -26,12 +27,26 @@ _SIGNATURES = (
         ((_PTR, _I64, _I64, _I64, _I64, _PTR, _I64, ctypes.c_float, ctypes.c_int, _PTR), ctypes.c_int),
     ),
     ("kvrelay_add_rms_norm", ((_PTR, _PTR, _I64, _I64, _PTR, ctypes.c_float, ctypes.c_int), ctypes.c_int)),
+    (
+        "kvrelay_rms_norm_rope",
+        (
+            (_PTR, _I64, _I64, _I64, _I64, _PTR, _I64, ctypes.c_float, ctypes.c_int, _PTR, _PTR, _PTR),
+            ctypes.c_int,
+        ),
+    ),
 )
 
 
-def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor | None:
+def rms_norm_native(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | None:
     """``RMSNorm`` of ``x`` (``[T, D]`` or ``[T, H, D]``, rows contiguous) with ``weight`` (float32, ``[D]``
-    or ``[H, D]``; ``1 + w`` when ``unit_offset``); ``None`` if the kernel does not apply (nothing computed)."""
+    or ``[H, D]``; ``1 + w`` when ``unit_offset``), then, given ``rope`` (``cos`` and signed ``sin``,
+    ``[T, 1, D]``), ``apply_rope``; ``None`` if the kernel does not apply (nothing computed)."""
     if not _applies(x, weight) or x.dim() not in (2, 3):
         return None
     heads = 1 if x.dim() == 2 else x.shape[1]
@@ -39,23 +54,27 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offs
         return None
     if weight.dim() == 2 and weight.shape[0] != heads:
         return None
+    if rope is not None and not _rope_fits(x, *rope):
+        return None
     lib = load("rms_norm", _SIGNATURES)
     if lib is None:
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
-    weight_heads = 1 if weight.dim() == 1 else weight.shape[0]
-    status = lib.kvrelay_rms_norm(
+    args = (
         x.data_ptr(),
         x.shape[0],
         heads,
         x.shape[-1],
         x.stride(0),
         weight.data_ptr(),
-        weight_heads,
+        weight.shape[0] if weight.dim() == 2 else 1,
         eps,
         int(unit_offset),
-        out.data_ptr(),
     )
+    if rope is None:
+        status = lib.kvrelay_rms_norm(*args, out.data_ptr())
+    else:
+        status = lib.kvrelay_rms_norm_rope(*args, rope[0].data_ptr(), rope[1].data_ptr(), out.data_ptr())
     return out if status == 0 else None
 
 
@@ -87,4 +106,16 @@ def _applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.shape[-1] == x.shape[-1]
         and x.shape[-1] % 16 == 0
         and x.shape[0] > 0
+    )
+
+
+def _rope_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    want = (x.shape[0], 1, x.shape[-1])
+    return (
+        all(
+            t.shape == want and t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()
+            for t in (cos, sin)
+        )
+        and x.shape[-1] % 32 == 0
+        and x.shape[-1] <= 1024
     )

@@ -1,0 +1,60 @@
+/*
+ * y = W x for one bfloat16 row x against a bfloat16 weight W [N, K]: the GEMV that a
+ * single-row projection is, reading each weight row once, AVX-512 BF16.
+ *
+ * Each output is the float32 sum of its products, rounded once to bfloat16 (nearest even), as
+ * F.linear computes it in bfloat16; the summation order differs, so an output can differ from
+ * it in its last bit. Contract: K % 32 == 0, N >= 1, x [K], W [N, K] and y [N] contiguous.
+ * Weight rows are split over the calling thread's OpenMP team.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+#define PREFETCH_ROWS 16
+#define BLOCK 64
+
+static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+    __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+    __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
+    __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* y[n .. n + 3] from weight rows n .. n + 3. */
+static inline void four_outputs(const uint16_t* x, const uint16_t* w, int64_t K, uint16_t* y, int64_t n) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const uint16_t* rows = w + n * K;
+    for (int64_t c = 0; c < K; c += 32) {
+        for (int i = 0; i < 4; i++) _mm_prefetch((const char*)(rows + (PREFETCH_ROWS + i) * K + c), _MM_HINT_T0);
+        __m512bh xc = (__m512bh)_mm512_loadu_si512(x + c);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(rows + c), xc);
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(rows + K + c), xc);
+        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(rows + 2 * K + c), xc);
+        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(rows + 3 * K + c), xc);
+    }
+    _mm_storel_epi64((__m128i*)(y + n), (__m128i)_mm_cvtneps_pbh(sum4(a0, a1, a2, a3)));
+}
+
+/* y[n] from weight row n. */
+static inline void one_output(const uint16_t* x, const uint16_t* w, int64_t K, uint16_t* y, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < K; c += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + n * K + c), (__m512bh)_mm512_loadu_si512(x + c));
+    y[n] = (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(_mm_set_ss(_mm512_reduce_add_ps(acc))), 0);
+}
+
+/* Returns 0, or -1 when the shapes break the contract (nothing is written then). */
+int kvrelay_linear_row(const uint16_t* x, const uint16_t* w, int64_t N, int64_t K, uint16_t* y) {
+    if (K <= 0 || K % 32 != 0 || N < 1) return -1;
+    const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t end = (b + 1) * BLOCK < N ? (b + 1) * BLOCK : N;
+        int64_t n = b * BLOCK;
+        for (; n + 4 <= end; n += 4) four_outputs(x, w, K, y, n);
+        for (; n < end; n++) one_output(x, w, K, y, n);
+    }
+    return 0;
+}

@@ -1,0 +1,60 @@
+"""The C single-row projection gives what ``F.linear`` gives in bfloat16, up to the last bit.
+
+The kernel sums in another order than oneDNN, so a few outputs may differ in
+their last bfloat16 bit; the checks allow that and no more. Rows the kernel does
+not take fall back to oneDNN or ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvrelay.models.layers import PackedLinear
+from kvrelay.models.native import build
+from kvrelay.models.native.linear_row import _SIGNATURES, linear_row_native
+
+needs_kernel = pytest.mark.skipif(
+    build.load("linear_row", _SIGNATURES) is None,
+    reason="the native kernel does not run here (no AVX-512 BF16 or no C compiler)",
+)
+
+
+def tensor(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k"), [(1000, 640), (3, 64), (2049, 2048)])
+def test_row_matches_f_linear(n: int, k: int) -> None:
+    x, w = tensor(1, k, seed=n), tensor(n, k, seed=k)
+    got = linear_row_native(x, w)
+    want = F.linear(x, w)
+    assert got is not None and got.shape == (1, n)
+    ulp = 2.0 ** (torch.floor(torch.log2(want.float().abs().max())) - 7)
+    assert (got.float() - want.float()).abs().max() <= ulp
+    assert (got == want).float().mean() >= 0.97
+
+
+@needs_kernel
+def test_packed_linear_sends_single_rows_to_the_kernel() -> None:
+    w = tensor(300, 640, seed=1)
+    x = tensor(1, 640, seed=2)
+    assert torch.equal(PackedLinear(w)(x), linear_row_native(x, w))
+
+
+@pytest.mark.parametrize("change", ["float32", "two rows", "k of 48", "strided weight", "width mismatch"])
+def test_inputs_the_kernel_does_not_take_fall_back(change: str) -> None:
+    x, w = tensor(1, 64, seed=3), tensor(8, 64, seed=4)
+    if change == "float32":
+        x, w = x.float(), w.float()
+    elif change == "two rows":
+        x = tensor(2, 64, seed=5)
+    elif change == "k of 48":
+        x, w = x[:, :48], w[:, :48].contiguous()
+    elif change == "strided weight":
+        w = tensor(8, 128, seed=6)[:, ::2]
+    else:
+        w = tensor(8, 96, seed=7)
+    assert linear_row_native(x, w) is None
