@@ -67,7 +67,7 @@ static void scores4(const uint16_t* q, const uint16_t* k, int n, int D, int64_t 
     const uint16_t* q0 = q + (int64_t)g0 * D;
     for (int j = 0; j < n; j++) {
         const uint16_t* row = k + j * stride;
-        for (int c = 0; c < D; c += 32) _mm_prefetch((const char*)(row + PREFETCH_ROWS * stride + c), _MM_HINT_T0);
+        for (int c = 0; c < D; c += 32) _mm_prefetch((const char*)(row + PREFETCH_ROWS * stride + c), _MM_HINT_T1);
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int c = 0; c < D; c += 32) {
             __m512bh key = (__m512bh)_mm512_loadu_si512(row + c);
@@ -131,8 +131,8 @@ static void weighted_values2(const uint16_t* v, int n, int D, int64_t stride, in
         const uint16_t* y_row = j + 1 < n ? x_row + stride : zeros;
         if (g0 == 0 && d0 == 0)
             for (int c = 0; c < D; c += 32) {
-                _mm_prefetch((const char*)(x_row + PREFETCH_ROWS * stride + c), _MM_HINT_T0);
-                _mm_prefetch((const char*)(x_row + (PREFETCH_ROWS + 1) * stride + c), _MM_HINT_T0);
+                _mm_prefetch((const char*)(x_row + PREFETCH_ROWS * stride + c), _MM_HINT_T1);
+                _mm_prefetch((const char*)(x_row + (PREFETCH_ROWS + 1) * stride + c), _MM_HINT_T1);
             }
         uint16_t w[2][2] = {{to_bf16(p[g0][j]), to_bf16(p[g0][j + 1])}, {to_bf16(p[g0 + 1][j]), to_bf16(p[g0 + 1][j + 1])}};
         uint32_t w0, w1;

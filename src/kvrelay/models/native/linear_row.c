@@ -27,7 +27,7 @@ static inline void four_outputs(const uint16_t* x, const uint16_t* w, int64_t K,
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     const uint16_t* rows = w + n * K;
     for (int64_t c = 0; c < K; c += 32) {
-        for (int i = 0; i < 4; i++) _mm_prefetch((const char*)(rows + (PREFETCH_ROWS + i) * K + c), _MM_HINT_T0);
+        for (int i = 0; i < 4; i++) _mm_prefetch((const char*)(rows + (PREFETCH_ROWS + i) * K + c), _MM_HINT_T1);
         __m512bh xc = (__m512bh)_mm512_loadu_si512(x + c);
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(rows + c), xc);
         a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(rows + K + c), xc);
