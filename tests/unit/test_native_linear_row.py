@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrelay.models.layers import PackedLinear
+from kvrelay.models.mlp import PackedLinear
 from kvrelay.models.native import build
 from kvrelay.models.native.linear_row import _SIGNATURES, linear_row_native
 

@@ -14,7 +14,6 @@ import torch
 
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.layers import (
-    GatedMLP,
     PagedModel,
     PagedSelfAttention,
     RMSNorm,
@@ -22,6 +21,7 @@ from kvrelay.models.layers import (
     StepContext,
     Weights,
 )
+from kvrelay.models.mlp import GatedMLP
 
 
 class Gemma3Layer:

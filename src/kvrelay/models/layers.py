@@ -1,19 +1,19 @@
-"""Building blocks shared by the architecture adapters: weights, norms, rope, MLP, paged self-attention.
+"""Building blocks shared by the architecture adapters: weights, norms, rope, paged self-attention.
 
 Numerics follow transformers' ``modeling_llama.py`` and ``modeling_gemma3.py``
 step by step (same casts, same order), so float32 logits match to rounding.
 The q, k and v projections are fused into one at build time; q and k are
-normed and rotated as one tensor. In bfloat16 on CPU, projections of decode
-steps and short prefill chunks (``PACKED_MAX_ROWS``) and the LM head use
-oneDNN-packed weights (``PackedLinear``), and
-sliding layers of laned decode rows read ``window_mirror`` rings.
+normed and rotated as one tensor. In bfloat16 on CPU, projections and the LM
+head are ``mlp.PackedLinear``s, norms (with the rope after the q/k norm, and
+the residual add after Gemma's output norms) run in ``native.rms_norm``, and
+sliding layers of laned decode rows read ``window_mirror`` rings. The MLP block
+is ``mlp.GatedMLP``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -28,16 +28,9 @@ from kvrelay.models.attention import (
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.kv_pages import KVPages
-from kvrelay.models.native.linear_row import linear_row_native
+from kvrelay.models.mlp import PackedLinear
 from kvrelay.models.native.rms_norm import add_rms_norm_native, rms_norm_native
 from kvrelay.models.window_mirror import MirrorStep, WindowMirror
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-    "gelu_new": partial(F.gelu, approximate="tanh"),
-    "gelu": F.gelu,
-}
 
 _TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 
@@ -147,107 +140,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return (x * cos).add_(swapped.mul_(signed_sin))
-
-
-PACKED_MAX_ROWS = 256
-"""Projections of at most this many rows use the packed weight; larger ones the plain one.
-
-Gemma 3 270M, bfloat16, 2 cores, best of 8 interleaved runs: a 256-token prefill
-over 1,792 resident tokens took 123 ms with packed projections against 136 ms with
-plain ones; 512-token chunks were slower packed (233 against 221 ms)."""
-
-
-class PackedLinear:
-    """``F.linear(x, weight, bias)``, with the weight also laid out once for oneDNN: bfloat16 on CPU.
-
-    Given a plain weight, oneDNN's AMX / AVX-512 bf16 kernels re-lay it out on
-    every call, which costs as much as the projection itself when few rows
-    (decode) stream the weight from memory; for the 262k-row tied LM head of
-    Gemma 3 270M it is a third of the step. The packed copy
-    (``mkldnn._reorder_linear_weight``, what inductor's CPU freezing uses)
-    takes the weight's size again in memory and gives the same values; it
-    serves inputs of at most ``max_rows`` rows (``None``: all), the plain
-    weight the rest (long prefill chunks, where re-laying out is amortized).
-    Elsewhere (float32, CUDA, no mkldnn) this is plain ``F.linear``. A single bfloat16
-    row without bias goes through ``native.linear_row`` where it is built.
-    """
-
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows: int | None = PACKED_MAX_ROWS
-    ) -> None:
-        self.weight = weight
-        self.bias = bias
-        self.max_rows = max_rows
-        self.packed: torch.Tensor | None = None
-        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
-            except (AttributeError, NotImplementedError, RuntimeError):
-                self.packed = None
-
-    def packs(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes through the packed weight (else through ``F.linear``)."""
-        rows = x.shape[0]
-        return self.packed is not None and rows > 0 and x.dim() == 2 and (self.max_rows is None or rows <= self.max_rows)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None and x.dim() == 2 and x.shape[0] == 1:
-            row = linear_row_native(x, self.weight)
-            if row is not None:
-                return row
-        if not self.packs(x):
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-
-    def activated(self, x: torch.Tensor, activation: tuple[str, str]) -> torch.Tensor:
-        """``act(self(x))`` in one oneDNN call, ``activation`` an entry of ``PACKED_ACTIVATIONS``; needs ``packs(x)``."""
-        attr, algorithm = activation
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, attr, [], algorithm)
-
-    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """``self(x) * other`` in one oneDNN call; needs ``packs(x)``."""
-        return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), other, self.packed, self.bias, "mul")
-
-
-PACKED_ACTIVATIONS: dict[str, tuple[str, str]] = {
-    "silu": ("swish", ""),
-    "gelu_pytorch_tanh": ("gelu", "tanh"),
-    "gelu_new": ("gelu", "tanh"),
-    "gelu": ("gelu", "none"),
-}
-"""oneDNN's post-op (attribute, algorithm) for each activation of ``ACTIVATIONS``."""
-
-
-class GatedMLP:
-    """``down(act(gate(x)) * up(x))``.
-
-    Gate and up stay two projections: a fused one leaves both halves strided,
-    and the activation and product on strided halves cost more on CPU than the
-    fusion saves (1,024 tokens, Gemma 3 270M shapes: 27 ms fused, 17 ms apart);
-    through packed weights (32-lane decode, 256-token prefill) fused and apart
-    measured the same. Through packed weights the activation and the product
-    are oneDNN post-ops of the gate and up projections (two calls instead of
-    four; 32 rows, Gemma 3 270M shapes: 281 against 359 us). They apply to the
-    float32 accumulator, so the gate's output is rounded to bfloat16 once
-    instead of twice and the product once instead of three times.
-    """
-
-    def __init__(self, w: Weights, prefix: str, config: ModelConfig) -> None:
-        hidden, inner = config.hidden_size, config.intermediate_size
-        if config.hidden_activation not in ACTIVATIONS:
-            raise ValueError(
-                f"activation '{config.hidden_activation}' is not supported; supported: {', '.join(ACTIVATIONS)}"
-            )
-        self.act = ACTIVATIONS[config.hidden_activation]
-        self.packed_act = PACKED_ACTIVATIONS[config.hidden_activation]
-        self.gate = PackedLinear(w.take(f"{prefix}.gate_proj.weight", (inner, hidden)))
-        self.up = PackedLinear(w.take(f"{prefix}.up_proj.weight", (inner, hidden)))
-        self.down = PackedLinear(w.take(f"{prefix}.down_proj.weight", (hidden, inner)))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate.packs(x) and self.up.packs(x):
-            return self.down(self.up.times(x, self.gate.activated(x, self.packed_act)))
-        return self.down(self.act(self.gate(x)).mul_(self.up(x)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,6 @@ import torch
 
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.layers import (
-    GatedMLP,
     PagedModel,
     PagedSelfAttention,
     RMSNorm,
@@ -23,6 +22,7 @@ from kvrelay.models.layers import (
     StepContext,
     Weights,
 )
+from kvrelay.models.mlp import GatedMLP
 
 
 class LlamaLayer:

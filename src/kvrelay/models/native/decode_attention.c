@@ -160,7 +160,7 @@ static void weighted_values2(const uint16_t* v, int n, int D, int64_t stride, in
 
 static void attend_unit(const uint16_t* q, const uint16_t* k, const uint16_t* v, int n, int G, int D, int64_t stride,
                         float scale, uint16_t* out) {
-    float p[MAX_G][MAX_KEYS] __attribute__((aligned(64)));
+    float p[G][MAX_KEYS] __attribute__((aligned(64))); /* G <= MAX_G rows: at most 256 KiB of stack */
     for (int g0 = 0; g0 < G; g0 += 4) scores4(q, k, n, D, stride, g0, p);
     for (int g = 0; g < G; g++) softmax_row(p[g], n, scale);
     for (int g0 = 0; g0 < G; g0 += 2)
