@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvrelay.controller import candidates as cand
+from kvrelay.controller import predicted_ttft
 from kvrelay.controller.index import ResidencyIndex
 from kvrelay.controller.roster import Roster, plan_pruned
 from kvrelay.protocol.messages import Heartbeat
@@ -31,7 +32,7 @@ def plan_for(workers: list, residency: list[tuple[str, str, int]]) -> cand.Plan:
     index = ResidencyIndex()
     for wid, tier, n in residency:
         index.store(wid, tier, CHAIN[:n])
-    views = [cand.WorkerView(hb, cand.WorkerLoad(restore_backlog_s=hb.lower_tier_load_s), cand.reported_fingerprints(hb))
+    views = [predicted_ttft.WorkerView(hb, predicted_ttft.WorkerLoad(restore_backlog_s=hb.lower_tier_load_s), predicted_ttft.reported_fingerprints(hb))
              for hb in workers]
     return cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index)
 
@@ -51,7 +52,7 @@ def test_ssd_prefix_slower_to_restore_than_to_recompute_loses() -> None:
     (route,) = plan.routes
     assert [s.tier for s in route.segments] == ["ssd"] and route.segments[0].chunks == 8
     assert route.best.route == ()
-    view = cand.WorkerView(slow_ssd, cand.WorkerLoad(), cand.reported_fingerprints(slow_ssd))
+    view = predicted_ttft.WorkerView(slow_ssd, predicted_ttft.WorkerLoad(), predicted_ttft.reported_fingerprints(slow_ssd))
     alternatives = cand.alternatives(route, view, len(PROMPT), 4, 0.0)
     assert [c.cached_tokens for c in alternatives] == [0, 512]
     ssd = alternatives[1]
@@ -114,9 +115,9 @@ def test_hard_constraints_say_why_a_worker_was_removed() -> None:
 
 
 def test_page_demand_counts_a_copy_on_write_page_for_a_partial_shared_page() -> None:
-    assert cand.page_demand(100, 28, 0, 16) == 8
-    assert cand.page_demand(100, 28, 64, 16) == 4
-    assert cand.page_demand(100, 28, 40, 16) == 8 - 2 + 1
+    assert predicted_ttft.page_demand(100, 28, 0, 16) == 8
+    assert predicted_ttft.page_demand(100, 28, 64, 16) == 4
+    assert predicted_ttft.page_demand(100, 28, 40, 16) == 8 - 2 + 1
 
 
 def test_ties_break_by_worker_id() -> None:
@@ -146,7 +147,7 @@ def test_a_restore_adds_to_the_queue_and_waits_for_the_restore_channel() -> None
     # With a restore channel busy for 0.8 s the queue term is 0.8 s.
     fast = heartbeat("w0", queue_delay_s=0.5, lower_tier_load_s=0.8, restore_bytes_per_s={"ssd": 1e9})
     plan = plan_for([fast], [("w0", "ssd", 8)])
-    view = cand.WorkerView(fast, cand.WorkerLoad(restore_backlog_s=0.8), {})
+    view = predicted_ttft.WorkerView(fast, predicted_ttft.WorkerLoad(restore_backlog_s=0.8), {})
     ssd = cand.alternatives(plan.routes[0], view, len(PROMPT), 4, 0.0)
     restored = next(c for c in ssd if c.cached_tokens == 512)
     assert restored.terms.queue_s == pytest.approx(0.8)
@@ -163,7 +164,7 @@ def test_pruning_skips_hopeless_workers_and_keeps_the_same_winner() -> None:
         index.store(wid, tier, CHAIN[:n])
     roster = Roster()
     for hb in workers:
-        roster.put(cand.WorkerView(hb, cand.WorkerLoad(), cand.reported_fingerprints(hb)))
+        roster.put(predicted_ttft.WorkerView(hb, predicted_ttft.WorkerLoad(), predicted_ttft.reported_fingerprints(hb)))
     pruned = plan_pruned("m", len(PROMPT), 4, CHAIN, b"m", 64, roster, index)
     assert pruned.best() == full.best()
     assert pruned.best().worker_id == "w3"  # type: ignore[union-attr]
@@ -175,7 +176,7 @@ def test_pruning_skips_hopeless_workers_and_keeps_the_same_winner() -> None:
 
 
 def test_released_estimates_leave_exactly_zero_outstanding() -> None:
-    load = cand.WorkerLoad()
+    load = predicted_ttft.WorkerLoad()
     for estimate in (0.1, 0.2, 0.3):
         load.outstanding_s += estimate
     for estimate in (0.1, 0.2, 0.3):
@@ -192,12 +193,12 @@ def test_work_weight_prefers_the_start_that_leaves_device_time_to_others() -> No
     workers = [heartbeat("w0", queue_delay_s=0.52), heartbeat("w1")]
     index = ResidencyIndex()
     index.store("w0", "gpu", CHAIN)
-    views = [cand.WorkerView(hb, cand.WorkerLoad(), cand.reported_fingerprints(hb)) for hb in workers]
+    views = [predicted_ttft.WorkerView(hb, predicted_ttft.WorkerLoad(), predicted_ttft.reported_fingerprints(hb)) for hb in workers]
     by_ttft = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index).best()
     assert by_ttft is not None and by_ttft.worker_id == "w1"
     assert by_ttft.predicted_ttft_s == pytest.approx(0.533)
     weighted = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index,
-                         scoring=cand.Scoring(work_weight=0.5)).best()
+                         scoring=predicted_ttft.Scoring(work_weight=0.5)).best()
     assert weighted is not None and weighted.worker_id == "w0" and weighted.cached_tokens == 512
     assert weighted.predicted_ttft_s == pytest.approx(0.541)
     assert weighted.score_s == pytest.approx(0.541 + 0.5 * 1e-3)
@@ -209,9 +210,9 @@ def test_counted_interleave_sends_a_long_prefill_to_the_idle_worker_without_lane
     # queue of 10 ms, so the lanes its prefill will meet are unknown and not counted: 0.543 s.
     workers = [heartbeat("w0", prefill_chunk_tokens=128), idle_heartbeat("w1", prefill_chunk_tokens=128),
                heartbeat("w2", prefill_chunk_tokens=128, queue_delay_s=0.01)]
-    views = [cand.WorkerView(hb, cand.WorkerLoad(), cand.reported_fingerprints(hb)) for hb in workers]
+    views = [predicted_ttft.WorkerView(hb, predicted_ttft.WorkerLoad(), predicted_ttft.reported_fingerprints(hb)) for hb in workers]
     plan = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, ResidencyIndex(),
-                     scoring=cand.Scoring(interleave=True))
+                     scoring=predicted_ttft.Scoring(interleave=True))
     by_worker = {r.worker_id: r.best for r in plan.routes}
     assert by_worker["w0"].predicted_ttft_s == pytest.approx(0.613)
     assert by_worker["w0"].terms.decode_s == pytest.approx(0.1)
@@ -228,7 +229,7 @@ def test_alternative_routes_stand_for_the_alternatives_also_after_the_load_chang
     index = ResidencyIndex()
     for wid, tier, n in [("w0", "gpu", 3), ("w1", "ram", 6), ("w1", "object", 8)]:
         index.store(wid, tier, CHAIN[:n])
-    views = {hb.worker_id: cand.WorkerView(hb, cand.WorkerLoad(), cand.reported_fingerprints(hb)) for hb in workers}
+    views = {hb.worker_id: predicted_ttft.WorkerView(hb, predicted_ttft.WorkerLoad(), predicted_ttft.reported_fingerprints(hb)) for hb in workers}
     plan = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, list(views.values()), index)
     route = next(r for r in plan.routes if r.worker_id == "w0")
     view = views["w0"]

@@ -197,7 +197,7 @@ def test_measured_outcome_is_summarised_and_the_last_one_wins(store: FactStore) 
 
 
 def test_the_routers_own_candidate_structs_are_accepted(store: FactStore) -> None:
-    from kvrelay.controller.candidates import Candidate, Terms
+    from kvrelay.controller.predicted_ttft import Candidate, Terms
     from kvrelay.protocol.messages import RouteSegment
 
     chosen = Candidate("w1", 3, (RouteSegment("gpu", 2), RouteSegment("ssd", 1)), 192, 0.05,

@@ -10,7 +10,6 @@ from pathlib import Path
 from kvrelay.controller.events import Record
 from kvrelay.facts.replica_map import ReplicaMap
 from kvrelay.facts.store import FactStore, WriterSettings
-from kvrelay.facts.writer_process import WRITER_NICENESS
 from kvrelay.facts.wire import (
     FrameBuffer,
     batch_frame,
@@ -18,6 +17,7 @@ from kvrelay.facts.wire import (
     encode_item,
     frame,
 )
+from kvrelay.facts.writer_process import WRITER_NICENESS
 from tests.support.databases import sqlite_file_url
 from tests.support.log_signal import LogSignal
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvrelay.controller import candidates as cand
+from kvrelay.controller import predicted_ttft
 from kvrelay.controller.events import Request
 from kvrelay.controller.index import ResidencyIndex
 from kvrelay.controller.policies import POLICY_NAMES, make_policy
@@ -44,7 +45,7 @@ def heartbeat(worker_id: str, **overrides: object) -> Heartbeat:
     return idle_heartbeat(worker_id, **{"active_lanes": 1, **overrides})
 
 def context(workers: list[Heartbeat], residency: Sequence[tuple[str, str, int]] = (),
-            loads: dict[str, cand.WorkerLoad] | None = None, prompt: tuple[int, ...] = PROMPT,
+            loads: dict[str, predicted_ttft.WorkerLoad] | None = None, prompt: tuple[int, ...] = PROMPT,
             now: float = 0.0, seed: int = 0) -> RoutingContext:
     """A routing context for ``prompt`` with ``(worker, tier, leading chunks)`` residency."""
     chain = prompt_chain(b"m", prompt, 64)
@@ -52,8 +53,8 @@ def context(workers: list[Heartbeat], residency: Sequence[tuple[str, str, int]] 
     for wid, tier, n in residency:
         index.store(wid, tier, chain[:n])
     loads = loads or {}
-    views = [cand.WorkerView(hb, loads.get(hb.worker_id, cand.WorkerLoad(restore_backlog_s=hb.lower_tier_load_s)),
-                             cand.reported_fingerprints(hb))
+    views = [predicted_ttft.WorkerView(hb, loads.get(hb.worker_id, predicted_ttft.WorkerLoad(restore_backlog_s=hb.lower_tier_load_s)),
+                             predicted_ttft.reported_fingerprints(hb))
              for hb in workers]
     plan = cand.plan("m", len(prompt), 4, chain, b"m", 64, views, index)
     return RoutingContext(Request("r", "m", prompt, 4), prompt, chain, 64, plan,
@@ -64,8 +65,8 @@ def idle(*ids: str) -> list[Heartbeat]:
     return [heartbeat(w) for w in ids]
 
 
-def active(n: int) -> cand.WorkerLoad:
-    return cand.WorkerLoad(active=n)
+def active(n: int) -> predicted_ttft.WorkerLoad:
+    return predicted_ttft.WorkerLoad(active=n)
 
 
 def test_every_peer_policy_is_registered_and_routes_through_the_router() -> None:
@@ -188,7 +189,7 @@ def test_dynamo_trades_overlap_against_decode_load_per_its_formula(
         pages_in_use: int, inflight: int, winner: str) -> None:
     warm = heartbeat("w0", pages_free=1000 - pages_in_use)
     ctx = context([warm, heartbeat("w1")], residency=[("w0", "gpu", 8)],
-                  loads={"w0": cand.WorkerLoad(inflight_pages=inflight)})
+                  loads={"w0": predicted_ttft.WorkerLoad(inflight_pages=inflight)})
     policy = DynamoKV()
     cold = policy.cost(ctx, next(r for r in ctx.routes if r.worker_id == "w1"))
     assert cold.logit == pytest.approx(8.015625 + 9)  # no credit, 9 new blocks
@@ -198,7 +199,7 @@ def test_dynamo_trades_overlap_against_decode_load_per_its_formula(
 def test_dynamo_prefill_load_scale_and_outstanding_prefill_enter_the_prefill_term() -> None:
     # w0: 80 pages in use = 20 active blocks; w1: 64 ms of outstanding prefill = 64 queued tokens.
     ctx = context([heartbeat("w0", pages_free=920), heartbeat("w1")], residency=[("w0", "gpu", 8)],
-                  loads={"w1": cand.WorkerLoad(outstanding_s=0.064)})
+                  loads={"w1": predicted_ttft.WorkerLoad(outstanding_s=0.064)})
     scaled = DynamoKV(prefill_load_scale=2.0)
     w0, w1 = (scaled.cost(ctx, r) for r in sorted(ctx.routes, key=lambda r: r.worker_id))
     assert w1.raw_prefill_blocks == pytest.approx((64 + 513) / 64)

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from kvrelay.controller import candidates as cand
+from kvrelay.controller import predicted_ttft
 from kvrelay.controller.index import ResidencyIndex
 from kvrelay.controller.roster import Roster, plan_pruned
 from kvrelay.store.keys import prompt_chain
@@ -16,9 +17,9 @@ PROMPT = tuple(range(1, 64 * 12 + 2))
 CHAIN = prompt_chain(b"m", PROMPT, 64)
 
 
-def view(worker_id: str, outstanding_s: float = 0.0, **overrides: object) -> cand.WorkerView:
+def view(worker_id: str, outstanding_s: float = 0.0, **overrides: object) -> predicted_ttft.WorkerView:
     hb = heartbeat(worker_id, **overrides)
-    return cand.WorkerView(hb, cand.WorkerLoad(outstanding_s=outstanding_s), cand.reported_fingerprints(hb))
+    return predicted_ttft.WorkerView(hb, predicted_ttft.WorkerLoad(outstanding_s=outstanding_s), predicted_ttft.reported_fingerprints(hb))
 
 
 def orders(roster: Roster) -> list[list[str]]:
@@ -61,7 +62,7 @@ def test_busy_share_follows_queues() -> None:
     assert roster.busy_share() == 0.0
 
 
-def random_case(rng: random.Random) -> tuple[list[cand.WorkerView], ResidencyIndex, set[str], set[tuple[str, str]]]:
+def random_case(rng: random.Random) -> tuple[list[predicted_ttft.WorkerView], ResidencyIndex, set[str], set[tuple[str, str]]]:
     n = rng.randrange(1, 12)
     views = []
     for i in range(n):
@@ -100,7 +101,7 @@ def test_pruned_planning_finds_the_same_best_candidate(seed: int) -> None:
     for v in rng.sample(views, len(views) // 2):  # loads move after the views were placed
         v.load.outstanding_s = rng.random()
         roster.requeue(v)
-    scoring = cand.Scoring(rng.choice([0.0, 0.5]), rng.random() < 0.5)
+    scoring = predicted_ttft.Scoring(rng.choice([0.0, 0.5]), rng.random() < 0.5)
     full = cand.plan("m", len(PROMPT), 16, CHAIN, b"m", 64, views, index, excluded, pairs, 0.0, scoring)
     pruned = plan_pruned("m", len(PROMPT), 16, CHAIN, b"m", 64, roster, index, excluded, pairs, 0.0, scoring)
     assert pruned.best() == full.best()

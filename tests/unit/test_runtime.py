@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvrelay.controller.candidates import pages_needed as pages_for
+from kvrelay.controller.predicted_ttft import pages_needed as pages_for
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.kv_pages import KVPages

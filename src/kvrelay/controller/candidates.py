@@ -4,9 +4,8 @@ For one request and every worker, walk the request's chunk chain and take, per
 chunk, the fastest tier that worker can reach (its own gpu, ram, ssd; a peer's
 ram or ssd; the shared object tier). Every boundary where the tier changes is
 a candidate, and so is recomputing everything. Each candidate is scored by its
-predicted time to first token (``predicted_ttft``, whose names this module
-re-exports). Cost is linear inside a segment, so the optimum always lies on a
-boundary. Hard constraints (model, epoch, context limit, page capacity,
+predicted time to first token (``predicted_ttft``). Cost is linear inside a
+segment, so the optimum always lies on a boundary. Hard constraints (model, epoch, context limit, page capacity,
 exactness of the chain) filter first; ``Plan.excluded`` says which one removed
 each worker. Everything here is pure: same inputs, same plan.
 """
@@ -22,25 +21,19 @@ from kvrelay.controller.predicted_ttft import (
     Candidate,
     Scoring,
     Terms,
-    WorkerLoad,
     WorkerView,
     interleave_chunk,
     interleaved_steps,
     lower_load_of,
     make_candidate,
-    page_demand,
-    pages_needed,
     queue_of,
-    reported_fingerprints,
 )
 from kvrelay.controller.routes import Boundary, Run, boundaries_of, walk_route
 from kvrelay.protocol.messages import Heartbeat, RouteSegment
 
 __all__ = [
-    "EXCLUDED_AFTER_FAILURE", "PREDICTED_TTFT", "BestInputs", "Candidate", "Plan", "Scoring", "SharedRoute", "Terms",
-    "WorkerLoad", "WorkerRoute", "WorkerView", "alternatives", "interleave_chunk", "interleaved_steps",
-    "intrinsic_cost", "lower_load_of", "make_candidate", "page_demand", "pages_needed", "plan", "queue_of",
-    "reported_fingerprints", "route_for", "shared_route",
+    "EXCLUDED_AFTER_FAILURE", "BestInputs", "Plan", "SharedRoute", "WorkerRoute", "alternatives", "intrinsic_cost", "plan",
+    "route_for", "shared_route",
 ]
 
 EXCLUDED_AFTER_FAILURE = "excluded after an earlier failure of this request"

@@ -18,8 +18,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvrelay.controller.candidates import Candidate, Plan, WorkerRoute, WorkerView
+from kvrelay.controller.candidates import Plan, WorkerRoute
 from kvrelay.controller.events import Request
+from kvrelay.controller.predicted_ttft import Candidate, WorkerView
 
 
 class RoutingContext(NamedTuple):

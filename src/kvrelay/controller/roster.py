@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvrelay.controller import candidates as cand
+from kvrelay.controller import predicted_ttft
 from kvrelay.controller.index import ResidencyIndex
 
 GroupKey = tuple[frozenset[str], int, tuple[float, int, float, float], int, frozenset[tuple[str, bytes]]]
@@ -31,7 +32,7 @@ Entry = tuple[float, str]
 """``(queue + one decode step in seconds, worker id)``: a group's order; every candidate waits at least this."""
 
 
-def group_key(view: cand.WorkerView) -> GroupKey:
+def group_key(view: predicted_ttft.WorkerView) -> GroupKey:
     hb = view.heartbeat
     return (frozenset(hb.models), hb.context_limit, view.signature, hb.chunk_tokens,
             frozenset(view.fingerprints.items()))
@@ -40,7 +41,7 @@ def group_key(view: cand.WorkerView) -> GroupKey:
 @dataclass(slots=True)
 class Group:
     key: GroupKey
-    views: dict[str, cand.WorkerView] = field(default_factory=dict)
+    views: dict[str, predicted_ttft.WorkerView] = field(default_factory=dict)
     order: list[Entry] = field(default_factory=list)
     """Members by (wait, worker id), ascending."""
 
@@ -59,17 +60,17 @@ class Roster:
         """The share of members with a non-empty queue (0 with no members)."""
         return len(self._busy) / len(self._placed) if self._placed else 0.0
 
-    def _mark(self, view: cand.WorkerView) -> None:
-        if cand.queue_of(view, 0.0) > 0.0:
+    def _mark(self, view: predicted_ttft.WorkerView) -> None:
+        if predicted_ttft.queue_of(view, 0.0) > 0.0:
             self._busy.add(view.heartbeat.worker_id)
         else:
             self._busy.discard(view.heartbeat.worker_id)
 
-    def view(self, worker_id: str) -> cand.WorkerView | None:
+    def view(self, worker_id: str) -> predicted_ttft.WorkerView | None:
         placed = self._placed.get(worker_id)
         return None if placed is None else placed[0].views[worker_id]
 
-    def put(self, view: cand.WorkerView) -> None:
+    def put(self, view: predicted_ttft.WorkerView) -> None:
         """Add ``view`` or replace its worker's previous view (a new heartbeat)."""
         wid = view.heartbeat.worker_id
         key = group_key(view)
@@ -89,7 +90,7 @@ class Roster:
         else:
             self.requeue(view)
 
-    def requeue(self, view: cand.WorkerView) -> None:
+    def requeue(self, view: predicted_ttft.WorkerView) -> None:
         """Move a member to its place after its queue changed."""
         wid = view.heartbeat.worker_id
         group, old = self._placed[wid]
@@ -150,8 +151,8 @@ class PrunedBounds(Mapping[str, float]):
         return f"PrunedBounds({self._built()!r})"
 
 
-def _wait_of(view: cand.WorkerView) -> float:
-    return cand.queue_of(view, 0.0) + view.heartbeat.decode_s_per_token
+def _wait_of(view: predicted_ttft.WorkerView) -> float:
+    return predicted_ttft.queue_of(view, 0.0) + view.heartbeat.decode_s_per_token
 
 
 def _holders(present: int, index: ResidencyIndex) -> list[str]:
@@ -177,7 +178,7 @@ def plan_pruned(
     excluded_workers: frozenset[str] | set[str] = frozenset(),
     excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
     now: float = 0.0,
-    scoring: cand.Scoring = cand.PREDICTED_TTFT,
+    scoring: predicted_ttft.Scoring = predicted_ttft.PREDICTED_TTFT,
 ) -> cand.Plan:
     """The plan of ``candidates.plan`` restricted to the workers that can still win (see the module docstring).
 
@@ -193,7 +194,7 @@ def plan_pruned(
     need = prompt_len + max_new
     best, best_id = float("inf"), ""
 
-    def plan_worker(view: cand.WorkerView) -> None:
+    def plan_worker(view: predicted_ttft.WorkerView) -> None:
         """Plan one eligible worker into ``result``, keeping the best (score, id) so far."""
         nonlocal best, best_id
         wid = view.heartbeat.worker_id

@@ -14,7 +14,7 @@ sees one gapless, duplicate-free stream. Each request gets exactly one
 
 from __future__ import annotations
 
-from kvrelay.controller import candidates as cand
+from kvrelay.controller import predicted_ttft
 from kvrelay.controller.events import (
     CancelTimer,
     ConsumerCancelled,
@@ -210,16 +210,16 @@ def _on_heartbeat(state: RouterState, hb: Heartbeat, now: float, fx: Effects) ->
     if verdict.replaced_epoch is not None:
         state.count("epoch_replaced")
         _worker_lost(state, hb.worker_id, verdict.replaced_epoch, now, fx, "restarted")
-    fps = cand.reported_fingerprints(hb)
+    fps = predicted_ttft.reported_fingerprints(hb)
     for model, fp in fps.items():
         state.fingerprints.setdefault(model, fp)
     view = state.views.get(hb.worker_id)
     if view is None or view.heartbeat.epoch != hb.epoch:
         fx.append(LoadReplicas(hb.worker_id))  # its durable tiers may hold chunks the index forgot or never saw
-    load = view.load if view is not None else cand.WorkerLoad()
+    load = view.load if view is not None else predicted_ttft.WorkerLoad()
     load.accepted_pages = 0
     load.restore_backlog_s, load.restore_backlog_at = hb.lower_tier_load_s, now
-    view = state.views[hb.worker_id] = cand.WorkerView(hb, load, fps)
+    view = state.views[hb.worker_id] = predicted_ttft.WorkerView(hb, load, fps)
     state.roster.put(view)
     if state.parked:
         retry_parked(state, now, fx)

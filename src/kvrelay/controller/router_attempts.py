@@ -10,6 +10,7 @@ it with one ``DeliverResult`` through ``finish``.
 from __future__ import annotations
 
 from kvrelay.controller import candidates as cand
+from kvrelay.controller import predicted_ttft
 from kvrelay.controller.events import (
     CancelTimer,
     DeliverResult,
@@ -51,7 +52,7 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
     else:
         chain = prompt_chain(rs.fingerprint, prompt, config.chunk_tokens)
     policy, busy = state.policy, state.roster.busy_share()
-    scoring = cand.Scoring(policy.work_weight * busy, busy < policy.interleave_below_busy_share)
+    scoring = predicted_ttft.Scoring(policy.work_weight * busy, busy < policy.interleave_below_busy_share)
     if state.policy.needs_all_routes:
         plan = cand.plan(request.model, len(prompt), remaining, chain, rs.fingerprint, config.chunk_tokens,
                          list(state.views.values()), state.index, rs.excluded_workers, rs.excluded_pairs, now,
@@ -77,14 +78,14 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         state.parked.pop(request.request_id, None)
         rs.parked_since = None
     gpu = sum(s.chunks for s in chosen.route if s.tier == "gpu") * config.chunk_tokens
-    rs.demand_pages = cand.page_demand(len(prompt), remaining, gpu, view.heartbeat.page_tokens)
+    rs.demand_pages = predicted_ttft.page_demand(len(prompt), remaining, gpu, view.heartbeat.page_tokens)
     rs.estimate_s = chosen.predicted_ttft_s - chosen.terms.queue_s
     load = view.load
     load.outstanding_s += rs.estimate_s
     state.roster.requeue(view)
     restore_s = sum(chosen.terms.restore_s.values())
     if restore_s:
-        load.restore_backlog_s = cand.lower_load_of(view, now) + restore_s
+        load.restore_backlog_s = predicted_ttft.lower_load_of(view, now) + restore_s
         load.restore_backlog_at = now
     load.inflight_pages += rs.demand_pages
     load.active += 1

@@ -11,10 +11,10 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvrelay.controller.candidates import Candidate, WorkerView
 from kvrelay.controller.events import Request
 from kvrelay.controller.index import ResidencyIndex
 from kvrelay.controller.policy import Policy
+from kvrelay.controller.predicted_ttft import Candidate, WorkerView
 from kvrelay.controller.registry import Registry
 from kvrelay.controller.roster import Roster
 from kvrelay.protocol.messages import Usage

@@ -35,13 +35,9 @@ from typing import Any
 
 import msgspec
 
-from kvrelay.controller.candidates import (
-    Candidate,
-    Scoring,
-    WorkerRoute,
-    make_candidate,
-)
+from kvrelay.controller.candidates import WorkerRoute
 from kvrelay.controller.events import Record
+from kvrelay.controller.predicted_ttft import Candidate, Scoring, make_candidate
 from kvrelay.controller.routes import Boundary
 from kvrelay.facts.records import DecisionData, Fact
 from kvrelay.protocol.messages import Heartbeat, RouteSegment

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvrelay.controller.candidates import page_demand
+from kvrelay.controller.predicted_ttft import page_demand
 from kvrelay.protocol.messages import DeclineReason, Offer
 from kvrelay.store.keys import prompt_chain
 from kvrelay.worker.page_pool import Eviction, PagePool, Reservation

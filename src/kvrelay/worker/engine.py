@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvrelay.controller.candidates import pages_needed as pages_for
+from kvrelay.controller.predicted_ttft import pages_needed as pages_for
 from kvrelay.protocol.messages import Sampling
 from kvrelay.worker.iteration import PolicyConfig
 from kvrelay.worker.jobs import EventCallback, Job, JobResult

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvrelay.controller.candidates import Candidate
 from kvrelay.controller.policy import Policy, RoutingContext
+from kvrelay.controller.predicted_ttft import Candidate
 
 
 class RoundRobin(Policy):

@@ -45,8 +45,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvrelay.controller.candidates import Candidate, WorkerRoute
+from kvrelay.controller.candidates import WorkerRoute
 from kvrelay.controller.policy import Policy, RoutingContext
+from kvrelay.controller.predicted_ttft import Candidate
 from kvrelay.protocol.messages import RouteSegment
 
 LOCAL_TIERS = ("gpu", "ram", "ssd")

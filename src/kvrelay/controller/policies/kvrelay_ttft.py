@@ -46,8 +46,8 @@ prompts starve.
 
 from __future__ import annotations
 
-from kvrelay.controller.candidates import Candidate
 from kvrelay.controller.policy import Policy, RoutingContext
+from kvrelay.controller.predicted_ttft import Candidate
 
 WORK_WEIGHT = 2.0
 CALM_BUSY_SHARE = 0.5

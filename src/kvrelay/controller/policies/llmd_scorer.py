@@ -40,9 +40,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvrelay.controller.candidates import Candidate, WorkerView
 from kvrelay.controller.policies.dynamo_kv import local_prefix_chunks
 from kvrelay.controller.policy import Policy, RoutingContext
+from kvrelay.controller.predicted_ttft import Candidate, WorkerView
 
 
 def _clamp(x: float) -> float:

@@ -38,9 +38,11 @@ router parks requests instead. Ties go to the lower worker id.
 from __future__ import annotations
 
 from kvrelay.controller import candidates as cand
-from kvrelay.controller.candidates import Candidate, WorkerRoute
+from kvrelay.controller import predicted_ttft
+from kvrelay.controller.candidates import WorkerRoute
 from kvrelay.controller.policies.dynamo_kv import LOCAL_TIERS
 from kvrelay.controller.policy import Policy, RoutingContext
+from kvrelay.controller.predicted_ttft import Candidate
 
 
 def local_segments(route: WorkerRoute) -> int:
@@ -79,7 +81,7 @@ class MooncakeConductor(Policy):
 
     def ttft(self, ctx: RoutingContext, c: Candidate) -> float:
         """Algorithm 1's estimate: ``T_transfer + T_queue + T_prefill``."""
-        queue = cand.queue_of(ctx.workers[c.worker_id], ctx.now)
+        queue = predicted_ttft.queue_of(ctx.workers[c.worker_id], ctx.now)
         return sum(c.terms.restore_s.values()) + queue + c.terms.prefill_s
 
     def choose(self, ctx: RoutingContext) -> Candidate | None:

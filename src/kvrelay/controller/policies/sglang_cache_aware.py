@@ -40,8 +40,9 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-from kvrelay.controller.candidates import Candidate, WorkerRoute
+from kvrelay.controller.candidates import WorkerRoute
 from kvrelay.controller.policy import Policy, RoutingContext
+from kvrelay.controller.predicted_ttft import Candidate
 
 
 class _Node:
