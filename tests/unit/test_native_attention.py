@@ -187,3 +187,20 @@ def test_a_model_decodes_through_the_kernel_as_through_pytorch(tmp_path: Path, m
         torch.testing.assert_close(with_kernel, without, rtol=0, atol=0.02 * without.abs().max().item())
         tokens, lengths = without.argmax(-1).tolist(), [n + 1 for n in lengths]
     assert calls and all(calls), "decode steps should have run the kernel in rings and full layers"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_bfloat16_model_builds_every_kernel_before_its_first_forward(
+    dtype: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
+    directory = make_tiny_model("gemma3", tmp_path / "model", seed=1)
+    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    build.load.cache_clear()
+    try:
+        build_model(config, load_file(directory / "model.safetensors"), dtype=dtype)
+        built = sorted(path.name.split("-")[0] for path in (tmp_path / "cache").glob("native/*.so"))
+    finally:
+        build.load.cache_clear()
+    assert built == (["decode_attention", "linear_row", "rms_norm"] if dtype == torch.bfloat16 else [])

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvrelay.models import native
 from kvrelay.models.attention import (
     AttentionPlan,
     GatherBuffers,
@@ -260,6 +261,8 @@ class PagedModel:
             sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
             self.mirror = WindowMirror(sliding, config.num_kv_heads, config.head_dim, self.sliding_window)
         self._head: PackedLinear | None = None
+        if dtype == torch.bfloat16 and device.type == "cpu":
+            native.load_all()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.embedding)
