@@ -62,13 +62,13 @@ def over_layers(
     return run
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lanes", type=int, default=LANES)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     scale = HEAD_DIM**-0.5
@@ -83,7 +83,8 @@ def main() -> None:
         mask = torch.zeros(hidden.shape, dtype=torch.bfloat16).masked_fill_(hidden, float("-inf"))
         visible_bytes = 2 * layers * int(visible.sum()) * HEAD_DIM * k.element_size()
         if decode_attention_native(q, k[0], v[0], visible, scale) is None:
-            sys.exit("the native kernel does not run here (no AVX-512 BF16, no C compiler, or turned off)")
+            print("the native kernel does not run here (no AVX-512 BF16, no C compiler, or turned off)")
+            return 1
 
         kernel = over_layers(decode_attention_native, q, k, v, visible, scale)
         pytorch = over_layers(decode_attention, q, k, v, mask, scale)
@@ -104,7 +105,8 @@ def main() -> None:
             ),
         ]
     report(f"decode attention, {args.lanes} lanes, {args.threads} threads, bfloat16", figures, args.json)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
