@@ -15,6 +15,9 @@ runs because the CPU is shared; ``*_median`` figures give the median of the same
    first step. Both are measured ``--decode-repeats`` (2) times, interleaved (ours,
    theirs, ours, theirs): the figure is the best of each,
    ``decode_tokens_per_s_median`` the median of each.
+   ``decode_batch1_tokens_per_s``: the same clock for one sequence alone (a
+   ``--single-prompt`` (256) token prompt, ``--single-new-tokens`` (64)), against
+   ``generate`` at batch 1: what ``kvrelay generate`` feels like (not a goal).
 2. ``prefill_tokens_per_s``: a ``--prefill-tokens`` (1,024) prompt, prompt tokens
    over time to first token. Baseline: ``generate(max_new_tokens=1)``.
 3. ``warm_ttft_share``: TTFT of a ``--ttft-tokens`` (2,048) prompt whose first
@@ -65,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--hf-batch", type=int, default=8)
+    parser.add_argument("--single-prompt", type=int, default=256, help="prompt tokens of the batch-1 decode figure")
+    parser.add_argument("--single-new-tokens", type=int, default=64, help="new tokens of the batch-1 decode figure")
     parser.add_argument("--prefill-tokens", type=int, default=1024)
     parser.add_argument("--ttft-tokens", type=int, default=2048)
     parser.add_argument("--resident-tokens", type=int, default=1792)
@@ -85,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(args.sequences, args.min_prompt, args.max_prompt, vocab)
     prefill_prompt = make_prompts(1, args.prefill_tokens, args.prefill_tokens, vocab, salt=1)[0]
     ttft_prompt = make_prompts(1, args.ttft_tokens, args.ttft_tokens, vocab, salt=2)[0]
+    single_prompt = make_prompts(1, args.single_prompt, args.single_prompt, vocab, salt=3)
 
     kv_tokens = sum(len(p) + args.new_tokens for p in prompts) + 2 * args.ttft_tokens + args.prefill_tokens + 1024
     options = EngineOptions(
@@ -105,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                 ours_decode.append(runtime_decode(engine, prompts, args.new_tokens))
             if hf is not None:
                 hf_decode.append(on_device(lambda: hf_decode_rate(hf, hf_prompts, args.new_tokens)))
+        ours_single = runtime_decode(engine, single_prompt, args.single_new_tokens)
+        hf_single = None if hf is None else on_device(lambda: hf_decode_rate(hf, single_prompt, args.single_new_tokens))
         ours_prefill: list[float] = []
         hf_prefill: list[float] = []
         cold: list[float] = []
@@ -124,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                           max(hf_decode) if hf_decode else None))
     figures.append(figure("decode_tokens_per_s_median", median(ours_decode), "tokens/s", baseline_name,
                           median(hf_decode) if hf_decode else None))
+    figures.append(figure("decode_batch1_tokens_per_s", ours_single, "tokens/s", "transformers generate batch 1",
+                          hf_single))
     figures.append(figure("decode_share_of_700_compute_limit", max(ours_decode) / 700.0, "ratio", "compute limit", 1.0))
     step_bytes = decode_bytes_per_step(artifacts.config, prompts, args.new_tokens, dtype)
     floor = len(prompts) / (step_bytes / (read_gbs * 1e9))

@@ -311,10 +311,12 @@ def test_runtime_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     argv = ["--model", str(model_dir), "--dtype", "float32", "--sequences", "3", "--min-prompt", "8",
             "--max-prompt", "24", "--new-tokens", "4", "--hf-batch", "2", "--prefill-tokens", "32",
-            "--ttft-tokens", "48", "--resident-tokens", "40", "--json", str(out)]
+            "--ttft-tokens", "48", "--resident-tokens", "40", "--single-prompt", "12", "--single-new-tokens", "3",
+            "--json", str(out)]
     assert bench.main(argv) == 0
     figures = json.loads(out.read_text())
-    assert {f["name"] for f in figures} >= {"decode_tokens_per_s", "prefill_tokens_per_s", "warm_ttft_share", "peak_rss_kvrelay"}
+    assert {f["name"] for f in figures} >= {"decode_tokens_per_s", "decode_batch1_tokens_per_s", "prefill_tokens_per_s", "warm_ttft_share",
+                                            "peak_rss_kvrelay"}
     assert all(set(f) == {"name", "value", "unit", "baseline", "baseline_value"} for f in figures)
 
 
