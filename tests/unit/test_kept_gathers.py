@@ -131,3 +131,16 @@ def test_batches_without_lanes_keep_nothing() -> None:
     batch = ForwardBatch.build([([7], 5, [0, 1]), ([7], 9, [2, 3, 4])])
     plan = plan_attention(batch, PAGE, None, torch.device("cpu"), torch.float32)
     assert all(group.kept is None for group in plan.full)
+
+
+def test_a_decode_row_without_a_lane_turns_keeping_and_its_padding_off() -> None:
+    tables = [([7], 5, [0, 1]), ([7], 9, [2, 3, 4])]
+    laned = plan_attention(
+        ForwardBatch.build(tables, lanes=lanes_of([1, 2])), PAGE, None, torch.device("cpu"), torch.float32
+    )
+    assert all(group.kept is not None and group.pages.shape[1] % KEPT_PAGE_QUANTUM == 0 for group in laned.full)
+    mixed = plan_attention(
+        ForwardBatch.build(tables, lanes=[LaneRef(0, 1), None]), PAGE, None, torch.device("cpu"), torch.float32
+    )
+    assert all(group.kept is None for group in mixed.full)
+    assert max(group.pages.shape[1] for group in mixed.full) == -(-9 // PAGE)

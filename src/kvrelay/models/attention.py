@@ -18,8 +18,8 @@ written with gathers instead of custom kernels so it runs on CPU and CUDA alike.
 Decoding sequences that the model mirrors per lane (``window_mirror``) are left
 out of the sliding-layer groups (``mirrored``): their sliding layers read a
 per-lane ring in place instead of gathered pages. In full-attention layers, the
-gathered window of a decode group whose members all have lanes is kept from one
-step to the next and only appended to (``kept_gathers``).
+gathered window of each decode group is kept from one step to the next and only
+appended to (``kept_gathers``) when every decode row of the batch has a lane.
 
 Masks: query at position ``q`` sees key position ``k`` iff ``k <= q`` and, in
 sliding layers, ``k > q - sliding_window`` (the window counts the query).
@@ -42,9 +42,10 @@ GROUP_COST_TOKENS = 1024
 """Padding, in key tokens per layer, worth one more decode group (one more gather and attention call per layer)."""
 
 KEPT_PAGE_QUANTUM = 4
-"""Full-attention decode groups of laned batches span a multiple of this many pages (and are
-grouped by lengths rounded up to it), so a kept window (``kept_gathers``) outlives more steps:
-a group's width, and the grouping, change when a member crosses a quantum, not a page."""
+"""Full-attention decode groups of batches whose decode rows all have lanes span a multiple of
+this many pages (and are grouped by lengths rounded up to it), so a kept window
+(``kept_gathers``) outlives more steps: a group's width, and the grouping, change when a
+member crosses a quantum, not a page."""
 
 KEPT_GROUP_COST_TOKENS = 4096
 """``GROUP_COST_TOKENS`` for groups whose windows are kept: with no gather per step, a group
@@ -64,8 +65,8 @@ class AttentionGroup:
     key, ``-inf`` elsewhere; or ``None`` for a prefill from position 0 whose
     window does not bind, where the first ``Q`` keys are attended with a plain
     causal mask (which lets the attention kernel skip the masked blocks).
-    ``kept`` identifies a full-attention decode group whose members all have lanes, so
-    its gathered window can be kept between steps (``kept_gathers``); else ``None``.
+    ``kept`` identifies a full-attention decode group of a batch whose decode rows all have
+    lanes, so its gathered window can be kept between steps (``kept_gathers``); else ``None``.
     ``visible`` (``[G]``, on the CPU) counts the leading keys each sequence sees when that
     is all its mask says (decode groups without a window); else ``None``.
     """
@@ -121,7 +122,8 @@ def plan_attention(
     groups: dict[str, list[AttentionGroup]] = {"full": [], "sliding": []}
     for kind, window in windows.items():
         paged = decoding if kind == "full" else [i for i in decoding if i not in mirrored]
-        quantum = KEPT_PAGE_QUANTUM if window is None and batch.lanes is not None else 1
+        laned = batch.lanes is not None and all(batch.lanes[i] is not None for i in paged)
+        quantum = KEPT_PAGE_QUANTUM if window is None and laned else 1
         cost = KEPT_GROUP_COST_TOKENS if quantum > 1 else GROUP_COST_TOKENS
         for members in split_by_length(_decode_key_tokens(batch, paged, page_tokens * quantum, window), cost):
             idx = torch.tensor([paged[m] for m in members], dtype=torch.long)
@@ -129,8 +131,8 @@ def plan_attention(
             rows = None if whole else torch.tensor([starts[paged[m]] for m in members], dtype=torch.long)
             q_pos = (seq_lens[idx] - 1).unsqueeze(1)
             group = _group(tables[idx], rows, q_pos, page_tokens, window, device, dtype, quantum)
-            lanes = [] if quantum == 1 else [batch.lanes[paged[m]] for m in members]  # type: ignore[index]
-            if lanes and all(lane is not None for lane in lanes):
+            if quantum > 1:
+                lanes = [batch.lanes[paged[m]] for m in members]  # type: ignore[index]
                 width = group.pages.shape[1] * page_tokens
                 window_rows = torch.arange(len(members)) * width + q_pos[:, 0]
                 new_slots = slots[[starts[paged[m]] for m in members]]
