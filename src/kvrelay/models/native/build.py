@@ -1,8 +1,9 @@
 """Build and load the C kernels of this package on first use.
 
-``load(name, signatures)`` compiles ``<name>.c`` (next to this file) with the C
-compiler (``$CC``, else ``cc``) into ``cache_dir()/native``, keyed by the digest of
-the source, compiler and flags, loads it with ``ctypes`` and gives its functions
+``load(name, signatures)`` compiles ``<name>.c`` (next to this file, with the
+shared ``bf16_simd.h``) with the C compiler (``$CC``, else ``cc``) into
+``cache_dir()/native``, keyed by the digest of the sources, compiler and flags,
+loads it with ``ctypes`` and gives its functions
 their ``(argtypes, restype)``. It returns ``None``, and the caller takes its
 PyTorch path, when the kernels are turned off (``KVRELAY_NATIVE_KERNELS=0``), the
 CPU lacks AVX-512 BF16, no compiler is found, or the build fails (logged once per
@@ -65,8 +66,12 @@ def load(name: str, signatures: tuple[tuple[str, Signature], ...]) -> ctypes.CDL
 
 
 def _build(source: Path, compiler: str) -> Path:
-    """The shared library of ``source``, compiled into the cache unless an identical build is there."""
-    text = source.read_bytes()
+    """The shared library of ``source``, compiled into the cache unless an identical build is there.
+
+    The key covers the source, the headers beside it (which the kernels include), the compiler and the flags.
+    """
+    headers = sorted(source.parent.glob("*.h"))
+    text = b"".join(path.read_bytes() for path in (source, *headers))
     key = hashlib.sha256(text + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
     target = cache_dir() / "native" / f"{source.stem}-{key}.so"
     if target.exists():

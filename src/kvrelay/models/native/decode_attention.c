@@ -13,26 +13,13 @@
  * Units run in parallel on the calling thread's OpenMP team (torch's, when torch's libgomp
  * is loaded first).
  */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
+
+#include "bf16_simd.h"
 
 #define MAX_KEYS 4096
 #define MAX_G 16
 #define PREFETCH_ROWS 8
-
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline __m512 round_bf16x16(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
 
 /* exp(x) for x <= 0: Cephes' single-precision range reduction and polynomial. */
 static inline __m512 exp_nonpositive(__m512 x) {
@@ -50,16 +37,6 @@ static inline __m512 exp_nonpositive(__m512 x) {
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-
-/* The four horizontal sums of a, b, c, d. */
-static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-    __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
-    __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
-    __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
-    __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
-    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
 /* p[g][j] = bf16(q[g] . k[j]) for four query rows starting at g0; key rows are `stride` apart. */
@@ -88,13 +65,13 @@ static void softmax_row(float* p, int n, float scale) {
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     int j = 0;
     for (; j + 16 <= n; j += 16) {
-        __m512 x = _mm512_mul_ps(round_bf16x16(_mm512_loadu_ps(p + j)), vscale);
+        __m512 x = _mm512_mul_ps(round_bf16(_mm512_loadu_ps(p + j)), vscale);
         _mm512_storeu_ps(p + j, x);
         vmax = _mm512_max_ps(vmax, x);
     }
     const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
     if (j < n) {
-        __m512 x = _mm512_mul_ps(round_bf16x16(_mm512_maskz_loadu_ps(tail, p + j)), vscale);
+        __m512 x = _mm512_mul_ps(round_bf16(_mm512_maskz_loadu_ps(tail, p + j)), vscale);
         _mm512_mask_storeu_ps(p + j, tail, x);
         vmax = _mm512_mask_max_ps(vmax, tail, vmax, x);
     }
@@ -111,8 +88,8 @@ static void softmax_row(float* p, int n, float scale) {
         total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
     }
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-    for (j = 0; j + 16 <= n; j += 16) _mm512_storeu_ps(p + j, round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(p + j), inv)));
-    if (j < n) _mm512_mask_storeu_ps(p + j, tail, round_bf16x16(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail, p + j), inv)));
+    for (j = 0; j + 16 <= n; j += 16) _mm512_storeu_ps(p + j, round_bf16(_mm512_mul_ps(_mm512_loadu_ps(p + j), inv)));
+    if (j < n) _mm512_mask_storeu_ps(p + j, tail, round_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail, p + j), inv)));
     p[n] = 0.0f;
 }
 

@@ -7,20 +7,10 @@
  * it in its last bit. Contract: K % 32 == 0, N >= 1, x [K], W [N, K] and y [N] contiguous.
  * Weight rows are split over the calling thread's OpenMP team.
  */
-#include <immintrin.h>
-#include <stdint.h>
+#include "bf16_simd.h"
 
 #define PREFETCH_ROWS 16
 #define BLOCK 64
-
-static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-    __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
-    __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
-    __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
-    __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
-    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
 
 /* y[n .. n + 3] from weight rows n .. n + 3. */
 static inline void four_outputs(const uint16_t* x, const uint16_t* w, int64_t K, uint16_t* y, int64_t n) {

@@ -11,24 +11,16 @@
  * in bfloat16: out = bf16(bf16(n * cos) + bf16(swap_halves(n) * sin)), sin with its first half
  * negated; every step is one rounding, so it matches apply_rope bit for bit given the same n.
  *
- * Contract: dim % 16 == 0 (dim % 32 == 0 and dim <= MAX_ROPE_DIM for the rope). Row (t, h) of x is at t * token_stride + h * dim; weight has
- * weight_heads rows of dim (1: shared by all heads, else one per head). Rows run on the
+ * Contract: dim % 16 == 0 (dim % 32 == 0 and dim <= MAX_ROPE_DIM for the rope). Row (t, h)
+ * of x is at t * token_stride + h * dim; weight has weight_heads rows of dim (1: shared by all heads, else one per head). Rows run on the
  * calling thread's OpenMP team when there are many.
  */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
+
+#include "bf16_simd.h"
 
 #define PARALLEL_ELEMENTS (1 << 16)
 #define MAX_ROPE_DIM 1024
-
-static inline __m512 load_bf16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-static inline __m512 round_bf16(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
 
 static inline float inverse_rms(const uint16_t* x, int64_t dim, float eps) {
     __m512 squares = _mm512_setzero_ps();
