@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.models.batch import ForwardBatch
+from kvrelay.models.huge_pages import huge_page_empty
 from kvrelay.models.kept_gathers import KeptGathers, KeptGroup
 from kvrelay.models.kv_pages import gather_pages
 from kvrelay.models.native.attention import decode_attention_native
@@ -285,8 +286,8 @@ class GatherBuffers:
         row = pool[0].numel()
         need = rows * row
         if self.k.numel() < need or self.k.dtype != pool.dtype or self.k.device != pool.device:
-            self.k = torch.empty(need, dtype=pool.dtype, device=pool.device)
-            self.v = torch.empty(need, dtype=pool.dtype, device=pool.device)
+            self.k = huge_page_empty((need,), pool.dtype, pool.device)
+            self.v = huge_page_empty((need,), pool.dtype, pool.device)
         return self.k[:need].view(rows, row), self.v[:need].view(rows, row)
 
 

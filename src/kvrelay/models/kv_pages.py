@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrelay.models.config import ModelConfig
+from kvrelay.models.huge_pages import huge_page_zeros
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,13 +40,13 @@ class KVPages:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> KVPages:
-        """A zero-filled pool of ``num_pages`` pages of ``page_tokens`` tokens for ``config``."""
+        """A zero-filled pool of ``num_pages`` pages of ``page_tokens`` tokens for ``config`` (on huge pages on the CPU)."""
         if num_pages < 1 or page_tokens < 1:
             raise ValueError(f"KVPages needs num_pages >= 1 and page_tokens >= 1; got {num_pages}, {page_tokens}")
         shape = (config.num_layers, num_pages, page_tokens, config.num_kv_heads, config.head_dim)
         return cls(
-            k=torch.zeros(shape, dtype=dtype, device=device),
-            v=torch.zeros(shape, dtype=dtype, device=device),
+            k=huge_page_zeros(shape, dtype, device),
+            v=huge_page_zeros(shape, dtype, device),
         )
 
     @property

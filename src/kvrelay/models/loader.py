@@ -38,6 +38,7 @@ from kvrelay.models.fingerprint import (
     model_fingerprint,
     weights_digest,
 )
+from kvrelay.models.huge_pages import copy_to_huge_pages
 
 __all__ = ["LoadedArtifacts", "ModelLoadError", "dtype_name", "load_artifacts"]
 
@@ -59,7 +60,8 @@ class LoadedArtifacts:
     DEFAULT_CHUNK_TOKENS)``: a worker with another KV dtype, page layout or chunk size
     recomputes it from ``weights_digest``. Float32 weights read from float32 files are
     memory-mapped from ``model_dir`` (copy-on-write): replace those files, never
-    rewrite them in place, while the weights are in use. Equality is identity; the
+    rewrite them in place, while the weights are in use. Weights converted to another
+    dtype are copies on huge pages (``huge_pages``). Equality is identity; the
     repr leaves out the tensors and the tokenizer.
     """
 
@@ -170,7 +172,7 @@ def _load_directory(
 
     config = _read_config(directory)
     checked = check_weights(_read_safetensors(_safetensors_files(directory)), config, str(directory))
-    weights = {k: v.to(dtype) for k, v in checked.items()}
+    weights = {k: v if v.dtype == dtype else copy_to_huge_pages(v, dtype) for k, v in checked.items()}
     return LoadedArtifacts(
         name=name,
         source=source,

@@ -29,6 +29,7 @@ import torch
 
 from kvrelay.models.attention import decode_attention
 from kvrelay.models.batch import ForwardBatch
+from kvrelay.models.huge_pages import huge_page_zeros
 from kvrelay.models.kv_pages import KVPages
 from kvrelay.models.native.attention import decode_attention_native
 
@@ -139,8 +140,8 @@ class WindowMirror:
             return
         grown = max(lanes, 2 * self.k.shape[1]) if same else lanes
         shape = (len(self.ring_of_layer), grown, self.kv_heads, self.window, self.head_dim)
-        k = torch.zeros(shape, dtype=kv.dtype, device=kv.device)
-        v = torch.zeros(shape, dtype=kv.dtype, device=kv.device)
+        k = huge_page_zeros(shape, kv.dtype, kv.device)
+        v = huge_page_zeros(shape, kv.dtype, kv.device)
         if same:
             k[:, : self.k.shape[1]] = self.k
             v[:, : self.v.shape[1]] = self.v
