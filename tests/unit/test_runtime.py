@@ -76,19 +76,31 @@ def prompt_of(length: int, salt: int) -> list[int]:
     return [4 + (salt * 31 + i * 7) % 300 for i in range(length)]
 
 
-class RecordingModel:
+class DelegatingModel:
+    """The real model's ``logits`` and ``greedy``."""
+
+    model: Any
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(h)
+
+    def greedy(self, h: torch.Tensor) -> list[int]:
+        return self.model.greedy(h)
+
+
+class RecordingModel(DelegatingModel):
     """The real model, recording the query lengths of every forward."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.batches: list[list[int]] = []
 
-    def forward(self, batch: ForwardBatch, kv: KVPages, logits_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def hidden(self, batch: ForwardBatch, kv: KVPages) -> torch.Tensor:
         self.batches.append(list(batch.query_lens))
-        return self.model.forward(batch, kv, logits_dtype)
+        return self.model.hidden(batch, kv)
 
 
-class GatedModel:
+class GatedModel(DelegatingModel):
     """The real model, whose next forward waits for ``release`` after setting ``entered``."""
 
     def __init__(self, model: Any) -> None:
@@ -102,13 +114,13 @@ class GatedModel:
         self.entered.clear()
         self.release.clear()
 
-    def forward(self, batch: ForwardBatch, kv: KVPages, logits_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def hidden(self, batch: ForwardBatch, kv: KVPages) -> torch.Tensor:
         self.entered.set()
         assert self.release.wait(WAIT), "test never released the gated forward"
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected forward failure")
-        return self.model.forward(batch, kv, logits_dtype)
+        return self.model.hidden(batch, kv)
 
 
 @pytest.fixture

@@ -61,7 +61,7 @@ class Gemma3Model(PagedModel):
             "full_attention": Rotary(config.head_dim, config.rope_theta, w.device),
             "sliding_attention": Rotary(config.head_dim, config.rope_local_theta, w.device),
         }
-        self.lm_head = self.take_lm_head(w)
+        self.set_lm_head(w)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) * self.embed_scale

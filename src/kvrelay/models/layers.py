@@ -28,9 +28,11 @@ from kvrelay.models.attention import (
 )
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
+from kvrelay.models.greedy_head import GreedyHead
 from kvrelay.models.kv_pages import KVPages
 from kvrelay.models.mlp import PackedLinear
 from kvrelay.models.native.rms_norm import add_rms_norm_native, rms_norm_native
+from kvrelay.models.sampling import greedy_tokens
 from kvrelay.models.window_mirror import MirrorStep, WindowMirror
 
 _TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
@@ -233,15 +235,18 @@ DecoderLayer = Callable[[torch.Tensor, StepContext], torch.Tensor]
 class PagedModel:
     """A decoder-only language model whose KV cache lives in a ``KVPages`` pool.
 
-    Subclasses set ``layers``, ``norm``, ``rotaries`` (per layer type) and
-    ``lm_head``, and may override ``embed``. ``forward`` writes the batch's new
-    keys and values into their pages and returns logits
-    ``[len(logits_indices), vocab]`` in ``logits_dtype`` (``None``: the model's
-    dtype, which spares a float32 copy of the whole vocabulary per row). It
-    reads the resident prefix of every sequence from its pages, so those pages
-    must hold it; pages written in the
-    same step must not be shared between sequences. One thread at a time may
-    call ``forward`` (the gather storage is reused between calls).
+    Subclasses set ``layers``, ``norm`` and ``rotaries`` (per layer type), call
+    ``set_lm_head``, and may override ``embed``. ``hidden`` writes the batch's new
+    keys and values into their pages and returns the final normed hidden rows
+    ``[len(logits_indices), hidden]``; ``logits`` turns rows into logits
+    ``[rows, vocab]`` in ``logits_dtype`` (``None``: the model's dtype, which spares
+    a float32 copy of the whole vocabulary per row), ``greedy`` into their greedy
+    tokens (for one bfloat16 row on a CPU, through ``greedy_head`` without the
+    full logits), and ``forward`` is ``logits(hidden(...))``. A step reads the
+    resident prefix of every sequence from its pages, so those pages must hold
+    it; pages written in the same step must not be shared between sequences.
+    One thread at a time may run a step (the gather storage is reused between
+    calls).
     """
 
     layers: list[DecoderLayer]
@@ -260,34 +265,55 @@ class PagedModel:
         if self.sliding_window is not None:
             sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
             self.mirror = WindowMirror(sliding, config.num_kv_heads, config.head_dim, self.sliding_window)
-        self._head: PackedLinear | None = None
         if dtype == torch.bfloat16 and device.type == "cpu":
             native.load_all()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.embedding)
 
-    def take_lm_head(self, w: Weights) -> torch.Tensor:
-        """The output projection: the embedding when tied, else ``lm_head.weight``."""
+    def set_lm_head(self, w: Weights) -> None:
+        """Set the output projection (the embedding when tied, else ``lm_head.weight``) and build its
+        packed copy and greedy screen; needs ``embedding``."""
         if self.config.tie_word_embeddings:
-            return self.embedding
-        return w.take("lm_head.weight", (self.config.vocab_size, self.config.hidden_size))
+            self.lm_head = self.embedding
+        else:
+            self.lm_head = w.take("lm_head.weight", (self.config.vocab_size, self.config.hidden_size))
+        self._head = PackedLinear(self.lm_head, max_rows=None)
+        self._greedy = GreedyHead.build(self.lm_head)
 
     @torch.no_grad()
     def forward(
         self, batch: ForwardBatch, kv: KVPages, logits_dtype: torch.dtype | None = torch.float32
     ) -> torch.Tensor:
+        return self.logits(self.hidden(batch, kv), logits_dtype)
+
+    @torch.no_grad()
+    def hidden(self, batch: ForwardBatch, kv: KVPages) -> torch.Tensor:
         self._check_pool(kv)
         mirror_step = None if self.mirror is None else self.mirror.prepare(batch, kv, self.dtype)
         try:
-            logits = self._forward(batch, kv, mirror_step)
+            h = self._forward(batch, kv, mirror_step)
         except BaseException:
             if self.mirror is not None:
                 self.mirror.forget(mirror_step)
             self.buffers.kept.clear()
             raise
         self.buffers.kept.end_step()
+        return h
+
+    @torch.no_grad()
+    def logits(self, h: torch.Tensor, logits_dtype: torch.dtype | None = None) -> torch.Tensor:
+        logits = self._head(h)
         return logits if logits_dtype is None else logits.to(logits_dtype)
+
+    @torch.no_grad()
+    def greedy(self, h: torch.Tensor) -> list[int]:
+        """The greedy token of each row of ``h``: ``greedy_tokens(self.logits(h))``."""
+        if h.shape[0] == 1 and self._greedy is not None:
+            token = self._greedy.argmax(h)
+            if token is not None:
+                return [token]
+        return greedy_tokens(self.logits(h)).tolist()
 
     def _forward(self, batch: ForwardBatch, kv: KVPages, mirror_step: MirrorStep | None) -> torch.Tensor:
         mirrored = frozenset() if mirror_step is None else mirror_step.seqs
@@ -298,10 +324,7 @@ class PagedModel:
         h = self.embed(batch.input_ids.to(self.device))
         for layer in self.layers:
             h = layer(h, ctx)
-        h = self.norm(h.index_select(0, batch.logits_indices.to(self.device)))
-        if self._head is None or self._head.weight is not self.lm_head:
-            self._head = PackedLinear(self.lm_head, max_rows=None)
-        return self._head(h)
+        return self.norm(h.index_select(0, batch.logits_indices.to(self.device)))
 
     def _check_pool(self, kv: KVPages) -> None:
         c = self.config

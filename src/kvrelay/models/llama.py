@@ -52,4 +52,4 @@ class LlamaModel(PagedModel):
         self.layers = [LlamaLayer(w, config, i) for i in range(config.num_layers)]
         self.norm = RMSNorm(w.take("model.norm.weight", (config.hidden_size,)), config.rms_norm_eps, unit_offset=False)
         self.rotaries = {"full_attention": Rotary(config.head_dim, config.rope_theta, w.device)}
-        self.lm_head = self.take_lm_head(w)
+        self.set_lm_head(w)

@@ -61,13 +61,19 @@ log = logging.getLogger(__name__)
 
 
 class StepModel(Protocol):
-    """What the runtime needs of a model: one forward over a batch, writing its K/V into ``kv``.
+    """What the runtime needs of a model: one step over a batch, writing its K/V into ``kv`` and giving
+    the rows that want a token (``hidden``), then those rows' logits or greedy tokens.
 
-    The runtime asks for ``logits_dtype=None`` (logits in the model's own dtype): sampling
-    reads bfloat16 logits as they are, sparing a float32 copy of ``[rows, vocab]`` per step.
+    The runtime takes logits in the model's own dtype: sampling reads bfloat16 logits as
+    they are, sparing a float32 copy of ``[rows, vocab]`` per step. ``greedy(h)`` must equal
+    ``greedy_tokens(logits(h))``.
     """
 
-    def forward(self, batch: ForwardBatch, kv: KVPages, logits_dtype: torch.dtype | None = ...) -> torch.Tensor: ...
+    def hidden(self, batch: ForwardBatch, kv: KVPages) -> torch.Tensor: ...
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor: ...
+
+    def greedy(self, h: torch.Tensor) -> list[int]: ...
 
 
 @dataclass(slots=True)
@@ -335,11 +341,14 @@ class PagedRuntime:
         wanted = [i for i, row in enumerate(rows) if row.sample]
         if len(wanted) != len(rows):
             batch = replace(batch, logits_indices=batch.logits_indices[wanted])
-        logits = self.model.forward(batch, self.kv, logits_dtype=None)
+        h = self.model.hidden(batch, self.kv)
         if not wanted:
             return []
         seqs = [rows[i].seq for i in wanted]
-        return sample_next(logits, [s.job.sampling for s in seqs], [s.next_position for s in seqs])
+        params = [s.job.sampling for s in seqs]
+        if all(p.temperature == 0.0 for p in params):
+            return self.model.greedy(h)
+        return sample_next(self.model.logits(h), params, [s.next_position for s in seqs])
 
     def _accept_token(self, seq: _Sequence, token: int) -> None:
         if seq.handle.cancel_requested:

@@ -2,12 +2,13 @@
 
 ``attention`` (batched decode attention), ``rms_norm`` (RMS norm, with the residual
 add or the rope that follows it) and ``linear_row`` (a single-row projection) wrap
-their ``.c`` sources, which ``build`` compiles on first use.
+their ``.c`` sources, which ``build`` compiles on first use; ``head_screen.c`` is
+``models.greedy_head``'s screen (``head_screen``).
 """
 
 from __future__ import annotations
 
-from kvrelay.models.native import attention, linear_row, rms_norm
+from kvrelay.models.native import attention, head_screen, linear_row, rms_norm
 from kvrelay.models.native.build import load
 
 
@@ -17,5 +18,6 @@ def load_all() -> bool:
         ("decode_attention", attention._SIGNATURES),
         ("rms_norm", rms_norm._SIGNATURES),
         ("linear_row", linear_row._SIGNATURES),
+        ("head_screen", head_screen._SIGNATURES),
     )
     return all(load(name, signatures) is not None for name, signatures in kernels)

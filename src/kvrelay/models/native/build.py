@@ -31,8 +31,19 @@ from kvrelay.paths import cache_dir
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "KVRELAY_NATIVE_KERNELS"
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16")
+FLAGS = (
+    "-O3",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512dq",
+    "-mavx512vl",
+    "-mavx512bf16",
+    "-mavx512vnni",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+)
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni")
 
 Signature = tuple[tuple[Any, ...], Any]
 """A C function's ``ctypes`` argument types and result type."""

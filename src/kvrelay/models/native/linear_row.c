@@ -4,7 +4,8 @@
  *
  * Each output is the float32 sum of its products, rounded once to bfloat16 (nearest even), as
  * F.linear computes it in bfloat16; the summation order differs, so an output can differ from
- * it in its last bit. Contract: K % 32 == 0, N >= 1, x [K], W [N, K] and y [N] contiguous.
+ * it in its last bit. The order depends on the row alone, not on N or on where the row sits, so
+ * a subset of W's rows gives the same outputs for them (greedy_head.py relies on it). Contract: K % 32 == 0, N >= 1, x [K], W [N, K] and y [N] contiguous.
  * Weight rows are split over the calling thread's OpenMP team.
  */
 #include "bf16_simd.h"
@@ -27,12 +28,12 @@ static inline void four_outputs(const uint16_t* x, const uint16_t* w, int64_t K,
     _mm_storel_epi64((__m128i*)(y + n), (__m128i)_mm_cvtneps_pbh(sum4(a0, a1, a2, a3)));
 }
 
-/* y[n] from weight row n. */
+/* y[n] from weight row n, summed in four_outputs' order: every row's value is the same wherever it sits. */
 static inline void one_output(const uint16_t* x, const uint16_t* w, int64_t K, uint16_t* y, int64_t n) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t c = 0; c < K; c += 32)
         acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + n * K + c), (__m512bh)_mm512_loadu_si512(x + c));
-    y[n] = (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(_mm_set_ss(_mm512_reduce_add_ps(acc))), 0);
+    y[n] = (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(sum4(acc, acc, acc, acc)), 0);
 }
 
 /* Returns 0, or -1 when the shapes break the contract (nothing is written then). */
@@ -45,6 +46,21 @@ int kvrelay_linear_row(const uint16_t* x, const uint16_t* w, int64_t N, int64_t 
         int64_t n = b * BLOCK;
         for (; n + 4 <= end; n += 4) four_outputs(x, w, K, y, n);
         for (; n < end; n++) one_output(x, w, K, y, n);
+    }
+    return 0;
+}
+
+/* y[j] = the output kvrelay_linear_row gives for weight row idx[j], j < count (idx in [0, N)). */
+int kvrelay_linear_rows_at(const uint16_t* x, const uint16_t* w, int64_t K, const int64_t* idx, int64_t count,
+                           uint16_t* y) {
+    if (K <= 0 || K % 32 != 0 || count < 0) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < count; j++) {
+        __m512 acc = _mm512_setzero_ps();
+        const uint16_t* row = w + idx[j] * K;
+        for (int64_t c = 0; c < K; c += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + c), (__m512bh)_mm512_loadu_si512(x + c));
+        y[j] = (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(sum4(acc, acc, acc, acc)), 0);
     }
     return 0;
 }

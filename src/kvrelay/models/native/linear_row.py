@@ -23,6 +23,13 @@ _SIGNATURES = (
         "kvrelay_linear_row",
         ((ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p), ctypes.c_int),
     ),
+    (
+        "kvrelay_linear_rows_at",
+        (
+            (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p),
+            ctypes.c_int,
+        ),
+    ),
 )
 
 
@@ -40,4 +47,23 @@ def linear_row_native(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | N
     x = x.contiguous()
     out = torch.empty(1, weight.shape[0], dtype=torch.bfloat16)
     lib.kvrelay_linear_row(x.data_ptr(), weight.data_ptr(), weight.shape[0], weight.shape[1], out.data_ptr())
+    return out
+
+
+def linear_rows_at_native(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+    """``linear_row_native(x, weight)[0, rows]`` (``rows`` int64 ``[C]``, in range) computing only those
+    outputs, each exactly as the full GEMV computes it; ``None`` if the kernel does not apply."""
+    tensors_fit = all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.dim() == 2 for t in (x, weight))
+    if not tensors_fit or x.shape[0] != 1 or x.shape[1] != weight.shape[1] or x.shape[1] % 32:
+        return None
+    if not weight.is_contiguous() or rows.dtype != torch.int64 or rows.dim() != 1:
+        return None
+    lib = load("linear_row", _SIGNATURES)
+    if lib is None:
+        return None
+    x, rows = x.contiguous(), rows.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.bfloat16)
+    lib.kvrelay_linear_rows_at(
+        x.data_ptr(), weight.data_ptr(), weight.shape[1], rows.data_ptr(), rows.shape[0], out.data_ptr()
+    )
     return out

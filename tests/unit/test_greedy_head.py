@@ -1,0 +1,155 @@
+"""The screened greedy head picks exactly the full bfloat16 head's greedy token, or declines.
+
+The reference is ``greedy_tokens`` over the full head's logits from the same C GEMV
+(``native.linear_row``), which the runtime takes when the screen declines.
+Random cases print their seed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvrelay.models import greedy_head
+from kvrelay.models.batch import ForwardBatch
+from kvrelay.models.config import ModelConfig
+from kvrelay.models.greedy_head import GreedyHead
+from kvrelay.models.kv_pages import KVPages
+from kvrelay.models.native import head_screen
+from kvrelay.models.native.linear_row import linear_row_native, linear_rows_at_native
+from kvrelay.models.registry import build_model
+from kvrelay.models.sampling import greedy_tokens
+from tests.support.tiny_models import make_tiny_model
+
+needs_kernel = pytest.mark.skipif(
+    not head_screen.built(), reason="the native kernels do not run here (no AVX-512 BF16/VNNI or no C compiler)"
+)
+
+
+def full_greedy(h: torch.Tensor, weight: torch.Tensor) -> int:
+    logits = linear_row_native(h, weight)
+    assert logits is not None
+    return int(greedy_tokens(logits)[0])
+
+
+def head(rows: int, width: int, seed: int, spread: float = 0.03) -> torch.Tensor:
+    return (torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)) * spread).bfloat16()
+
+
+def outlier_row(width: int, seed: int) -> torch.Tensor:
+    """A hidden row like Gemma 3's final norm output: mostly small, a few dims near 50."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(1, width, generator=gen) * 2
+    h[0, torch.randint(0, width, (6,), generator=gen)] = 50 * torch.rand(6, generator=gen)
+    return h.bfloat16()
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed", range(12))
+def test_the_screened_token_is_the_full_heads_token(seed: int) -> None:
+    print(f"seed {seed}")
+    weight = head(20_000, 640, seed)
+    screen = GreedyHead.build(weight)
+    assert screen is not None
+    for trial in range(4):
+        h = outlier_row(640, 100 * seed + trial)
+        token = screen.argmax(h)
+        assert token is not None, "the screen declined an ordinary row"
+        assert token == full_greedy(h, weight)
+
+
+@needs_kernel
+def test_tied_maxima_give_the_lowest_id() -> None:
+    weight = head(4096, 128, seed=1)
+    weight[3001] = weight[17] = weight[2500] * 4  # three equal rows, far above the rest
+    screen = GreedyHead.build(weight)
+    assert screen is not None
+    h = weight[2500:2501].clone()
+    assert full_greedy(h, weight) == 17
+    assert screen.argmax(h) == 17
+
+
+@needs_kernel
+def test_near_ties_are_told_apart_by_the_exact_logits() -> None:
+    """Rows that differ below the int8 resolution: only the exact bfloat16 logits can order them."""
+    weight = head(4096, 256, seed=2)
+    base = weight[100].float()
+    for i, row in enumerate((400, 800, 1200)):
+        nudged = base.clone()
+        nudged[i] += 2e-3
+        weight[row] = nudged.bfloat16()
+    screen = GreedyHead.build(weight)
+    assert screen is not None
+    h = (base * 40).bfloat16().unsqueeze(0)
+    assert screen.argmax(h) == full_greedy(h, weight)
+
+
+@needs_kernel
+def test_a_zero_row_gives_token_zero_like_the_full_head() -> None:
+    weight = head(1024, 64, seed=3)
+    screen = GreedyHead.build(weight)
+    assert screen is not None
+    h = torch.zeros(1, 64, dtype=torch.bfloat16)
+    assert screen.argmax(h) == full_greedy(h, weight) == 0
+
+
+@needs_kernel
+def test_the_screen_declines_when_too_many_rows_are_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(greedy_head, "MAX_PICKED", 4)
+    weight = torch.ones(512, 64, dtype=torch.bfloat16)  # every logit equal: every row is left
+    screen = GreedyHead.build(weight)
+    assert screen is not None
+    assert screen.argmax(torch.ones(1, 64, dtype=torch.bfloat16)) is None
+
+
+@needs_kernel
+def test_rows_it_does_not_take_are_declined() -> None:
+    weight = head(512, 64, seed=4)
+    screen = GreedyHead.build(weight)
+    assert screen is not None
+    assert screen.argmax(torch.ones(2, 64, dtype=torch.bfloat16)) is None
+    assert screen.argmax(torch.ones(1, 64, dtype=torch.float32)) is None
+    assert screen.argmax(torch.full((1, 64), float("nan"), dtype=torch.bfloat16)) is None
+
+
+def test_heads_it_cannot_screen_get_none() -> None:
+    assert GreedyHead.build(head(512, 64, seed=5).float()) is None
+    assert GreedyHead.build(head(512, 96, seed=5)) is None  # width not a multiple of 64
+    assert GreedyHead.build(head(510, 64, seed=5)) is None  # rows not a multiple of 4
+
+
+@needs_kernel
+def test_chosen_rows_give_the_full_gemvs_values_bit_for_bit() -> None:
+    weight = head(1003, 640, seed=6)  # 1003 rows: the last block ends in single rows
+    h = outlier_row(640, 7)
+    full = linear_row_native(h, weight)
+    rows = torch.tensor([0, 5, 998, 1000, 1001, 1002], dtype=torch.int64)
+    picked = linear_rows_at_native(h, weight, rows)
+    assert full is not None and picked is not None
+    assert torch.equal(picked, full[0, rows])
+
+
+@needs_kernel
+def test_a_model_decodes_greedily_through_the_screen_as_through_its_logits(tmp_path: Path) -> None:
+    directory = make_tiny_model("gemma3", tmp_path, seed=11)
+    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    model = build_model(config, load_file(directory / "model.safetensors"), dtype=torch.bfloat16)
+    screen = model._greedy
+    assert screen is not None
+    decided = []
+    pool = KVPages.allocate(config, 40, 4, dtype=torch.bfloat16)
+    table = list(range(40))
+    tokens = [4 + (i * 37) % 300 for i in range(29)]
+    start = 0
+    for _ in range(12):
+        h = model.hidden(ForwardBatch.build([(tokens[start:], start, table)]), pool)
+        decided.append(screen.argmax(h))
+        (token,) = model.greedy(h)
+        assert token == int(greedy_tokens(model.logits(h))[0])
+        start = len(tokens)
+        tokens.append(token)
+    assert all(t is not None for t in decided), "the screen should decide every step of this model"
