@@ -153,3 +153,27 @@ def test_a_model_decodes_greedily_through_the_screen_as_through_its_logits(tmp_p
         start = len(tokens)
         tokens.append(token)
     assert all(t is not None for t in decided), "the screen should decide every step of this model"
+
+
+@needs_kernel
+def test_greedy_head_bench_smoke(tmp_path: Path) -> None:
+    """bench/greedy_head.py runs on a tiny model and writes every figure (values not asserted)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_greedy", Path(__file__).parents[2] / "bench" / "greedy_head.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    directory = make_tiny_model("gemma3", tmp_path / "model", seed=11)
+    out = tmp_path / "figures.json"
+    threads = torch.get_num_threads()
+    try:
+        args = ["--model", str(directory), "--prompts", "1", "--prompt-tokens", "8", "--threads", "1"]
+        assert bench.main([*args, "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    figures = json.loads(out.read_text())
+    assert {f["name"] for f in figures} >= {"one_row_greedy_token_ms_median", "mismatches"}
+    assert all(set(f) == {"name", "value", "unit", "baseline", "baseline_value"} for f in figures)

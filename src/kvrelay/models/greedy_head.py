@@ -34,13 +34,15 @@ class GreedyHead:
     """``argmax(h @ weight.T)`` for one bfloat16 row ``h``, as the full bfloat16 head gives it.
 
     Holds an int8 copy of ``weight`` (half its bytes) and four numbers per row. ``build`` returns
-    ``None`` where the screen does not apply.
+    ``None`` where the screen does not apply. ``last_left`` is how many rows the last decided
+    ``argmax`` left for exact logits.
     """
 
     def __init__(self, weight: torch.Tensor, q: torch.Tensor, row_terms: tuple[torch.Tensor, ...]) -> None:
         self.weight = weight
         self.q = q
         self.row_terms = row_terms
+        self.last_left = 0
         self._upper = torch.empty(weight.shape[0], dtype=torch.float64)
         self._picked = torch.empty(MAX_PICKED, dtype=torch.int64)
 
@@ -85,6 +87,7 @@ class GreedyHead:
         count = head_screen.screen_rows(parts, self.q, self.row_terms, x_terms, self._upper, self._picked)
         if not count:
             return None
+        self.last_left = count
         picked = self._picked[:count]
         logits = linear_rows_at_native(h, self.weight, picked)
         return None if logits is None else int(picked[int(logits.argmax())])

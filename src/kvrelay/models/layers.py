@@ -5,9 +5,10 @@ step by step (same casts, same order), so float32 logits match to rounding.
 The q, k and v projections are fused into one at build time; q and k are
 normed and rotated as one tensor. In bfloat16 on CPU, projections and the LM
 head are ``mlp.PackedLinear``s, norms (with the rope after the q/k norm, and
-the residual add after Gemma's output norms) run in ``native.rms_norm``, and
-sliding layers of laned decode rows read ``window_mirror`` rings. The MLP block
-is ``mlp.GatedMLP``.
+the residual add after Gemma's output norms) run in ``native.rms_norm``,
+sliding layers of laned decode rows read ``window_mirror`` rings, and a single
+greedy row takes its token from ``greedy_head``. The MLP block is
+``mlp.GatedMLP``.
 """
 
 from __future__ import annotations
@@ -254,6 +255,8 @@ class PagedModel:
     rotaries: dict[str, Rotary]
     embedding: torch.Tensor
     lm_head: torch.Tensor
+    _head: PackedLinear
+    _greedy: GreedyHead | None
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.config = config
