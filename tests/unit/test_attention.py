@@ -1,13 +1,15 @@
 """Paged attention equals dense causal (and sliding-window) attention over the same keys.
 
 Random queries, keys and values; a resident prefix written straight into
-shuffled pages; new tokens written by ``write_kv`` at the plan's slots. The
-reference is the textbook formula on dense per-sequence tensors.
+shuffled pages (or consecutive ones, which one sequence reads in place); new
+tokens written by ``write_kv`` at the plan's slots. The reference is the
+textbook formula on dense per-sequence tensors.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,15 +17,15 @@ import torch
 from kvrelay.models import attention
 from kvrelay.models.attention import (
     GROUP_COST_TOKENS,
+    AttentionPlan,
     GatherBuffers,
     paged_attention,
     plan_attention,
     split_by_length,
-    write_kv,
 )
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
-from kvrelay.models.kv_pages import KVPages
+from kvrelay.models.kv_pages import KVPages, write_kv
 from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 PAGE = 4
@@ -45,12 +47,15 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
 
 
-def run_case(starts: list[int], new: list[int], window: int | None, seed: int) -> None:
+def run_case(
+    starts: list[int], new: list[int], window: int | None, seed: int, consecutive: bool = False
+) -> AttentionPlan:
+    """Check paged attention against dense attention; pages shuffled, or handed out in order (``consecutive``)."""
     gen = torch.Generator().manual_seed(seed)
     num_pages = sum((s + n + PAGE - 1) // PAGE for s, n in zip(starts, new, strict=True)) + 3
     pool_k = torch.zeros(num_pages, PAGE, KV_HEADS, DIM)
     pool_v = torch.zeros(num_pages, PAGE, KV_HEADS, DIM)
-    free = torch.randperm(num_pages, generator=gen).tolist()
+    free = list(range(num_pages))[::-1] if consecutive else torch.randperm(num_pages, generator=gen).tolist()
     seqs, histories = [], []
     for start, n in zip(starts, new, strict=True):
         total = start + n
@@ -68,13 +73,17 @@ def run_case(starts: list[int], new: list[int], window: int | None, seed: int) -
     new_v = torch.cat([v[s:] for (_, v), s in zip(histories, starts, strict=True)])
     write_kv(pool_k, pool_v, plan.slots, new_k, new_v)
     q = torch.randn(batch.num_tokens, HEADS, DIM, generator=gen)
-    out = paged_attention(q, pool_k, pool_v, plan.sliding if window else plan.full, SCALE, GatherBuffers())
+    groups = plan.sliding if window else plan.full
+    out = paged_attention(q, pool_k, pool_v, groups, SCALE, GatherBuffers())
     row = 0
     for (k_hist, v_hist), start, n in zip(histories, starts, new, strict=True):
         q_pos = torch.arange(start, start + n)
         want = dense_attention(q[row : row + n], k_hist, v_hist, q_pos, window)
         torch.testing.assert_close(out[row : row + n], want, rtol=1e-5, atol=1e-5)
         row += n
+    gathered = tuple(replace(group, page_run=None) for group in groups)
+    assert torch.equal(paged_attention(q, pool_k, pool_v, gathered, SCALE, GatherBuffers()), out)
+    return plan
 
 
 @pytest.mark.parametrize("window", [None, 5, 9])
@@ -90,6 +99,22 @@ def test_prefill_with_and_without_resident_prefix(window: int | None) -> None:
 @pytest.mark.parametrize("window", [None, 7])
 def test_mixed_prefill_and_decode_in_one_step(window: int | None) -> None:
     run_case(starts=[22, 0, 9, 5, 40], new=[1, 14, 6, 1, 1], window=window, seed=3)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize(("start", "new"), [(0, 19), (13, 10), (30, 1)])
+def test_one_sequence_on_consecutive_pages_is_read_in_place(window: int | None, start: int, new: int) -> None:
+    plan = run_case(starts=[start], new=[new], window=window, seed=4, consecutive=True)
+    groups = plan.sliding if window else plan.full
+    assert groups and all(group.page_run is not None for group in groups)
+
+
+def test_shuffled_or_shared_pages_are_gathered() -> None:
+    plan = run_case(starts=[13], new=[10], window=None, seed=5)
+    assert all(group.page_run is None for group in plan.full)
+    plan = run_case(starts=[3, 11], new=[1, 1], window=None, seed=5, consecutive=True)
+    shared = [group for group in plan.full if group.pages.shape[0] > 1]
+    assert shared and all(group.page_run is None for group in shared)
 
 
 @pytest.mark.parametrize("window", [None, 1200])

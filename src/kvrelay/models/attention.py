@@ -69,7 +69,9 @@ class AttentionGroup:
     ``kept`` identifies a full-attention decode group of a batch whose decode rows all have
     lanes, so its gathered window can be kept between steps (``kept_gathers``); else ``None``.
     ``visible`` (``[G]``, on the CPU) counts the leading keys each sequence sees when that
-    is all its mask says (decode groups without a window); else ``None``.
+    is all its mask says (decode groups without a window); else ``None``. ``page_run`` is
+    the first page when the group is one sequence whose ``n`` pages are consecutive in the
+    pool, so its keys and values are read there in place instead of gathered; else ``None``.
     """
 
     query_rows: torch.Tensor | None
@@ -78,6 +80,7 @@ class AttentionGroup:
     queries_per_seq: int
     kept: KeptGroup | None = None
     visible: torch.Tensor | None = None
+    page_run: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,10 +245,11 @@ def _group(
         first_page = last_page - num_pages + 1
     page_idx = first_page.unsqueeze(1) + torch.arange(num_pages)
     pages = tables.gather(1, page_idx.clamp(min=0, max=tables.shape[1] - 1))
+    run = _page_run(pages)
     queries = q_pos.shape[1]
     if q_pos.shape[0] == 1 and int(q_pos[0, 0]) == 0 and queries > 1 and (window is None or queries <= window):
         rows = None if query_rows is None else query_rows.to(device)
-        return AttentionGroup(query_rows=rows, pages=pages.to(device), mask=None, queries_per_seq=queries)
+        return AttentionGroup(rows, pages.to(device), mask=None, queries_per_seq=queries, page_run=run)
     offsets = torch.arange(page_tokens)
     kv_pos = (page_idx.unsqueeze(2) * page_tokens + offsets).flatten(1)
     visible = (kv_pos >= 0).unsqueeze(1) & (kv_pos.unsqueeze(1) <= q_pos.unsqueeze(2))
@@ -258,13 +262,16 @@ def _group(
         mask=mask.unsqueeze(1).to(device),
         queries_per_seq=queries,
         visible=q_pos[:, 0] + 1 if window is None and queries == 1 else None,
+        page_run=run,
     )
 
 
-def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store new keys and values (``[T, kv_heads, head_dim]``) of one layer at ``slots`` of its pool."""
-    k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, k.to(k_pool.dtype))
-    v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, v.to(v_pool.dtype))
+def _page_run(pages: torch.Tensor) -> int | None:
+    """The first page of ``pages`` (``[G, n]``) when ``G == 1`` and they are consecutive, ascending; else None."""
+    if pages.shape[0] != 1 or pages.shape[1] == 0:
+        return None
+    first = int(pages[0, 0])
+    return first if torch.equal(pages[0], torch.arange(first, first + pages.shape[1])) else None
 
 
 class GatherBuffers:
@@ -324,7 +331,7 @@ def _attend(
     if group.queries_per_seq == 1:
         return _attend_decode(q, k_pool, v_pool, group, scale, buffers)
     heads, head_dim = q.shape[1], q.shape[2]
-    k, v = _gather(k_pool, v_pool, group.pages, buffers, q.dtype)
+    k, v = _gather(k_pool, v_pool, group, buffers, q.dtype)
     queries = q.view(group.pages.shape[0], group.queries_per_seq, heads, head_dim).transpose(1, 2)
     gqa = k.shape[1] != heads
     if group.mask is None:
@@ -352,7 +359,7 @@ def _attend_decode(
     kv_heads = k_pool.shape[2]
     assert group.mask is not None, "decode groups always carry a mask"
     if group.kept is None:
-        k, v = _gather(k_pool, v_pool, group.pages, buffers, q.dtype)
+        k, v = _gather(k_pool, v_pool, group, buffers, q.dtype)
     else:
         kept_k, kept_v = buffers.kept.keys_values(k_pool, v_pool, group.pages, group.kept)
         k, v = kept_k.transpose(1, 2).to(q.dtype), kept_v.transpose(1, 2).to(q.dtype)
@@ -381,11 +388,17 @@ def decode_attention(
 
 
 def _gather(
-    k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor, buffers: GatherBuffers, dtype: torch.dtype
+    k_pool: torch.Tensor, v_pool: torch.Tensor, group: AttentionGroup, buffers: GatherBuffers, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of ``pages`` (``[G, n]``) as ``[G, kv_heads, n * page_tokens, head_dim]`` in ``dtype``."""
+    """Keys and values of ``group.pages`` (``[G, n]``) as ``[G, kv_heads, n * page_tokens, head_dim]`` in
+    ``dtype``: views of the pool for a ``page_run``, else gathered into ``buffers``."""
+    pages = group.pages
     num_seqs, num_pages = pages.shape
     _, page_tokens, kv_heads, head_dim = k_pool.shape
+    if group.page_run is not None:
+        run = slice(group.page_run, group.page_run + num_pages)
+        shape = (1, num_pages * page_tokens, kv_heads, head_dim)
+        return k_pool[run].view(shape).transpose(1, 2).to(dtype), v_pool[run].view(shape).transpose(1, 2).to(dtype)
     k_rows, v_rows = buffers.take(num_seqs * num_pages, k_pool)
     gather_pages(k_pool, v_pool, pages, k_rows, v_rows)
     shape = (num_seqs, num_pages * page_tokens, kv_heads, head_dim)

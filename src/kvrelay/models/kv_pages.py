@@ -83,3 +83,9 @@ def gather_pages(
     flat = pages.flatten()
     torch.index_select(k_pool.flatten(1), 0, flat, out=k_out.view(flat.shape[0], -1))
     torch.index_select(v_pool.flatten(1), 0, flat, out=v_out.view(flat.shape[0], -1))
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store new keys and values (``[T, kv_heads, head_dim]``) of one layer at ``slots`` of its pool."""
+    k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, k.to(k_pool.dtype))
+    v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, v.to(v_pool.dtype))

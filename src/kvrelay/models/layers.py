@@ -25,12 +25,11 @@ from kvrelay.models.attention import (
     GatherBuffers,
     paged_attention,
     plan_attention,
-    write_kv,
 )
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.greedy_head import GreedyHead
-from kvrelay.models.kv_pages import KVPages
+from kvrelay.models.kv_pages import KVPages, write_kv
 from kvrelay.models.mlp import PackedLinear
 from kvrelay.models.native.rms_norm import add_rms_norm_native, rms_norm_native
 from kvrelay.models.sampling import greedy_tokens
