@@ -27,6 +27,7 @@ from kvrelay.models.kv_pages import KVPages
 from kvrelay.models.native import build
 from kvrelay.models.native.attention import decode_attention_native
 from kvrelay.models.registry import build_model
+from tests.support.bf16_close import assert_last_bit_close
 from tests.support.tiny_models import make_tiny_model
 
 needs_kernel = pytest.mark.skipif(
@@ -52,12 +53,6 @@ def prefix_mask(visible: torch.Tensor, keys: int) -> torch.Tensor:
     return torch.zeros(hidden.shape, dtype=torch.bfloat16).masked_fill_(hidden, float("-inf"))
 
 
-def assert_last_bit_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    ulp = 2.0 ** (torch.floor(torch.log2(want.float().abs().max())) - 7)
-    assert (got.float() - want.float()).abs().max() <= 2 * ulp
-    assert (got == want).float().mean() >= 0.97
-
-
 @needs_kernel
 @pytest.mark.parametrize(
     ("batch", "kv_heads", "group", "keys", "dim"),
@@ -67,7 +62,7 @@ def test_kernel_matches_decode_attention(batch: int, kv_heads: int, group: int, 
     q, k, v, visible = inputs(batch, kv_heads, group, keys, dim, seed=keys)
     got = decode_attention_native(q, k, v, visible, dim**-0.5)
     assert got is not None and got.shape == q.shape
-    assert_last_bit_close(got, decode_attention(q, k, v, prefix_mask(visible, keys), dim**-0.5))
+    assert_last_bit_close(got, decode_attention(q, k, v, prefix_mask(visible, keys), dim**-0.5), units=2)
 
 
 @needs_kernel

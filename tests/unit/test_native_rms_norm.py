@@ -16,6 +16,7 @@ from kvrelay.models import layers
 from kvrelay.models.layers import RMSNorm, Rotary, apply_rope
 from kvrelay.models.native import build
 from kvrelay.models.native.rms_norm import _SIGNATURES, add_rms_norm_native, rms_norm_native
+from tests.support.bf16_close import assert_last_bit_close
 
 needs_kernel = pytest.mark.skipif(
     build.load("rms_norm", _SIGNATURES) is None,
@@ -29,12 +30,6 @@ def pytorch_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(layers, "rms_norm_native", lambda *args, **kwargs: None)
     monkeypatch.setattr(layers, "add_rms_norm_native", lambda *args: False)
     yield
-
-
-def assert_last_bit_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    ulp = 2.0 ** (torch.floor(torch.log2(want.float().abs().max())) - 7)
-    assert (got.float() - want.float()).abs().max() <= ulp
-    assert (got == want).float().mean() >= 0.97
 
 
 def rows(*shape: int, seed: int = 0) -> torch.Tensor:
