@@ -22,8 +22,10 @@ from kvrelay.models.huge_pages import huge_page_empty
 from kvrelay.models.native import head_screen
 from kvrelay.models.native.linear_row import linear_rows_at_native
 
-MAX_PICKED = 4096
-"""More rows left than this after the screen: the caller computes the full logits instead."""
+MAX_PICKED = 16384
+"""More rows left than this after the screen: the caller computes the full logits instead. Exact
+logits for this many rows take about a sixth of the full head's time. Gemma 3 270M's hidden rows
+of random-token prompts left more than 4,096 rows in 55 of 512 cases, more than 16,384 in 17."""
 
 _INT8_MAX = 127
 _SLACK = 1 + 2.0**-20
