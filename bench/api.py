@@ -144,10 +144,12 @@ async def serve_kvrelay(model_dir: Path, max_tokens: int, lanes: int, port: int,
     import uvicorn
 
     from kvrelay.api.app import create_app
+    from kvrelay.processes.assembly import WorkerSpec
     from kvrelay.serve import ServeOptions, embedded
 
-    options = ServeOptions(port=port, model=str(model_dir), dtype="float32", kv_tokens=32768, lanes=lanes,
-                           token_budget=2048, db_url=db_url)
+    worker = WorkerSpec("local-0", model=str(model_dir), dtype="float32", kv_tokens=32768, lanes=lanes,
+                        token_budget=2048)
+    options = ServeOptions(port=port, db_url=db_url, worker=worker)
     async with embedded(options) as parts:
         app = create_app(parts.ingress)
         one = router_ttft(parts, max_tokens)

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import uvicorn
 
@@ -37,19 +37,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
+    """One embedded server: where it listens, its fact store, and its one worker (``worker.store``
+    None: chunk files under the data directory, ``chunks/<worker_id>``)."""
+
     host: str = "127.0.0.1"
     port: int = 8000
-    model: str | None = None
-    """A model directory or GGUF file; None: the default Gemma 3 270M."""
-    dtype: str = "bfloat16"
-    kv_tokens: int = 65536
-    page_tokens: int = 16
-    chunk_tokens: int = 64
-    lanes: int = 16
-    token_budget: int = 512
     db_url: str | None = None
     heartbeat_s: float = 0.5
-    worker_id: str = "local-0"
+    worker: WorkerSpec = field(default_factory=lambda: WorkerSpec("local-0"))
 
 
 @dataclass
@@ -73,10 +68,10 @@ class Embedded:
 @contextlib.asynccontextmanager
 async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
     """Load the model and wire router, worker and ingress on the running loop."""
-    worker = await build_worker(WorkerSpec(options.worker_id, options.model, options.dtype, options.kv_tokens,
-                                          options.page_tokens, options.chunk_tokens, options.lanes,
-                                          options.token_budget,
-                                          StoreSpec(str(data_dir() / "chunks" / options.worker_id))))
+    spec = options.worker
+    if spec.store is None:
+        spec = replace(spec, store=StoreSpec(str(data_dir() / "chunks" / spec.worker_id)))
+    worker = await build_worker(spec)
     artifacts, config, runtime, pool, controller = (worker.artifacts, worker.config, worker.runtime, worker.pool,
                                                     worker.controller)
     context_limit = worker.context_limit
@@ -94,7 +89,7 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
     def to_router(message: WireMessage) -> None:
         loop.call_soon(router.receive, message)
 
-    router = ClusterRouter(new_router(RouterConfig(chunk_tokens=options.chunk_tokens)), to_worker,
+    router = ClusterRouter(new_router(RouterConfig(chunk_tokens=spec.chunk_tokens)), to_worker,
                            record_sink(facts, replica_map), replicas=replica_map)
     controller.publish = to_router
     served = ServedModel(artifacts.name, artifacts.tokenizer, config.architecture, context_limit,

@@ -19,9 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvrelay.processes.assembly import WorkerSpec
     from kvrelay.serve import ServeOptions, serve
 
-    options = ServeOptions(host=args.host, port=args.port, model=args.model, dtype=args.dtype,
-                           kv_tokens=args.kv_tokens, lanes=args.lanes, db_url=args.db)
+    worker = WorkerSpec("local-0", model=args.model, dtype=args.dtype, kv_tokens=args.kv_tokens, lanes=args.lanes)
+    options = ServeOptions(host=args.host, port=args.port, db_url=args.db, worker=worker)
     asyncio.run(serve(options))
     return 0

@@ -10,6 +10,7 @@ from pathlib import Path
 import uvicorn
 
 from kvrelay.api.app import create_app
+from kvrelay.processes.assembly import WorkerSpec
 from kvrelay.serve import Embedded, ServeOptions, embedded
 
 
@@ -22,9 +23,9 @@ def free_port() -> int:
 class ServerThread:
     """``with ServerThread(model_dir) as server: server.base_url ...``; stops and joins on exit."""
 
-    def __init__(self, model_dir: Path, db_url: str, **options: object) -> None:
-        self.options = ServeOptions(port=free_port(), model=str(model_dir), dtype="float32", kv_tokens=8192,
-                                    lanes=8, db_url=db_url, **options)  # type: ignore[arg-type]
+    def __init__(self, model_dir: Path, db_url: str) -> None:
+        worker = WorkerSpec("local-0", model=str(model_dir), dtype="float32", kv_tokens=8192, lanes=8)
+        self.options = ServeOptions(port=free_port(), db_url=db_url, worker=worker)
         self.base_url = f"http://127.0.0.1:{self.options.port}"
         self.ready = threading.Event()
         self.parts: Embedded | None = None
