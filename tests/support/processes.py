@@ -1,9 +1,9 @@
 """kvrelay router and worker processes for tests: start them, read their output, stop them.
 
-``ChildProcess`` runs ``python -m kvrelay.cli ...`` with stdout and stderr
-merged; a reader thread keeps every line, and ``wait_for(pattern)`` returns
-the first matching line after a mark, or fails with the output's tail when the
-timeout passes or the process exits. ``wait_until`` polls a predicate (e.g.
+``kvrelay(...)`` runs ``python -m kvrelay.cli ...`` as a
+``processes.child.ChildProcess`` (stdout and stderr merged, every line kept;
+``wait_for(pattern)`` returns the first matching line after a mark, or fails
+with the output's tail when the timeout passes or the process exits). ``wait_until`` polls a predicate (e.g.
 an HTTP endpoint) with a timeout. Every child gets the test's shared secret
 and its own cache and data directories.
 """
@@ -11,9 +11,7 @@ and its own cache and data directories.
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -23,74 +21,10 @@ from typing import Any, TypeVar
 
 import httpx
 
+from kvrelay.processes.child import ChildProcess
+
 SECRET = "kvrelay-test-secret-0123456789abcdef"
 T = TypeVar("T")
-
-
-class ChildProcess:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        self.name = name
-        self.argv = argv
-        self.lines: list[str] = []
-        self._changed = threading.Condition()
-        self.process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        bufsize=1)
-        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            with self._changed:
-                self.lines.append(line.rstrip("\n"))
-                self._changed.notify_all()
-        with self._changed:
-            self._changed.notify_all()
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def mark(self) -> int:
-        """The number of lines read so far: pass it to ``wait_for`` to match only later lines."""
-        with self._changed:
-            return len(self.lines)
-
-    def wait_for(self, pattern: str, timeout: float, after: int = 0) -> re.Match[str]:
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        seen = after
-        with self._changed:
-            while True:
-                for line in self.lines[seen:]:
-                    match = regex.search(line)
-                    if match is not None:
-                        return match
-                seen = max(seen, len(self.lines))
-                left = deadline - time.monotonic()
-                if left <= 0 or (self.process.poll() is not None and not self._reader.is_alive()):
-                    raise AssertionError(f"{self.name}: no line matching {pattern!r} within {timeout} s "
-                                         f"(exit code {self.process.poll()}); output tail:\n{self.tail()}")
-                self._changed.wait(min(left, 0.5))
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.lines[-n:])
-
-    def signal(self, sig: signal.Signals) -> None:
-        self.process.send_signal(sig)
-
-    def stop(self, timeout: float = 20.0) -> int:
-        """SIGTERM (and SIGCONT, in case it is stopped), then SIGKILL after ``timeout``; the exit code."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            self.process.send_signal(signal.SIGCONT)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._reader.join(5)
-        return self.process.returncode
 
 
 def stop_all(children: list[ChildProcess], timeout: float = 20.0) -> None:

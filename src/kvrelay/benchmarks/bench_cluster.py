@@ -23,15 +23,16 @@ import secrets
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
+
+from kvrelay.processes.child import ChildProcess, ChildTimeout
 
 READY_TIMEOUT_S = 180.0
 BUCKET = "kvrelay-bench"
@@ -57,47 +58,12 @@ class ClusterSpec:
         return self.work_dir / "cluster.log"
 
 
-class _Child:
-    """A child process whose stdout lines are kept (for ready lines) and whose stderr goes to a log file."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: IO[str]) -> None:
-        self.name = name
-        self.lines: list[str] = []
-        self._changed = threading.Condition()
-        self.process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
-        threading.Thread(target=self._read, name=f"stdout-{name}", daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            with self._changed:
-                self.lines.append(line.rstrip("\n"))
-                self._changed.notify_all()
-        with self._changed:
-            self._changed.notify_all()
-
-    def wait_line(self, pattern: str, timeout: float, log_path: Path) -> re.Match[str]:
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                for line in self.lines:
-                    if (match := regex.search(line)) is not None:
-                        return match
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise ClusterError(f"{self.name} did not print {pattern!r} within {timeout:.0f} s (exit code "
-                                       f"{self.process.poll()}); its log, {log_path}, ends:\n{_tail(log_path)}")
-                self._changed.wait(0.25)
-
-    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 30.0) -> int | None:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+def _wait_line(child: ChildProcess, pattern: str, log_path: Path) -> re.Match[str]:
+    """``child``'s first line matching ``pattern``; ``ClusterError`` with the cluster log's tail if none comes."""
+    try:
+        return child.wait_for(pattern, READY_TIMEOUT_S)
+    except ChildTimeout as exc:
+        raise ClusterError(f"{exc}\nthe cluster log, {log_path}, ends:\n{_tail(log_path)}") from None
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -136,8 +102,8 @@ class BenchCluster:
         self.http_url = ""
         self.workers_url = ""
         self.probes: dict[str, str] = {}
-        self.workers: dict[str, _Child] = {}
-        self._others: list[_Child] = []
+        self.workers: dict[str, ChildProcess] = {}
+        self._others: list[ChildProcess] = []
         self.http = httpx.Client(timeout=10.0)
 
     def start(self, worker_ids: list[str]) -> None:
@@ -146,20 +112,20 @@ class BenchCluster:
         self.workers_url = f"ws://127.0.0.1:{worker_port}/workers"
         argv = [sys.executable, "-m", "kvrelay.cli", "--log-level", "WARNING", "router", "--port", str(http_port),
                 "--worker-port", str(worker_port), "--db", f"sqlite:///{self.db_path}"]
-        router = _Child("router", argv + (["--model", self.spec.model] if self.spec.model else []),
-                        self.env, self._log)
+        router = ChildProcess("router", argv + (["--model", self.spec.model] if self.spec.model else []),
+                              self.env, stderr=self._log)
         self._others.append(router)
         for wid in worker_ids:  # workers start loading at once and connect when the router listens
             self.launch_worker(wid)
-        ready = router.wait_line(r"kvrelay router ready http=(\S+) workers=(\S+)", READY_TIMEOUT_S,
-                                 self.spec.log_path)
+        ready = _wait_line(router, r"kvrelay router ready http=(\S+) workers=(\S+)", self.spec.log_path)
         self.http_url = ready.group(1)
         for wid in worker_ids:
             self.await_worker(wid)
 
     def _start_moto(self) -> None:
         port = _free_port()
-        moto = _Child("moto_server", [_moto_command(), "-H", "127.0.0.1", "-p", str(port)], self.env, self._log)
+        moto = ChildProcess("moto_server", [_moto_command(), "-H", "127.0.0.1", "-p", str(port)], self.env,
+                            stderr=self._log)
         self._others.append(moto)
         self.s3_endpoint = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60.0
@@ -196,13 +162,13 @@ class BenchCluster:
                 "--s3-bucket", BUCKET, "--heartbeat-s", str(spec.heartbeat_s), "--grace-s", "5"]
         if spec.model:
             argv += ["--model", spec.model]
-        self.workers[worker_id] = _Child(worker_id, argv, self.env, self._log)
+        self.workers[worker_id] = ChildProcess(worker_id, argv, self.env, stderr=self._log)
 
     def await_worker(self, worker_id: str) -> None:
         """Wait until ``worker_id``'s probe and worker are ready and the router lists it."""
         child = self.workers[worker_id]
-        probe = child.wait_line(r"kvrelay probe ready id=\S+ url=(\S+)", READY_TIMEOUT_S, self.spec.log_path)
-        child.wait_line(r"kvrelay worker ready id=", READY_TIMEOUT_S, self.spec.log_path)
+        probe = _wait_line(child, r"kvrelay probe ready id=\S+ url=(\S+)", self.spec.log_path)
+        _wait_line(child, r"kvrelay worker ready id=", self.spec.log_path)
         self.wait_until(lambda: worker_id in self.live_workers(), READY_TIMEOUT_S, f"worker {worker_id} to be live")
         self.probes[worker_id] = probe.group(1)
 
@@ -219,15 +185,15 @@ class BenchCluster:
         for worker_id in worker_ids:
             self.probes.pop(worker_id, None)
         for child in children:
-            child.process.send_signal(signal.SIGTERM)
+            child.signal(signal.SIGTERM)
         for child in children:
-            child.stop(signal.SIGTERM)
+            child.stop(30.0)
         self.wait_until(lambda: not set(worker_ids) & set(self.live_workers()), 30.0,
                         f"workers {', '.join(worker_ids)} to leave")
 
     def kill_worker(self, worker_id: str) -> None:
         self.probes.pop(worker_id, None)
-        self.workers.pop(worker_id).stop(signal.SIGKILL)
+        self.workers.pop(worker_id).stop(30.0, signal.SIGKILL)
 
     def cluster(self) -> dict[str, Any]:
         return self.http.get(self.http_url + "/cluster").json()
@@ -260,9 +226,9 @@ class BenchCluster:
 
     def close(self) -> None:
         for child in list(self.workers.values()):
-            child.stop(signal.SIGTERM)
+            child.stop(30.0)
         self.workers.clear()
         for child in reversed(self._others):
-            child.stop(signal.SIGTERM)
+            child.stop(30.0)
         self.http.close()
         self._log.close()

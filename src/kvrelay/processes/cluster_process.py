@@ -26,9 +26,11 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvrelay.processes.child import ChildProcess, ChildTimeout
 from kvrelay.transport.auth import SECRET_ENV_VAR, SecretError, load_secret
 
 log = logging.getLogger(__name__)
@@ -51,34 +53,6 @@ class ClusterOptions:
     grace_s: float = 10.0
 
 
-class _Child:
-    """One child process whose stdout lines are forwarded and searched for a ready line."""
-
-    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], ready: re.Pattern[str]) -> None:
-        self.name = name
-        self.ready_match: re.Match[str] | None = None
-        self.ready = threading.Event()
-        self.process = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, text=True, bufsize=1)
-        self._pattern = ready
-        self._pump = threading.Thread(target=self._forward, name=f"stdout-{name}", daemon=True)
-        self._pump.start()
-
-    def _forward(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            match = self._pattern.search(line)
-            if match is not None and self.ready_match is None:
-                self.ready_match = match
-                self.ready.set()
-        self.ready.set()  # the child exited: stop waiting for it
-
-    def signal(self, sig: signal.Signals) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-
-
 def child_argv(command: str, args: Sequence[str]) -> list[str]:
     """The command line of a child running ``kvrelay <command> <args>`` with this interpreter."""
     return [sys.executable, "-m", "kvrelay.cli", command, *args]
@@ -96,24 +70,25 @@ def run_cluster(options: ClusterOptions, on_ready: Callable[[str, list[str]], No
         log.info("no shared secret configured; the cluster's children share a random one")
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda s, f: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    children: list[_Child] = []
+    children: list[ChildProcess] = []
     try:
-        router = _Child("router", child_argv("router", ["--host", options.host, "--port", str(options.port),
-                                                        "--worker-port", str(options.worker_port),
-                                                        *options.router_args]), env, ROUTER_READY)
+        router = ChildProcess("router", child_argv("router", ["--host", options.host, "--port", str(options.port),
+                                                              "--worker-port", str(options.worker_port),
+                                                              *options.router_args]), env, stderr=None, echo=True)
         children.append(router)
-        if not _wait_ready(router, stop) or router.ready_match is None:
+        router_ready = _wait_ready(router, ROUTER_READY, stop)
+        if router_ready is None:
             return _stop_all(children, options.grace_s) or 1
-        http_url, workers_url = router.ready_match.group(1), router.ready_match.group(2)
+        http_url, workers_url = router_ready.group(1), router_ready.group(2)
         workers = [
-            _Child(f"w{i}", child_argv("worker", ["--worker-id", f"w{i}", "--router", workers_url,
-                                                  "--grace-s", str(options.grace_s), *options.worker_args]),
-                   env, WORKER_READY)
+            ChildProcess(f"w{i}", child_argv("worker", ["--worker-id", f"w{i}", "--router", workers_url,
+                                                        "--grace-s", str(options.grace_s), *options.worker_args]),
+                         env, stderr=None, echo=True)
             for i in range(1, options.workers + 1)
         ]
         children.extend(workers)
-        if all(_wait_ready(w, stop) for w in workers) and not stop.is_set():
-            ready = [w.name for w in workers if w.ready_match is not None]
+        ready = [w.name for w in workers if _wait_ready(w, WORKER_READY, stop) is not None]
+        if len(ready) == len(workers) and not stop.is_set():
             on_ready(http_url, ready)
         reported: set[str] = set()
         while not stop.wait(0.5) and router.process.poll() is None:
@@ -132,16 +107,19 @@ def run_cluster(options: ClusterOptions, on_ready: Callable[[str, list[str]], No
             signal.signal(sig, handler)
 
 
-def _wait_ready(child: _Child, stop: threading.Event) -> bool:
-    waited = 0.0
-    while not child.ready.wait(0.25):
-        waited += 0.25
-        if stop.is_set() or waited > READY_TIMEOUT_S:
-            return False
-    return child.ready_match is not None
+def _wait_ready(child: ChildProcess, pattern: re.Pattern[str], stop: threading.Event) -> re.Match[str] | None:
+    """The child's ready line; None once ``stop`` is set, the child has exited, or ``READY_TIMEOUT_S`` passed."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not stop.is_set() and time.monotonic() < deadline:
+        try:
+            return child.wait_for(pattern, 0.25)
+        except ChildTimeout:
+            if child.process.poll() is not None:
+                return None
+    return None
 
 
-def _stop_all(children: list[_Child], grace_s: float) -> int:
+def _stop_all(children: list[ChildProcess], grace_s: float) -> int:
     """SIGTERM the workers, wait, then the router; kill what outlives its deadline. The router's exit code."""
     workers, router = children[1:], children[0]
     for group in (workers, [router]):
