@@ -16,9 +16,9 @@ from kvrelay.models.attention import (
     GatherBuffers,
     paged_attention,
     plan_attention,
-    write_kv,
 )
 from kvrelay.models.batch import ForwardBatch, LaneRef
+from kvrelay.models.kv_pages import write_kv
 from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
 from tests.unit.test_attention import DIM, HEADS, KV_HEADS, PAGE, SCALE, dense_attention
 
