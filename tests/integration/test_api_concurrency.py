@@ -175,12 +175,16 @@ def test_a_client_gone_before_its_first_token_is_cancelled_without_a_server_erro
         server: ServerThread, model_dir: Path, stream: bool, caplog: pytest.LogCaptureFixture) -> None:
     assert server.parts is not None
     parts = server.parts
-    cancels = threading.Event()
-    original = parts.controller.on_cancel
+    cancels, offered = threading.Event(), threading.Event()
+    original, original_offer = parts.controller.on_cancel, parts.controller.on_offer
 
     def on_cancel(message: object) -> None:
         original(message)  # type: ignore[arg-type]
         cancels.set()
+
+    def on_offer(offer: object, reply: object) -> None:
+        original_offer(offer, reply)  # type: ignore[arg-type]
+        offered.set()
 
     before = server.call(lambda: dict(parts.controller.state.counters))
     body = json.dumps({"model": model_dir.name, "prompt": LONG_PROMPTS[0], "max_tokens": LEAVER_MAX_TOKENS,
@@ -190,15 +194,20 @@ def test_a_client_gone_before_its_first_token_is_cancelled_without_a_server_erro
     server_log = logging.getLogger("uvicorn.error")
     server_log.addHandler(caplog.handler)
     server.call(setattr, parts.controller, "on_cancel", on_cancel)
+    server.call(setattr, parts.controller, "on_offer", on_offer)
     try:
         with socket.create_connection(("127.0.0.1", server.options.port)) as sock:
             sock.sendall(request)
+            # Leave once the worker has the request: a client gone earlier ends it at the router alone
+            # (an outcome with 0 attempts), which is not what this test is about.
+            assert offered.wait(60), "the request never reached the worker"
         assert cancels.wait(60), "the request of a vanished client was never cancelled at the worker"
         quiesced = asyncio.run_coroutine_threadsafe(asyncio.wait_for(parts.controller.quiesced.wait(), 30),
                                                     server.loop)
         assert quiesced.result(35) is True
     finally:
         server.call(delattr, parts.controller, "on_cancel")
+        server.call(delattr, parts.controller, "on_offer")
         server_log.removeHandler(caplog.handler)
     after = server.call(lambda: dict(parts.controller.state.counters))
     assert after.get("cancelled", 0) - before.get("cancelled", 0) == 1

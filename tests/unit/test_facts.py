@@ -196,6 +196,17 @@ def test_measured_outcome_is_summarised_and_the_last_one_wins(store: FactStore) 
     assert store.reader.request_history("nobody") is None
 
 
+def test_an_outcome_before_any_offer_is_kept_with_attempt_0(store: FactStore) -> None:
+    """A client that leaves while its request is routed or parked ends it before attempt 1; its outcome
+    is stored with 0 attempts. Offers and decisions still need attempt 1 or more."""
+    store.submit(outcome("early", 0, ttft=None, finish_reason="cancelled", inter_token_s=[]))
+    store.submit(decision("bad", 0, None))
+    assert store.flush(10)
+    early = store.reader.request_history("early").outcome
+    assert (early.attempt, early.finish_reason, early.ttft_s) == (0, "cancelled", None)
+    assert (store.stats().written, store.stats().rejected) == (1, 1)
+
+
 def test_the_routers_own_candidate_structs_are_accepted(store: FactStore) -> None:
     from kvrelay.controller.predicted_ttft import Candidate, Terms
     from kvrelay.protocol.messages import RouteSegment

@@ -112,13 +112,22 @@ class OutcomeData(msgspec.Struct, frozen=True, gc=False):
     recomputed_tokens: Count
     generated_tokens: Count
     bytes_by_tier: dict[Tier, Count]
-    attempts: Annotated[int, msgspec.Meta(ge=1)]
+    attempts: Annotated[int, msgspec.Meta(ge=0)]
     error: str | None = None
 
 
 class RecordHeader(msgspec.Struct, frozen=True, gc=False):
     request_id: Name
     attempt: Annotated[int, msgspec.Meta(ge=1)]
+    now: Seconds
+
+
+class OutcomeHeader(msgspec.Struct, frozen=True, gc=False):
+    """An outcome's header: ``attempt`` is 0 for a request that ended before its first offer (its client
+    left while it was being routed or parked)."""
+
+    request_id: Name
+    attempt: Annotated[int, msgspec.Meta(ge=0)]
     now: Seconds
 
 
@@ -281,7 +290,7 @@ def _offer_outcome_write(head: RecordHeader, data: OfferOutcomeData) -> Write:
     )
 
 
-def _outcome_write(head: RecordHeader, data: OutcomeData) -> Write:
+def _outcome_write(head: OutcomeHeader, data: OutcomeData) -> Write:
     return Write(
         "outcome",
         {
@@ -315,7 +324,8 @@ def record_write(record: Record) -> Write:
     if record.kind not in RECORD_KINDS:
         raise UnknownKind(f"record kind {record.kind!r} is not stored; stored kinds: {', '.join(RECORD_KINDS)}")
     what = f"{record.kind} record ({record.request_id!r}, attempt {record.attempt!r})"
-    head = _convert({"request_id": record.request_id, "attempt": record.attempt, "now": record.now}, RecordHeader, what)
+    header_type = OutcomeHeader if record.kind == "outcome" else RecordHeader
+    head = _convert({"request_id": record.request_id, "attempt": record.attempt, "now": record.now}, header_type, what)
     data_type, build = RECORD_KINDS[record.kind]
     if not isinstance(record.data, dict):
         raise MalformedRecord(f"{what}: data must be a dict, got {type(record.data).__name__}")
