@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     artifacts = load_artifacts(args.model, dtype=torch.bfloat16)
     config = artifacts.config
     model = build_model(config, artifacts.weights, dtype=torch.bfloat16)
-    screen = model._greedy
+    screen = model.greedy_head
     if screen is None:
         print("the greedy screen does not run here (no AVX-512 BF16/VNNI, no C compiler, or another head shape)")
         return 1

@@ -23,6 +23,7 @@ from kvrelay.models.native import head_screen
 from kvrelay.models.native.linear_row import linear_row_native, linear_rows_at_native
 from kvrelay.models.registry import build_model
 from kvrelay.models.sampling import greedy_tokens
+from tests.support.bench_smoke import run_bench
 from tests.support.tiny_models import make_tiny_model
 
 needs_kernel = pytest.mark.skipif(
@@ -138,7 +139,7 @@ def test_a_model_decodes_greedily_through_the_screen_as_through_its_logits(tmp_p
     directory = make_tiny_model("gemma3", tmp_path, seed=11)
     config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
     model = build_model(config, load_file(directory / "model.safetensors"), dtype=torch.bfloat16)
-    screen = model._greedy
+    screen = model.greedy_head
     assert screen is not None
     decided = []
     pool = KVPages.allocate(config, 40, 4, dtype=torch.bfloat16)
@@ -158,22 +159,9 @@ def test_a_model_decodes_greedily_through_the_screen_as_through_its_logits(tmp_p
 @needs_kernel
 def test_greedy_head_bench_smoke(tmp_path: Path) -> None:
     """bench/greedy_head.py runs on a tiny model and writes every figure (values not asserted)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "bench_greedy", Path(__file__).parents[2] / "bench" / "greedy_head.py"
-    )
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     directory = make_tiny_model("gemma3", tmp_path / "model", seed=11)
-    out = tmp_path / "figures.json"
-    threads = torch.get_num_threads()
-    try:
-        args = ["--model", str(directory), "--prompts", "1", "--prompt-tokens", "8", "--threads", "1"]
-        assert bench.main([*args, "--json", str(out)]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    figures = json.loads(out.read_text())
+    args = ["--model", str(directory), "--prompts", "1", "--prompt-tokens", "8", "--threads", "1"]
+    code, figures = run_bench("greedy_head.py", args, tmp_path / "figures.json")
+    assert code == 0
     assert {f["name"] for f in figures} >= {"one_row_greedy_token_ms_median", "mismatches"}
     assert all(set(f) == {"name", "value", "unit", "baseline", "baseline_value"} for f in figures)

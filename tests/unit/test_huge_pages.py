@@ -17,6 +17,7 @@ from kvrelay.models.config import ModelConfig
 from kvrelay.models.huge_pages import HUGE_PAGE, copy_to_huge_pages, huge_page_empty, huge_page_zeros
 from kvrelay.models.kv_pages import KVPages
 from kvrelay.models.loader import load_artifacts
+from tests.support.bench_smoke import run_bench
 from tests.support.tiny_models import make_tiny_model
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_HUGEPAGE) is Linux's")
@@ -117,20 +118,8 @@ def test_weights_converted_at_load_are_advised_and_unchanged(tmp_path: Path) -> 
 
 def test_huge_pages_bench_smoke(tmp_path: Path) -> None:
     """bench/huge_pages.py runs on a small head and writes every figure (values not asserted)."""
-    import importlib.util
-    import json
-
-    spec = importlib.util.spec_from_file_location("bench_huge", Path(__file__).parents[2] / "bench" / "huge_pages.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    out = tmp_path / "figures.json"
-    threads = torch.get_num_threads()
-    try:
-        args = ["--vocab", "8192", "--repeats", "1", "--threads", "1", "--evict-mib", "1", "--json", str(out)]
-        assert bench.main(args) == 0
-    finally:
-        torch.set_num_threads(threads)
-    figures = json.loads(out.read_text())
+    args = ["--vocab", "8192", "--repeats", "1", "--threads", "1", "--evict-mib", "1"]
+    code, figures = run_bench("huge_pages.py", args, tmp_path / "figures.json")
+    assert code == 0
     assert {f["name"] for f in figures} >= {"lm_head_row_median_ms", "huge_pages_granted_mib"}
     assert all(set(f) == {"name", "value", "unit", "baseline", "baseline_value"} for f in figures)

@@ -27,6 +27,7 @@ from kvrelay.models.kv_pages import KVPages
 from kvrelay.models.native import build
 from kvrelay.models.native.attention import decode_attention_native
 from kvrelay.models.registry import build_model
+from tests.support.bench_smoke import run_bench
 from tests.support.bf16_close import assert_last_bit_close
 from tests.support.tiny_models import make_tiny_model
 
@@ -204,20 +205,8 @@ def test_a_bfloat16_model_builds_every_kernel_before_its_first_forward(
 @needs_kernel
 def test_ring_attention_bench_smoke(tmp_path: Path) -> None:
     """bench/ring_attention.py runs on 2 lanes and writes every figure (values not asserted)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "bench_ring", Path(__file__).parents[2] / "bench" / "ring_attention.py"
-    )
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    out = tmp_path / "figures.json"
-    threads = torch.get_num_threads()
-    try:
-        assert bench.main(["--lanes", "2", "--repeats", "1", "--threads", "1", "--json", str(out)]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    figures = json.loads(out.read_text())
+    code, figures = run_bench("ring_attention.py", ["--lanes", "2", "--repeats", "1", "--threads", "1"],
+                              tmp_path / "figures.json")
+    assert code == 0
     assert {f["name"] for f in figures} >= {"rings_speedup_median", "full_speedup_median"}
     assert all(set(f) == {"name", "value", "unit", "baseline", "baseline_value"} for f in figures)

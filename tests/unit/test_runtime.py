@@ -24,6 +24,7 @@ from kvrelay.worker.iteration import PolicyConfig
 from kvrelay.worker.jobs import Job, JobResult, QueueFullError, RuntimeClosedError, RuntimeEvent, TokenEvent
 from kvrelay.worker.page_pool import PagePool
 from kvrelay.worker.runtime import PagedRuntime
+from tests.support.bench_smoke import run_bench
 from tests.support.tiny_models import make_tiny_model
 
 PAGE = 4
@@ -313,20 +314,12 @@ def test_close_cancels_queued_and_running_jobs(gated: Any) -> None:
 
 def test_runtime_bench_smoke(tmp_path: Path) -> None:
     """bench/runtime.py runs end to end on a tiny model and writes every figure (values not asserted)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_runtime", Path(__file__).parents[2] / "bench" / "runtime.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     model_dir = make_tiny_model("gemma3", tmp_path / "tiny", seed=1)
-    out = tmp_path / "figures.json"
     argv = ["--model", str(model_dir), "--dtype", "float32", "--sequences", "3", "--min-prompt", "8",
             "--max-prompt", "24", "--new-tokens", "4", "--hf-batch", "2", "--prefill-tokens", "32",
-            "--ttft-tokens", "48", "--resident-tokens", "40", "--single-prompt", "12", "--single-new-tokens", "3",
-            "--json", str(out)]
-    assert bench.main(argv) == 0
-    figures = json.loads(out.read_text())
+            "--ttft-tokens", "48", "--resident-tokens", "40", "--single-prompt", "12", "--single-new-tokens", "3"]
+    code, figures = run_bench("runtime.py", argv, tmp_path / "figures.json")
+    assert code == 0
     assert {f["name"] for f in figures} >= {"decode_tokens_per_s", "decode_batch1_tokens_per_s", "prefill_tokens_per_s", "warm_ttft_share",
                                             "peak_rss_kvrelay"}
     assert all(set(f) == {"name", "value", "unit", "baseline", "baseline_value"} for f in figures)

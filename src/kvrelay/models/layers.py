@@ -255,7 +255,8 @@ class PagedModel:
     embedding: torch.Tensor
     lm_head: torch.Tensor
     _head: PackedLinear
-    _greedy: GreedyHead | None
+    greedy_head: GreedyHead | None
+    """The exact greedy screen of the LM head; None where it does not apply (``GreedyHead.build``)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.config = config
@@ -281,7 +282,7 @@ class PagedModel:
         else:
             self.lm_head = w.take("lm_head.weight", (self.config.vocab_size, self.config.hidden_size))
         self._head = PackedLinear(self.lm_head, max_rows=None)
-        self._greedy = GreedyHead.build(self.lm_head)
+        self.greedy_head = GreedyHead.build(self.lm_head)
 
     @torch.no_grad()
     def forward(
@@ -311,8 +312,8 @@ class PagedModel:
     @torch.no_grad()
     def greedy(self, h: torch.Tensor) -> list[int]:
         """The greedy token of each row of ``h``: ``greedy_tokens(self.logits(h))``."""
-        if h.shape[0] == 1 and self._greedy is not None:
-            token = self._greedy.argmax(h)
+        if h.shape[0] == 1 and self.greedy_head is not None:
+            token = self.greedy_head.argmax(h)
             if token is not None:
                 return [token]
         return greedy_tokens(self.logits(h)).tolist()

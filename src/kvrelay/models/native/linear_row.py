@@ -36,13 +36,8 @@ _SIGNATURES = (
 def linear_row_native(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``F.linear(x, weight)`` for ``x`` ``[1, K]`` and ``weight`` ``[N, K]``; ``None`` if the kernel does not
     apply (nothing computed)."""
-    tensors_fit = all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.dim() == 2 for t in (x, weight))
-    if not tensors_fit or x.shape[0] != 1 or x.shape[1] != weight.shape[1] or x.shape[1] % 32:
-        return None
-    if not weight.is_contiguous() or weight.shape[0] == 0:
-        return None
-    lib = load("linear_row", _SIGNATURES)
-    if lib is None:
+    lib = _library_for(x, weight)
+    if lib is None or weight.shape[0] == 0:
         return None
     x = x.contiguous()
     out = torch.empty(1, weight.shape[0], dtype=torch.bfloat16)
@@ -53,13 +48,8 @@ def linear_row_native(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | N
 def linear_rows_at_native(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
     """``linear_row_native(x, weight)[0, rows]`` (``rows`` int64 ``[C]``, in range) computing only those
     outputs, each exactly as the full GEMV computes it; ``None`` if the kernel does not apply."""
-    tensors_fit = all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.dim() == 2 for t in (x, weight))
-    if not tensors_fit or x.shape[0] != 1 or x.shape[1] != weight.shape[1] or x.shape[1] % 32:
-        return None
-    if not weight.is_contiguous() or rows.dtype != torch.int64 or rows.dim() != 1:
-        return None
-    lib = load("linear_row", _SIGNATURES)
-    if lib is None:
+    lib = _library_for(x, weight)
+    if lib is None or rows.dtype != torch.int64 or rows.dim() != 1:
         return None
     x, rows = x.contiguous(), rows.contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.bfloat16)
@@ -67,3 +57,12 @@ def linear_rows_at_native(x: torch.Tensor, weight: torch.Tensor, rows: torch.Ten
         x.data_ptr(), weight.data_ptr(), weight.shape[1], rows.data_ptr(), rows.shape[0], out.data_ptr()
     )
     return out
+
+
+def _library_for(x: torch.Tensor, weight: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernel, when it is built and takes ``x`` (bfloat16 ``[1, K]``, ``K % 32 == 0``) against ``weight``
+    (contiguous bfloat16 ``[N, K]``), both on the CPU; else ``None``."""
+    tensors_fit = all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.dim() == 2 for t in (x, weight))
+    if not tensors_fit or x.shape[0] != 1 or x.shape[1] != weight.shape[1] or x.shape[1] % 32:
+        return None
+    return load("linear_row", _SIGNATURES) if weight.is_contiguous() else None
