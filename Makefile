@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 sim: $(STAMP)
-	$(VENV)/bin/kvrelay sim --trace ../shared/traces/mooncake_synthetic_trace.jsonl --workers 8 --policy all
+	$(VENV)/bin/kvrelay sim --trace data/traces/mooncake_synthetic_trace.jsonl --workers 8 --policy all
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -16,13 +16,11 @@ import random
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from common import Figure, report  # noqa: E402
+from kvrelay.bench.report import Figure, report  # noqa: E402
 
 from kvrelay.protocol.messages import Assignment, Offer, RouteSegment  # noqa: E402
-from kvrelay.store.keys import prompt_chain  # noqa: E402
+from kvrelay.protocol.chunk_keys import prompt_chain  # noqa: E402
 from kvrelay.worker.admission import WorkerIdentity, admit  # noqa: E402
 from kvrelay.worker.page_pool import PagePool  # noqa: E402
 

@@ -51,12 +51,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import httpx
-from common import Figure, report
+from kvrelay.bench.report import Figure, report
+from kvrelay.testing.ports import free_port
 
 WORDS = ("paris", "rome", "cache", "page", "router", "worker", "token", "prefix", "chunk", "decode", "prefill",
          "quick", "brown", "fox", "lazy", "dog", "hello", "world", "attention", "state", "fixed", "size")
@@ -72,12 +70,6 @@ def prompt(index: int) -> str:
     return f"{index} " + " ".join(rng.choice(WORDS) for _ in range(12))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
@@ -89,8 +81,8 @@ def router_ttft(parts: Any, max_tokens: int) -> Ttft:
     """Requests straight to the embedded ``ClusterRouter`` of ``parts``, shaped exactly as the ingress shapes them."""
     from kvrelay.api.detokenize import IncrementalText
     from kvrelay.api.schema import CompletionRequest
-    from kvrelay.controller.cluster import Consumer
-    from kvrelay.controller.events import Outcome, Request
+    from kvrelay.router.cluster_router import Consumer
+    from kvrelay.core.router.events import Outcome, Request
 
     async def one(index: int) -> float:
         body = CompletionRequest(model=parts.served.name, prompt=prompt(index), max_tokens=max_tokens,
@@ -144,8 +136,8 @@ async def serve_kvrelay(model_dir: Path, max_tokens: int, lanes: int, port: int,
     import uvicorn
 
     from kvrelay.api.app import create_app
-    from kvrelay.processes.assembly import WorkerSpec
-    from kvrelay.serve import ServeOptions, embedded
+    from kvrelay.launch.worker_assembly import WorkerSpec
+    from kvrelay.launch.serve import ServeOptions, embedded
 
     worker = WorkerSpec("local-0", model=str(model_dir), dtype="float32", kv_tokens=32768, lanes=lanes,
                         token_budget=2048)
@@ -341,7 +333,7 @@ async def measure(routes: list[Route], args: argparse.Namespace) -> dict[str, Pa
 
 
 async def run_bench(args: argparse.Namespace) -> list[Figure]:
-    from tests.support.tiny_models import make_tiny_model
+    from kvrelay.testing.tiny_models import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="bench-api-"))
     model_dir = make_tiny_model("gemma3", work / "tiny-gemma3")

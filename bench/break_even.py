@@ -25,23 +25,21 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from common import Figure, report  # noqa: E402
+from kvrelay.bench.report import Figure, report  # noqa: E402
 
-from kvrelay.models.kv_pages import KVPages  # noqa: E402
-from kvrelay.models.loader import load_artifacts  # noqa: E402
+from kvrelay.models.kernels.kv_pages import KVPages  # noqa: E402
+from kvrelay.models.loading.loader import load_artifacts  # noqa: E402
 from kvrelay.models.registry import build_model  # noqa: E402
 from kvrelay.store.chunk_format import encode_chunk  # noqa: E402
 from kvrelay.store.files import SsdTier  # noqa: E402
-from kvrelay.store.keys import chunk_chain  # noqa: E402
+from kvrelay.protocol.chunk_keys import chunk_chain  # noqa: E402
 from kvrelay.store.ram import RamTier  # noqa: E402
 from kvrelay.store.tier import ChunkTier  # noqa: E402
 from kvrelay.worker.chunk_io import gather_chunk, scatter_chunk  # noqa: E402
-from kvrelay.worker.iteration import PolicyConfig  # noqa: E402
-from kvrelay.worker.jobs import Job  # noqa: E402
-from kvrelay.worker.runtime import PagedRuntime  # noqa: E402
+from kvrelay.worker.runtime.iteration import PolicyConfig  # noqa: E402
+from kvrelay.worker.runtime.jobs import Job  # noqa: E402
+from kvrelay.worker.runtime.loop import PagedRuntime  # noqa: E402
 
 LENGTHS = (64, 128, 256, 512, 1024, 2048)
 
@@ -86,9 +84,8 @@ def main() -> None:
     }
     stack = contextlib.ExitStack()
     if args.s3:
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
         from kvrelay.store.s3 import S3Tier
-        from tests.support.moto import running_moto_server
+        from kvrelay.testing.moto import running_moto_server
 
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")

@@ -52,7 +52,6 @@ from pathlib import Path
 from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 
 DEFAULT_OUT = ROOT / "configs" / "calibration-gemma3-270m-cpu.toml"
 RESTORE_FIGURES = {"ram": "ram_verified", "ssd": "ssd_dropped_verified", "object": "s3_verified"}
@@ -73,7 +72,7 @@ def time_to_first_token(engine, ids: list[int]) -> float:
 def decode_step(engine, batch: int, context: int, steps: int, vocab: int) -> float:
     """Median seconds between consecutive tokens of one sequence while all ``batch`` sequences decode."""
     from kvrelay.protocol.messages import Sampling
-    from kvrelay.worker.jobs import Job, JobResult, TokenEvent
+    from kvrelay.worker.runtime.jobs import Job, JobResult, TokenEvent
 
     times: dict[int, list[float]] = {}
     pages = [engine.allocate_pages(context + steps) for _ in range(batch)]
@@ -100,8 +99,8 @@ def background_load(args: argparse.Namespace) -> None:
     import torch
 
     from kvrelay.protocol.messages import Sampling
-    from kvrelay.worker.engine import Engine, EngineOptions
-    from kvrelay.worker.jobs import Job
+    from kvrelay.worker.runtime.engine import Engine, EngineOptions
+    from kvrelay.worker.runtime.jobs import Job
 
     torch.set_num_threads(args.threads)
     with Engine.open(args.model, args.dtype, EngineOptions(kv_tokens=16384, num_lanes=args.lanes,
@@ -213,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from kvrelay.models.loader import load_artifacts
-    from kvrelay.tracebench.faces import sched_of
-    from kvrelay.worker.engine import Engine, EngineOptions, parse_dtype
-    from kvrelay.worker.torch_threads import confine_threads
+    from kvrelay.models.loading.loader import load_artifacts
+    from kvrelay.bench.trace.faces import sched_of
+    from kvrelay.worker.runtime.engine import Engine, EngineOptions, parse_dtype
+    from kvrelay.worker.runtime.torch_threads import confine_threads
 
     torch.set_num_threads(args.threads)
     confine_threads()  # before loading: the runtime's device thread alone runs torch ops in parallel
@@ -280,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(toml_text(values, measured), encoding="utf-8")
-    from kvrelay.controller.calibration import load_calibration
+    from kvrelay.sim.calibration import load_calibration
 
     load_calibration(args.out)
     print(f"wrote {args.out}")

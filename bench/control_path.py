@@ -41,16 +41,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from common import Figure, report
+from kvrelay.bench.report import Figure, report
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve
 
-from kvrelay.controller.cluster import ClusterRouter, Consumer
-from kvrelay.controller.events import Outcome, Request
-from kvrelay.controller.router import RouterConfig, new_router
+from kvrelay.router.cluster_router import ClusterRouter, Consumer
+from kvrelay.core.router.events import Outcome, Request
+from kvrelay.core.router.machine import RouterConfig, new_router
 from kvrelay.protocol.messages import (
     Cancel,
     Delta,

@@ -38,16 +38,13 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from common import Figure, report  # noqa: E402
+from kvrelay.bench.report import Figure, report  # noqa: E402
 
-from kvrelay.controller.events import Record  # noqa: E402
+from kvrelay.core.router.events import Record  # noqa: E402
 from kvrelay.facts.cache import ChainFactsCache  # noqa: E402
 from kvrelay.facts.store import FactStore, WriterSettings  # noqa: E402
-from tests.support.databases import pg_base_url, postgres_schema_url  # noqa: E402
+from kvrelay.testing.databases import pg_base_url, postgres_schema_url  # noqa: E402
 
 FP = b"bench-model"
 

@@ -21,16 +21,14 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import torch
-from common import Figure, report
+from kvrelay.bench.report import Figure, report
 
 from kvrelay.models.batch import ForwardBatch
-from kvrelay.models.kv_pages import KVPages
-from kvrelay.models.loader import load_artifacts
-from kvrelay.models.native.linear_row import linear_row_native
+from kvrelay.models.kernels.kv_pages import KVPages
+from kvrelay.models.loading.loader import load_artifacts
+from kvrelay.models.kernels.native.linear_row import linear_row_native
 from kvrelay.models.registry import build_model
 from kvrelay.models.sampling import greedy_tokens
 

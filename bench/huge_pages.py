@@ -25,13 +25,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import torch
-from common import Figure, report
+from kvrelay.bench.report import Figure, report
 
-from kvrelay.models.huge_pages import huge_page_empty
+from kvrelay.models.kernels.huge_pages import huge_page_empty
 from kvrelay.models.mlp import PackedLinear
 
 HIDDEN = 640

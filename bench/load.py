@@ -34,10 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from common import Figure, report
+from kvrelay.bench.report import Figure, report
 
 SECOND_LOAD_GOAL_S = 5.0
 
@@ -45,7 +43,7 @@ _CHILD = """
 import json, sys, time
 from pathlib import Path
 started = time.perf_counter()
-from kvrelay.models.loader import load_artifacts
+from kvrelay.models.loading.loader import load_artifacts
 source = None if sys.argv[1] == "-" else sys.argv[1]
 call, cpu = time.perf_counter(), time.process_time()
 artifacts = load_artifacts(source, cache_dir=Path(sys.argv[2]))
@@ -88,7 +86,7 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = parser.parse_args()
 
-    from kvrelay.models.loader import load_artifacts
+    from kvrelay.models.loading.loader import load_artifacts
 
     temporary = args.cache_dir is None
     cache_dir = Path(tempfile.mkdtemp(prefix="kvrelay-load-bench-")) if temporary else args.cache_dir

@@ -42,18 +42,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from common import Figure, report  # noqa: E402
+from kvrelay.bench.report import Figure, report  # noqa: E402
 
 from kvrelay.store.chunk_format import digest, encode_chunk  # noqa: E402
 from kvrelay.store.files import SsdTier  # noqa: E402
-from kvrelay.store.keys import chunk_chain  # noqa: E402
+from kvrelay.protocol.chunk_keys import chunk_chain  # noqa: E402
 from kvrelay.store.ram import RamTier  # noqa: E402
 from kvrelay.store.tier import ChunkSource, ChunkTier  # noqa: E402
-from kvrelay.store.tiers import TierStack  # noqa: E402
+from kvrelay.store.tier_stack import TierStack  # noqa: E402
 
 GEMMA3_270M_CHUNK_SHAPE = (18, 2, 64, 1, 256)
 FINGERPRINT = b"bench-restore|gemma3-270m|64"
@@ -178,7 +175,7 @@ def measure_s3(
 ) -> tuple[tuple[float, float], tuple[float, float]]:
     """(GB/s, memcpy GB/s) from S3 on a loopback moto_server: direct into pages, and localized through ssd."""
     from kvrelay.store.s3 import S3Tier
-    from tests.support.moto import running_moto_server
+    from kvrelay.testing.moto import running_moto_server
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")

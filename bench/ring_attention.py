@@ -26,14 +26,12 @@ import sys
 import time
 from collections.abc import Callable
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import torch
-from common import Figure, report
+from kvrelay.bench.report import Figure, report
 
-from kvrelay.models.attention import decode_attention
-from kvrelay.models.native.attention import decode_attention_native
+from kvrelay.models.kernels.attention import decode_attention
+from kvrelay.models.kernels.native.attention import decode_attention_native
 
 LANES, HEADS, HEAD_DIM = 32, 4, 256
 SHAPES = {"rings": (15, 512), "full": (3, 1152)}

@@ -37,12 +37,10 @@ import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from common import Figure, report  # noqa: E402
+from kvrelay.bench.report import Figure, report  # noqa: E402
 
-from kvrelay.controller.events import (  # noqa: E402
+from kvrelay.core.router.events import (  # noqa: E402
     MessageReceived,
     Record,
     ReplicasKnown,
@@ -50,8 +48,8 @@ from kvrelay.controller.events import (  # noqa: E402
     RequestArrived,
     SendOffer,
 )
-from kvrelay.controller.index import ResidencyIndex  # noqa: E402
-from kvrelay.controller.router import RouterConfig, new_router, step  # noqa: E402
+from kvrelay.core.planning.index import ResidencyIndex  # noqa: E402
+from kvrelay.core.router.machine import RouterConfig, new_router, step  # noqa: E402
 from kvrelay.facts.replica_map import ReplicaMap  # noqa: E402
 from kvrelay.facts.sink import record_sink  # noqa: E402
 from kvrelay.facts.store import FactStore, FactStoreStats  # noqa: E402

@@ -2,7 +2,7 @@
 
 Figures (one run, one process; the baseline is measured in the same run, right after
 or interleaved with ours, on the runtime's device thread so both use the same torch
-thread pool (``kvrelay.worker.torch_threads``); prefill and TTFT are the best of ``--repeats`` interleaved
+thread pool (``kvrelay.worker.runtime.torch_threads``); prefill and TTFT are the best of ``--repeats`` interleaved
 runs because the CPU is shared; ``*_median`` figures give the median of the same runs):
 
 1. ``decode_tokens_per_s``: aggregate decode throughput with ``--sequences`` (32)
@@ -49,11 +49,11 @@ from typing import Any
 
 import torch
 
-from kvrelay.models.loader import load_artifacts
+from kvrelay.models.loading.loader import load_artifacts
 from kvrelay.protocol.messages import Sampling
-from kvrelay.worker.engine import Engine, EngineOptions, parse_dtype
-from kvrelay.worker.jobs import Job, TokenEvent
-from kvrelay.worker.torch_threads import confine_threads
+from kvrelay.worker.runtime.engine import Engine, EngineOptions, parse_dtype
+from kvrelay.worker.runtime.jobs import Job, TokenEvent
+from kvrelay.worker.runtime.torch_threads import confine_threads
 
 GREEDY_NO_STOP = Sampling()
 

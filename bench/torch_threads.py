@@ -26,9 +26,8 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
 
-from common import Figure, report
+from kvrelay.bench.report import Figure, report
 
 CASES = ("alone", "main_parallel", "main_confined")
 

@@ -50,11 +50,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 
-from kvrelay.tracebench.client import Measured, replay, wait_ready
-from kvrelay.tracebench.decisions import routing_summary
-from kvrelay.tracebench.faces import (
+from kvrelay.bench.trace.client import Measured, replay, wait_ready
+from kvrelay.bench.trace.decisions import routing_summary
+from kvrelay.bench.trace.faces import (
     CLUSTER_READY,
     Face,
     FaceOptions,
@@ -63,8 +62,8 @@ from kvrelay.tracebench.faces import (
     serve_workers,
     start_sglang,
 )
-from kvrelay.tracebench.prompts import PromptBuilder, Scaling, TracePrompt
-from kvrelay.tracebench.report import (
+from kvrelay.bench.trace.prompts import PromptBuilder, Scaling, TracePrompt
+from kvrelay.bench.trace.report import (
     calibration_figures,
     comparison_figures,
     markdown,
@@ -72,7 +71,7 @@ from kvrelay.tracebench.report import (
     summarize,
 )
 
-TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+TRACE = ROOT / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
 SETUPS = ("kvrelay", "sglang_cache_aware", "round_robin")
 LABELS = {"kvrelay": "kvrelay router (policy kvrelay)",
           "sglang_cache_aware": "sglang-router cache_aware over 2 kvrelay serve",
@@ -123,8 +122,8 @@ def load_prompts(args: argparse.Namespace) -> tuple[str, list[TracePrompt]]:
     """The served model's name and the slice's prompts."""
     import torch
 
-    from kvrelay.controller.trace import load_trace
-    from kvrelay.models.loader import load_artifacts
+    from kvrelay.sim.trace import load_trace
+    from kvrelay.models.loading.loader import load_artifacts
 
     requests = load_trace(args.trace)[args.offset: args.offset + args.count]
     if not requests:
@@ -220,14 +219,14 @@ def calibrate(args: argparse.Namespace) -> None:
 def predict(args: argparse.Namespace, prompts: list[TracePrompt], availabilities: list[float]):
     """The simulator's TTFTs for ``prompts``, once per kvrelay replay with the calibration's costs scaled from its
     CPU availability to that replay's, samples pooled; also the scale factors."""
-    from kvrelay.controller.calibration import (
+    from kvrelay.sim.calibration import (
         apply_calibration,
         load_calibration,
         scale_costs,
     )
-    from kvrelay.controller.cluster_config import load_cluster_config
-    from kvrelay.controller.sim_replay import with_workers
-    from kvrelay.tracebench.simulate import pooled, predict_ttft
+    from kvrelay.sim.cluster_config import load_cluster_config
+    from kvrelay.sim.replay import with_workers
+    from kvrelay.bench.trace.simulate import pooled, predict_ttft
 
     calibration = load_calibration(args.calibration)
     factors = [float(calibration.measured.get("cpu_availability", 1.0)) / a for a in availabilities]

@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
-from kvrelay.models.loader import load_artifacts
+from kvrelay.models.loading.loader import load_artifacts
 from tests.support.processes import child_env, kvrelay, wait_until
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.testing.tiny_models import make_tiny_model
 from tests.support.worker_harness import greedy_reference
 
 

@@ -28,7 +28,7 @@ import openai
 import pytest
 
 from tests.support.server_thread import ServerThread
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.testing.tiny_models import make_tiny_model
 
 CLIENTS = 64
 MAX_TOKENS = 12

@@ -34,7 +34,7 @@ from kvrelay.api.schema import ChatRequest, CompletionRequest
 from kvrelay.protocol.codec import decode, encode
 from kvrelay.protocol.messages import Assignment, Offer
 from tests.support.server_thread import ServerThread
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.testing.tiny_models import make_tiny_model
 
 EXAMPLES = 150
 CONTEXT = 96

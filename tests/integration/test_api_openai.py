@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from kvrelay.models.loader import load_artifacts
+from kvrelay.models.loading.loader import load_artifacts
 from tests.support.server_thread import ServerThread
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.testing.tiny_models import make_tiny_model
 from tests.support.worker_harness import greedy_reference
 
 

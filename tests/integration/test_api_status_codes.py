@@ -10,11 +10,11 @@ import pytest
 from kvrelay.api.app import create_app
 from kvrelay.api.ingress import Ingress, ServedModel
 from kvrelay.api.metrics import Metrics
-from kvrelay.controller.cluster import ClusterRouter
-from kvrelay.controller.router import RouterConfig, new_router
-from kvrelay.models.loader import load_artifacts
+from kvrelay.router.cluster_router import ClusterRouter
+from kvrelay.core.router.machine import RouterConfig, new_router
+from kvrelay.models.loading.loader import load_artifacts
 from tests.support.router_driver import heartbeat
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.testing.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from kvrelay.store.files import SharedDirTier, SsdTier
-from kvrelay.store.keys import chunk_chain
+from kvrelay.protocol.chunk_keys import chunk_chain
 from kvrelay.store.s3 import S3Tier
-from tests.support.moto import moto_endpoint, use_test_credentials  # noqa: F401 (fixture)
+from tests.support.fixtures import moto_endpoint, use_test_credentials  # noqa: F401 (fixture)
 
 FP = b"atomic-write-test"
 KEY = chunk_chain(FP, list(range(64)), 64)[0]

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.benchmarks.scenario_stats import (
+from kvrelay.bench.scenarios.stats import (
     covered,
     eviction_delta,
     merge_intervals,
     quantile,
     restore_overlap,
 )
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.testing.tiny_models import make_tiny_model
 
 CASES = ("cold", "resident", "partial", "ssd", "object", "cancellation", "restart")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -33,7 +33,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_scenarios_write_figures_report_and_plots(tmp_path: Path) -> None:
     model = make_tiny_model("gemma3", tmp_path / "tiny-gemma3", seed=3)
     out = tmp_path / "results"
-    argv = [sys.executable, "-m", "kvrelay.cli", "--log-level", "WARNING", "bench", "scenarios",
+    argv = [sys.executable, "-m", "kvrelay.cli.main", "--log-level", "WARNING", "bench", "scenarios",
             "--model", str(model), "--dtype", "float32", "--requests", "3", "--concurrency", "2",
             "--prefix-tokens", "128", "--suffix-tokens", "16", "--new-tokens", "6", "--kv-tokens", "1024",
             "--lanes", "4", "--ram-bytes", str(1 << 20), "--flood-factor", "1.0", "--out-dir", str(out),

@@ -41,7 +41,7 @@ from tests.support.processes import (
     wait_until,
 )
 from tests.support.tcp_proxy import TcpProxy
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.testing.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
 

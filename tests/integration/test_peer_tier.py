@@ -13,11 +13,11 @@ import torch
 
 from kvrelay.store.chunk_format import decode_header, encode_chunk
 from kvrelay.store.files import SsdTier
-from kvrelay.store.keys import chunk_chain
+from kvrelay.protocol.chunk_keys import chunk_chain
 from kvrelay.store.peer import PeerServer, PeerTier
 from kvrelay.store.ram import RamTier
 from kvrelay.store.tier import CorruptChunk
-from kvrelay.store.tiers import TierStack
+from kvrelay.store.tier_stack import TierStack
 
 FP = b"tiny-qwen3|float32|64"
 SHAPE = (2, 2, 8, 1, 8)

@@ -13,11 +13,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvrelay.cli import COMMANDS, build_parser
-from kvrelay.models.checkpoint import ModelLoadError
-from kvrelay.processes import catalog, cluster_cli, router_cli, worker_cli
-from kvrelay.processes.catalog import ModelCatalog, load_served_model
-from kvrelay.processes.config import ConfigError, add_options, resolve
+from kvrelay.cli.main import COMMANDS, build_parser
+from kvrelay.models.loading.weight_layout import ModelLoadError
+from kvrelay.cli import cluster as cluster_cli
+from kvrelay.cli import router as router_cli
+from kvrelay.cli import worker as worker_cli
+from kvrelay.launch import catalog
+from kvrelay.launch.catalog import ModelCatalog, load_served_model
+from kvrelay.launch.config import ConfigError, add_options, resolve
 from kvrelay.protocol.messages import Heartbeat
 from tests.support.processes import (
     StreamingRequest,
@@ -27,7 +30,7 @@ from tests.support.processes import (
     wait_until,
 )
 from tests.support.tiny_gguf import write_tiny_gguf
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.testing.tiny_models import make_tiny_model
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12] * 4
 BUDGET = 300

@@ -12,11 +12,11 @@ import torch
 
 from kvrelay.store.chunk_format import decode_header, encode_chunk
 from kvrelay.store.files import SsdTier
-from kvrelay.store.keys import chunk_chain
+from kvrelay.protocol.chunk_keys import chunk_chain
 from kvrelay.store.s3 import S3Tier
 from kvrelay.store.tier import CorruptChunk, ResidencyEvent
-from kvrelay.store.tiers import TierStack
-from tests.support.moto import moto_endpoint, use_test_credentials  # noqa: F401 (fixture)
+from kvrelay.store.tier_stack import TierStack
+from tests.support.fixtures import moto_endpoint, use_test_credentials  # noqa: F401 (fixture)
 
 FP = b"tiny-gemma3|float32|64"
 SHAPE = (2, 2, 8, 1, 8)

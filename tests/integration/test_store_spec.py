@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrelay.processes.assembly import StoreSpec
+from kvrelay.launch.worker_assembly import StoreSpec
 from kvrelay.store.chunk_format import encode_chunk
 from kvrelay.store.files import SharedDirTier
 from kvrelay.store.s3 import S3Tier
 from kvrelay.store.tier import ResidencyEvent
-from tests.support.moto import moto_endpoint, use_test_credentials  # noqa: F401 (fixture)
+from tests.support.fixtures import moto_endpoint, use_test_credentials  # noqa: F401 (fixture)
 
 KEY, FP = b"k" * 16, b"fp"
 

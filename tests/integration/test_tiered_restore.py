@@ -13,11 +13,11 @@ import torch
 from kvrelay.protocol.messages import Result, RouteSegment
 from kvrelay.store.files import SharedDirTier, SsdTier
 from kvrelay.store.peer import PeerServer
-from kvrelay.store.tiers import TierStack
-from kvrelay.worker.checkpoint import Checkpointer
+from kvrelay.store.tier_stack import TierStack
+from kvrelay.worker.kv_capture import Checkpointer
 from kvrelay.worker.chunk_io import gather_chunk
 from kvrelay.worker.restore import StoreRestore
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.testing.tiny_models import make_tiny_model
 from tests.support.worker_harness import WorkerHarness
 
 PROMPT = tuple(range(7, 7 + 150))  # 2 full chunks + 22 tokens

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.tracebench.faces import find_sglang_router
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.bench.trace.faces import find_sglang_router
+from kvrelay.testing.tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 FIGURE_KEYS = {"name", "value", "unit", "baseline", "baseline_value"}

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from kvrelay.controller.router import RouterConfig
+from kvrelay.core.router.machine import RouterConfig
 from kvrelay.protocol.codec import ProtocolError, encode
 from kvrelay.protocol.messages import (
     Assignment,

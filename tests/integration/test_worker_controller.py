@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvrelay.protocol.messages import OfferResult, Result, RouteSegment
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.testing.tiny_models import make_tiny_model
 from tests.support.worker_harness import WorkerHarness
 
 PROMPT = tuple(range(5, 5 + 150))  # 2 full chunks + 22 tokens

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvrelay.protocol.messages import OfferResult, Result, RouteSegment
-from kvrelay.store.keys import prompt_chain
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.protocol.chunk_keys import prompt_chain
+from kvrelay.testing.tiny_models import make_tiny_model
 from tests.support.worker_harness import WorkerHarness
 
 SEED = 7

@@ -5,10 +5,10 @@ from __future__ import annotations
 import zlib
 from dataclasses import replace
 
-from kvrelay.controller.cluster_config import ClusterConfig, NetworkSpec, WorkerSpec
-from kvrelay.controller.events import Request
-from kvrelay.controller.sim import Simulation
-from kvrelay.controller.sim_tokens import token_value
+from kvrelay.sim.cluster_config import ClusterConfig, NetworkSpec, WorkerSpec
+from kvrelay.core.router.events import Request
+from kvrelay.sim.interpreter import Simulation
+from kvrelay.sim.tokens import token_value
 from kvrelay.protocol.messages import Sampling
 
 MODEL = "llama-3-8b"

@@ -8,7 +8,7 @@ only once nothing of the assignment is in flight.
 
 from __future__ import annotations
 
-from kvrelay.controller.sim import Simulation
+from kvrelay.sim.interpreter import Simulation
 from tests.scenario.scenario_kit import (
     assert_invariants,
     expected_stream,

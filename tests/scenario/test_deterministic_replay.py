@@ -5,10 +5,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from kvrelay.controller.cluster_config import load_cluster_config
-from kvrelay.controller.sim import Simulation
-from kvrelay.controller.sim_replay import ReplayOptions, replay, with_workers
-from kvrelay.controller.trace import load_trace
+from kvrelay.sim.cluster_config import load_cluster_config
+from kvrelay.sim.interpreter import Simulation
+from kvrelay.sim.replay import ReplayOptions, replay, with_workers
+from kvrelay.sim.trace import load_trace
 from tests.scenario.scenario_kit import (
     assert_invariants,
     request,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvrelay.controller.sim import Simulation
+from kvrelay.sim.interpreter import Simulation
 from tests.scenario.scenario_kit import (
     assert_invariants,
     expected_stream,

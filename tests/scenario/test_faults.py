@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvrelay.controller.sim import Simulation
+from kvrelay.sim.interpreter import Simulation
 from tests.scenario.scenario_kit import (
     assert_invariants,
     expected_stream,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.controller.sim import Simulation
+from kvrelay.sim.interpreter import Simulation
 from tests.scenario.scenario_kit import (
     assert_invariants,
     offers_of,

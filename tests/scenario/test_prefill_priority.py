@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.controller.policies.kvrelay_ttft import DEADLINE_STRETCH
-from kvrelay.controller.sim import Simulation
+from kvrelay.core.policies.kvrelay_ttft import DEADLINE_STRETCH
+from kvrelay.sim.interpreter import Simulation
 from tests.scenario.scenario_kit import (
     assert_invariants,
     offers_of,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.cli import main
-from kvrelay.controller.policies import POLICY_NAMES
+from kvrelay.cli.main import main
+from kvrelay.core.policies import POLICY_NAMES
 
 TRACE_HEAD = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_head40.jsonl"
 """The first 40 lines of Mooncake's FAST25 synthetic trace (kvcache-ai/Mooncake, Apache-2.0)."""

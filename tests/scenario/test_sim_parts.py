@@ -7,20 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.controller.cluster_config import (
+from kvrelay.sim.cluster_config import (
     ClusterConfigError,
     NetworkSpec,
     load_cluster_config,
 )
-from kvrelay.controller.sim import Simulation
-from kvrelay.controller.sim_admission import (
+from kvrelay.sim.interpreter import Simulation
+from kvrelay.sim.admission import (
     AdmissionDecline,
     AdmissionPlan,
     plan_admission,
 )
-from kvrelay.controller.sim_cache import SharedObjectTier, WorkerCaches
-from kvrelay.controller.sim_network import NetworkModel
-from kvrelay.controller.sim_tokens import token_value
+from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
+from kvrelay.sim.network import NetworkModel
+from kvrelay.sim.tokens import token_value
 from kvrelay.protocol.messages import Assignment, Offer, RouteSegment
 from tests.scenario.scenario_kit import (
     assert_invariants,

@@ -9,7 +9,7 @@ is offered the gpu route on w0, which w0 re-checks and declines.
 
 from __future__ import annotations
 
-from kvrelay.controller.sim import Simulation
+from kvrelay.sim.interpreter import Simulation
 from tests.scenario.scenario_kit import (
     assert_invariants,
     expected_stream,

@@ -1,6 +1,6 @@
 """kvrelay router and worker processes for tests: start them, read their output, stop them.
 
-``kvrelay(...)`` runs ``python -m kvrelay.cli ...`` as a
+``kvrelay(...)`` runs ``python -m kvrelay.cli.main ...`` as a
 ``processes.child.ChildProcess`` (stdout and stderr merged, every line kept;
 ``wait_for(pattern)`` returns the first matching line after a mark, or fails
 with the output's tail when the timeout passes or the process exits). ``wait_until`` polls a predicate (e.g.
@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from kvrelay.processes.child import ChildProcess
+from kvrelay.launch.child import ChildProcess
 
 SECRET = "kvrelay-test-secret-0123456789abcdef"
 T = TypeVar("T")
@@ -45,7 +45,7 @@ def child_env(home: Path, **extra: str) -> dict[str, str]:
 
 
 def kvrelay(name: str, command: str, args: list[str], env: dict[str, str]) -> ChildProcess:
-    argv = [sys.executable, "-m", "kvrelay.cli", "--log-level", "INFO", command, *args]
+    argv = [sys.executable, "-m", "kvrelay.cli.main", "--log-level", "INFO", command, *args]
     return ChildProcess(name, argv, env)
 
 

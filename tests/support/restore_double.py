@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrelay.models.kv_pages import KVPages
+from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.protocol.messages import Offer
 from kvrelay.worker.handlers import RestoreReport
 

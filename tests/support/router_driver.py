@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrelay.controller.events import (
+from kvrelay.core.router.events import (
     DeliverDelta,
     DeliverResult,
     Effect,
@@ -15,7 +15,7 @@ from kvrelay.controller.events import (
     SendCancel,
     SendOffer,
 )
-from kvrelay.controller.router import RouterConfig, new_router, step
+from kvrelay.core.router.machine import RouterConfig, new_router, step
 from kvrelay.protocol.messages import (
     Assignment,
     Delta,

@@ -10,14 +10,9 @@ from pathlib import Path
 import uvicorn
 
 from kvrelay.api.app import create_app
-from kvrelay.processes.assembly import WorkerSpec
-from kvrelay.serve import Embedded, ServeOptions, embedded
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from kvrelay.launch.worker_assembly import WorkerSpec
+from kvrelay.launch.serve import Embedded, ServeOptions, embedded
+from kvrelay.testing.ports import free_port
 
 
 class ServerThread:

@@ -21,7 +21,7 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
-from tests.support.tiny_models import SPECIAL_TOKENS
+from kvrelay.testing.tiny_models import SPECIAL_TOKENS
 
 _WORDS = ["the", "capital", "of", "France", "is", "Paris", "hello", "world", "page", "cache"]
 _ARCH_ENUMS = {

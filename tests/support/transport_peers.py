@@ -17,9 +17,9 @@ from typing import Any, Literal
 import msgspec
 from websockets.asyncio.client import ClientConnection, connect
 
-from kvrelay.controller.cluster import ClusterRouter, Consumer
-from kvrelay.controller.events import Outcome, Request
-from kvrelay.controller.router import RouterConfig, new_router
+from kvrelay.router.cluster_router import ClusterRouter, Consumer
+from kvrelay.core.router.events import Outcome, Request
+from kvrelay.core.router.machine import RouterConfig, new_router
 from kvrelay.protocol.messages import (
     Cancel,
     Delta,

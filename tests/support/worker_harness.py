@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from kvrelay.models.fingerprint import model_fingerprint
-from kvrelay.models.kv_pages import KVPages
-from kvrelay.models.loader import load_artifacts
+from kvrelay.models.loading.fingerprint import model_fingerprint
+from kvrelay.models.kernels.kv_pages import KVPages
+from kvrelay.models.loading.loader import load_artifacts
 from kvrelay.models.registry import build_model
 from kvrelay.protocol.messages import (
     Assignment,
@@ -24,12 +24,12 @@ from kvrelay.protocol.messages import (
     WireMessage,
 )
 from kvrelay.worker.admission import WorkerIdentity
-from kvrelay.worker.controller import WorkerController
+from kvrelay.worker.host import WorkerController
 from kvrelay.worker.handlers import RestoreHandler
-from kvrelay.worker.iteration import PolicyConfig
-from kvrelay.worker.jobs import Job
+from kvrelay.worker.runtime.iteration import PolicyConfig
+from kvrelay.worker.runtime.jobs import Job
 from kvrelay.worker.page_pool import PagePool
-from kvrelay.worker.runtime import PagedRuntime
+from kvrelay.worker.runtime.loop import PagedRuntime
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvrelay.protocol.messages import Assignment, Offer, RouteSegment
-from kvrelay.store.keys import prompt_chain
+from kvrelay.protocol.chunk_keys import prompt_chain
 from kvrelay.worker.admission import WorkerIdentity, admit
 from kvrelay.worker.page_pool import PagePool
 

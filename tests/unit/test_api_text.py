@@ -6,8 +6,8 @@ import pytest
 
 from kvrelay.api.detokenize import IncrementalText
 from kvrelay.api.ingress import _cut_at_stop
-from kvrelay.models.loader import load_artifacts
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.models.loading.loader import load_artifacts
+from kvrelay.testing.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvrelay.models import attention
-from kvrelay.models.attention import (
+from kvrelay.models.kernels import attention
+from kvrelay.models.kernels.attention import (
     GROUP_COST_TOKENS,
     AttentionPlan,
     GatherBuffers,
@@ -25,7 +25,7 @@ from kvrelay.models.attention import (
 )
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
-from kvrelay.models.kv_pages import KVPages, write_kv
+from kvrelay.models.kernels.kv_pages import KVPages, write_kv
 from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 PAGE = 4

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.cli import main as cli_main
-from kvrelay.controller.calibration import (
+from kvrelay.cli.main import main as cli_main
+from kvrelay.sim.calibration import (
     DEFAULT_CALIBRATION_PATH,
     CalibratedWorkerSpec,
     CalibrationError,
@@ -17,10 +17,10 @@ from kvrelay.controller.calibration import (
     parse_calibration,
     scale_costs,
 )
-from kvrelay.controller.cluster_config import load_cluster_config
-from kvrelay.controller.sim_workers import iteration_s
-from kvrelay.tracebench.prompts import TracePrompt
-from kvrelay.tracebench.simulate import predict_ttft
+from kvrelay.sim.cluster_config import load_cluster_config
+from kvrelay.sim.workers import iteration_s
+from kvrelay.bench.trace.prompts import TracePrompt
+from kvrelay.bench.trace.simulate import predict_ttft
 
 
 def test_committed_calibration_loads_and_replaces_the_costs() -> None:

@@ -1,4 +1,4 @@
-"""The predicted-TTFT scorer on hand-computed cases (DESIGN.md section 6).
+"""The predicted-TTFT scorer on hand-computed cases (docs/design.md section 6).
 
 Every heartbeat here has kv_bytes_per_token = 1000 and chunk_tokens = 64, so a
 chunk is 64,000 bytes; prefill costs 1 ms per token; a decode step 20 ms. The
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.controller import candidates as cand
-from kvrelay.controller import predicted_ttft
-from kvrelay.controller.index import ResidencyIndex
-from kvrelay.controller.roster import Roster, plan_pruned
+from kvrelay.core.planning import candidates as cand
+from kvrelay.core.planning import predicted_ttft
+from kvrelay.core.planning.index import ResidencyIndex
+from kvrelay.core.planning.roster import Roster, plan_pruned
 from kvrelay.protocol.messages import Heartbeat
-from kvrelay.store.keys import prompt_chain
+from kvrelay.protocol.chunk_keys import prompt_chain
 from tests.support.router_driver import Driver, offers
 from tests.support.router_driver import heartbeat as idle_heartbeat
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.processes.child import ChildProcess, ChildTimeout
+from kvrelay.launch.child import ChildProcess, ChildTimeout
 
 PRINTER = "import sys, time\nfor line in sys.argv[1:]:\n    print(line, flush=True)\ntime.sleep(60)\n"
 

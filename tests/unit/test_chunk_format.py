@@ -15,7 +15,7 @@ from kvrelay.store.chunk_format import (
     encode_chunk,
     encode_chunk_bytes,
 )
-from kvrelay.store.keys import chunk_chain
+from kvrelay.protocol.chunk_keys import chunk_chain
 
 FP = b"gemma3-270m|bf16|paged-v1|64"
 KEY = chunk_chain(FP, list(range(64)), 64)[0]

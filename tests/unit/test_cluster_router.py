@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from kvrelay.controller.cluster import ClusterRouter, Consumer
-from kvrelay.controller.events import Outcome, Request
-from kvrelay.controller.router import RouterConfig, new_router
+from kvrelay.router.cluster_router import ClusterRouter, Consumer
+from kvrelay.core.router.events import Outcome, Request
+from kvrelay.core.router.machine import RouterConfig, new_router
 from kvrelay.protocol.messages import Delta, Offer, OfferResult, Result, WireMessage
 from tests.support.router_driver import heartbeat
 
@@ -86,7 +86,7 @@ def test_a_failing_consumer_callback_is_contained() -> None:
 
 def test_durable_replicas_are_read_at_start_and_when_a_worker_epoch_begins() -> None:
     from kvrelay.facts.replica_map import ReplicaMap
-    from kvrelay.store.keys import prompt_chain
+    from kvrelay.protocol.chunk_keys import prompt_chain
 
     async def scenario() -> None:
         prompt = tuple(range(1, 64 * 4 + 2))

@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
-from kvrelay import cli
-from kvrelay.controller.events import Record
+from kvrelay.cli import main as cli
+from kvrelay.core.router.events import Record
 from kvrelay.facts import explain
 from kvrelay.facts.store import FactStore
-from tests.support.databases import fact_db_url, sqlite_file_url  # noqa: F401 (fixture)
+from kvrelay.testing.databases import sqlite_file_url
+from tests.support.fixtures import fact_db_url  # noqa: F401 (fixture)
 
 
 def cand(worker: str, route: list[list[Any]], cached: int, queue: float, restore: dict[str, float],

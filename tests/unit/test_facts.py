@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from kvrelay.controller.events import Record
+from kvrelay.core.router.events import Record
 from kvrelay.facts import schema
 from kvrelay.facts.cache import ChainFactsCache
 from kvrelay.facts.engine import make_engine
@@ -29,14 +29,14 @@ from kvrelay.facts.queries import (
     event_replicas,
 )
 from kvrelay.facts.store import FactStore, WriterSettings
-from tests.support.databases import (  # noqa: F401 (fact_db_url is a fixture)
+from kvrelay.testing.databases import (
     ENABLE_PG,
     closed_port_pg_url,
-    fact_db_url,
     pg_base_url,
     postgres_schema_url,
     sqlite_file_url,
 )
+from tests.support.fixtures import fact_db_url  # noqa: F401 (a fixture)
 from tests.support.log_signal import LogSignal
 
 FP = b"model-fingerprint"
@@ -208,7 +208,7 @@ def test_an_outcome_before_any_offer_is_kept_with_attempt_0(store: FactStore) ->
 
 
 def test_the_routers_own_candidate_structs_are_accepted(store: FactStore) -> None:
-    from kvrelay.controller.predicted_ttft import Candidate, Terms
+    from kvrelay.core.planning.predicted_ttft import Candidate, Terms
     from kvrelay.protocol.messages import RouteSegment
 
     chosen = Candidate("w1", 3, (RouteSegment("gpu", 2), RouteSegment("ssd", 1)), 192, 0.05,

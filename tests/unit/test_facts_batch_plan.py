@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.controller.events import Record
+from kvrelay.core.router.events import Record
 from kvrelay.facts import wire
 from kvrelay.facts.batch_plan import IndexedWrite, fold_offer_outcomes, plan_groups
 from kvrelay.facts.records import OPS, Write, to_writes
@@ -96,7 +96,7 @@ def test_a_decision_crosses_the_wire_without_the_fields_the_store_does_not_keep(
 
 
 def test_a_routes_heartbeat_is_sent_as_it_was_when_the_route_was_planned() -> None:
-    from kvrelay.controller.candidates import WorkerRoute
+    from kvrelay.core.planning.candidates import WorkerRoute
     from tests.support.router_driver import Driver, heartbeat
 
     driver = Driver()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvrelay.controller.events import Record
+from kvrelay.core.router.events import Record
 from kvrelay.facts.sink import record_sink
 from kvrelay.facts.store import FactStore
 

@@ -7,7 +7,7 @@ import os
 import signal
 from pathlib import Path
 
-from kvrelay.controller.events import Record
+from kvrelay.core.router.events import Record
 from kvrelay.facts.replica_map import ReplicaMap
 from kvrelay.facts.store import FactStore, WriterSettings
 from kvrelay.facts.wire import (
@@ -18,7 +18,7 @@ from kvrelay.facts.wire import (
     frame,
 )
 from kvrelay.facts.writer_process import WRITER_NICENESS
-from tests.support.databases import sqlite_file_url
+from kvrelay.testing.databases import sqlite_file_url
 from tests.support.log_signal import LogSignal
 
 
@@ -30,9 +30,9 @@ def outcome(rid: str) -> Record:
 
 
 def test_the_routers_lazy_routes_are_written_as_the_candidates_they_stand_for(tmp_path: Path) -> None:
-    from kvrelay.controller.candidates import WorkerRoute
-    from kvrelay.controller.events import Request
-    from kvrelay.controller.router import request_chain
+    from kvrelay.core.planning.candidates import WorkerRoute
+    from kvrelay.core.router.events import Request
+    from kvrelay.core.router.machine import request_chain
     from tests.support.router_driver import Driver, heartbeat, offers
 
     driver = Driver()
@@ -106,7 +106,7 @@ def test_items_cross_the_wire_intact_and_what_cannot_be_encoded_is_named() -> No
     good, unencodable, foreign = decode_items(payloads[0])
     assert good == outcome("r")
     assert "decision record ('r', attempt 1): cannot be sent to the fact writer" in unencodable.message
-    assert foreign.message == "expected a kvrelay.controller.events.Record, got tuple"
+    assert foreign.message == "expected a kvrelay.core.router.events.Record, got tuple"
 
 
 def test_the_replica_map_answers_by_place_in_insertion_order() -> None:

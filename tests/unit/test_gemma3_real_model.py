@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvrelay.models.batch import ForwardBatch
-from kvrelay.models.kv_pages import KVPages
-from kvrelay.models.loader import LoadedArtifacts, load_artifacts
+from kvrelay.models.kernels.kv_pages import KVPages
+from kvrelay.models.loading.loader import LoadedArtifacts, load_artifacts
 from kvrelay.models.registry import build_model
 from kvrelay.models.sampling import sample_next
 from kvrelay.protocol.messages import Sampling

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from kvrelay.models.config import ModelConfig
-from kvrelay.models.huge_pages import HUGE_PAGE, copy_to_huge_pages, huge_page_empty, huge_page_zeros
-from kvrelay.models.kv_pages import KVPages
-from kvrelay.models.loader import load_artifacts
+from kvrelay.models.kernels.huge_pages import HUGE_PAGE, copy_to_huge_pages, huge_page_empty, huge_page_zeros
+from kvrelay.models.kernels.kv_pages import KVPages
+from kvrelay.models.loading.loader import load_artifacts
 from tests.support.bench_smoke import run_bench
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.testing.tiny_models import make_tiny_model
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_HUGEPAGE) is Linux's")
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvrelay.controller.index import GPU, OBJECT, RAM, SSD, TIER_BITS, ResidencyIndex
+from kvrelay.core.planning.index import GPU, OBJECT, RAM, SSD, TIER_BITS, ResidencyIndex
 
 
 def keys(n: int, tag: bytes = b"k") -> list[bytes]:

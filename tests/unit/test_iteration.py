@@ -1,4 +1,4 @@
-"""The pure iteration policy of the paged runtime (DESIGN.md section 8)."""
+"""The pure iteration policy of the paged runtime (docs/design.md section 8)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrelay.worker.iteration import (
+from kvrelay.worker.runtime.iteration import (
     IterationPlan,
     LaneState,
     PolicyConfig,

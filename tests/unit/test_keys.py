@@ -1,4 +1,4 @@
-"""Chunk keys follow DESIGN.md section 4 exactly; committed vectors pin the definition."""
+"""Chunk keys follow docs/design.md section 4 exactly; committed vectors pin the definition."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.store.keys import cacheable_chunks, chunk_chain, prompt_chain, root_key
+from kvrelay.protocol.chunk_keys import cacheable_chunks, chunk_chain, prompt_chain, root_key
 
 VECTORS = json.loads((Path(__file__).parent.parent / "data" / "chunk_key_vectors.json").read_text())["cases"]
 

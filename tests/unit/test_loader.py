@@ -11,15 +11,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvrelay.models.checkpoint import ModelLoadError, expected_tensor_shapes
+from kvrelay.models.loading.weight_layout import ModelLoadError, expected_tensor_shapes
 from kvrelay.models.config import ModelConfig
-from kvrelay.models.fingerprint import (
+from kvrelay.models.loading.fingerprint import (
     DEFAULT_CHUNK_TOKENS,
     DEFAULT_PAGE_LAYOUT,
     model_fingerprint,
 )
-from kvrelay.models.loader import LoadedArtifacts, load_artifacts
-from tests.support.tiny_models import TINY_ARCHITECTURES, make_tiny_model
+from kvrelay.models.loading.loader import LoadedArtifacts, load_artifacts
+from kvrelay.testing.tiny_models import TINY_ARCHITECTURES, make_tiny_model
 
 PROMPT = "The capital of France is Paris."
 

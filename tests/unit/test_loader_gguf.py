@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvrelay.models.checkpoint import ModelLoadError
+from kvrelay.models.loading.weight_layout import ModelLoadError
 from kvrelay.models.config import ModelConfig
-from kvrelay.models.loader import MANIFEST, load_artifacts
-from kvrelay.models.tokenizer import GEMMA_CHAT_TEMPLATE
+from kvrelay.models.loading.loader import MANIFEST, load_artifacts
+from kvrelay.models.loading.tokenizer import GEMMA_CHAT_TEMPLATE
 from tests.support.tiny_gguf import write_tiny_gguf
-from tests.support.tiny_models import (
+from kvrelay.testing.tiny_models import (
     TINY_ARCHITECTURES,
     TINY_CHAT_TEMPLATE,
     make_tiny_model,

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrelay.models.default_model import default_gguf_path
-from kvrelay.models.loader import LoadedArtifacts, load_artifacts
+from kvrelay.models.loading.default_model import default_gguf_path
+from kvrelay.models.loading.loader import LoadedArtifacts, load_artifacts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

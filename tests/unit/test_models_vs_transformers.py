@@ -20,10 +20,10 @@ from transformers import AutoModelForCausalLM
 
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig, UnsupportedModelError
-from kvrelay.models.kv_pages import KVPages
+from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.models.layers import PagedModel
 from kvrelay.models.registry import build_model
-from tests.support.tiny_models import TINY_ARCHITECTURES, make_tiny_model
+from kvrelay.testing.tiny_models import TINY_ARCHITECTURES, make_tiny_model
 from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 PAGE = 8

@@ -18,18 +18,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import kvrelay.models.native.attention as native
-from kvrelay.models import attention, window_mirror
-from kvrelay.models.attention import decode_attention
+import kvrelay.models.kernels.native.attention as native
+from kvrelay.models.kernels import attention, window_mirror
+from kvrelay.models.kernels.attention import decode_attention
 from kvrelay.models.batch import ForwardBatch, LaneRef
 from kvrelay.models.config import ModelConfig
-from kvrelay.models.kv_pages import KVPages
-from kvrelay.models.native import build
-from kvrelay.models.native.attention import decode_attention_native
+from kvrelay.models.kernels.kv_pages import KVPages
+from kvrelay.models.kernels.native import build
+from kvrelay.models.kernels.native.attention import decode_attention_native
 from kvrelay.models.registry import build_model
 from tests.support.bench_smoke import run_bench
 from tests.support.bf16_close import assert_last_bit_close
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.testing.tiny_models import make_tiny_model
 
 needs_kernel = pytest.mark.skipif(
     build.load("decode_attention", native._SIGNATURES) is None,

@@ -15,22 +15,22 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvrelay.controller import candidates as cand
-from kvrelay.controller import predicted_ttft
-from kvrelay.controller.events import Request
-from kvrelay.controller.index import ResidencyIndex
-from kvrelay.controller.policies import POLICY_NAMES, make_policy
-from kvrelay.controller.policies.dynamo_kv import DynamoKV
-from kvrelay.controller.policies.kvrelay_ttft import PredictedTTFT
-from kvrelay.controller.policies.llmd_scorer import LlmdScorer
-from kvrelay.controller.policies.mooncake_conductor import MooncakeConductor
-from kvrelay.controller.policies.sglang_cache_aware import (
+from kvrelay.core.planning import candidates as cand
+from kvrelay.core.planning import predicted_ttft
+from kvrelay.core.router.events import Request
+from kvrelay.core.planning.index import ResidencyIndex
+from kvrelay.core.policies import POLICY_NAMES, make_policy
+from kvrelay.core.policies.dynamo_kv import DynamoKV
+from kvrelay.core.policies.kvrelay_ttft import PredictedTTFT
+from kvrelay.core.policies.llmd_scorer import LlmdScorer
+from kvrelay.core.policies.mooncake_conductor import MooncakeConductor
+from kvrelay.core.policies.sglang_cache_aware import (
     ApproximateTree,
     SGLangCacheAware,
 )
-from kvrelay.controller.policy import RoutingContext
+from kvrelay.core.policies.base import RoutingContext
 from kvrelay.protocol.messages import Heartbeat
-from kvrelay.store.keys import prompt_chain
+from kvrelay.protocol.chunk_keys import prompt_chain
 from tests.support.router_driver import Driver, offers
 from tests.support.router_driver import heartbeat as idle_heartbeat
 

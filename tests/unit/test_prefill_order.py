@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.worker.prefill_order import queue_position
+from kvrelay.core.planning.prefill_order import queue_position
 
 
 def test_equal_priorities_queue_in_arrival_order() -> None:

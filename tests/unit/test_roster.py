@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from kvrelay.controller import candidates as cand
-from kvrelay.controller import predicted_ttft
-from kvrelay.controller.index import ResidencyIndex
-from kvrelay.controller.roster import Roster, plan_pruned
-from kvrelay.store.keys import prompt_chain
+from kvrelay.core.planning import candidates as cand
+from kvrelay.core.planning import predicted_ttft
+from kvrelay.core.planning.index import ResidencyIndex
+from kvrelay.core.planning.roster import Roster, plan_pruned
+from kvrelay.protocol.chunk_keys import prompt_chain
 from tests.support.router_driver import heartbeat
 
 PROMPT = tuple(range(1, 64 * 12 + 2))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvrelay.controller.events import (
+from kvrelay.core.router.events import (
     CancelTimer,
     ConsumerCancelled,
     DeliverResult,
@@ -12,9 +12,9 @@ from kvrelay.controller.events import (
     TimerFired,
     WorkerUnavailable,
 )
-from kvrelay.controller.router import RouterConfig
+from kvrelay.core.router.machine import RouterConfig
 from kvrelay.protocol.messages import Assignment, Residency
-from kvrelay.store.keys import prompt_chain
+from kvrelay.protocol.chunk_keys import prompt_chain
 from tests.support.router_driver import Driver, cancels, heartbeat, offers
 
 PROMPT = tuple(range(1, 64 * 8 + 2))  # 8 cacheable chunks
@@ -208,14 +208,14 @@ def test_max_attempts_ends_the_request_with_an_error() -> None:
 
 
 def test_a_workers_new_epoch_asks_for_its_durable_replicas_and_they_feed_the_candidates() -> None:
-    from kvrelay.controller.events import (
+    from kvrelay.core.router.events import (
         LoadReplicas,
         MessageReceived,
         ReplicasKnown,
         Request,
         RequestArrived,
     )
-    from kvrelay.controller.router import request_chain
+    from kvrelay.core.router.machine import request_chain
 
     d = Driver()
     rates = {"ram": 1e9, "ssd": 2.5e8, "peer": 1e7, "object": 1e7}

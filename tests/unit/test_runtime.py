@@ -1,4 +1,4 @@
-"""The device loop (DESIGN.md section 8) over a tiny real model saved as real artifacts."""
+"""The device loop (docs/design.md section 8) over a tiny real model saved as real artifacts."""
 
 from __future__ import annotations
 
@@ -14,18 +14,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvrelay.controller.predicted_ttft import pages_needed as pages_for
+from kvrelay.core.planning.predicted_ttft import pages_needed as pages_for
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
-from kvrelay.models.kv_pages import KVPages
+from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.models.registry import build_model
 from kvrelay.protocol.messages import Sampling
-from kvrelay.worker.iteration import PolicyConfig
-from kvrelay.worker.jobs import Job, JobResult, QueueFullError, RuntimeClosedError, RuntimeEvent, TokenEvent
+from kvrelay.worker.runtime.iteration import PolicyConfig
+from kvrelay.worker.runtime.jobs import Job, JobResult, QueueFullError, RuntimeClosedError, RuntimeEvent, TokenEvent
 from kvrelay.worker.page_pool import PagePool
-from kvrelay.worker.runtime import PagedRuntime
+from kvrelay.worker.runtime.loop import PagedRuntime
 from tests.support.bench_smoke import run_bench
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.testing.tiny_models import make_tiny_model
 
 PAGE = 4
 WAIT = 30.0  # generous timeout for every event wait; the tests normally take milliseconds
@@ -328,7 +328,7 @@ def test_runtime_bench_smoke(tmp_path: Path) -> None:
 def test_generate_cli_prints_the_greedy_continuation(tiny: Tiny, capsys: pytest.CaptureFixture[str]) -> None:
     from transformers import AutoTokenizer
 
-    from kvrelay.cli import main
+    from kvrelay.cli.main import main
 
     tokenizer = AutoTokenizer.from_pretrained(tiny.directory)
     prompt = "The capital of France is"
@@ -364,7 +364,7 @@ def test_cancel_from_the_event_callback_stops_after_that_token(tiny: Tiny) -> No
 
 
 def test_engine_generates_and_returns_its_pages(tiny: Tiny) -> None:
-    from kvrelay.worker.engine import Engine, EngineOptions
+    from kvrelay.worker.runtime.engine import Engine, EngineOptions
 
     prompt = prompt_of(12, 6)
     with Engine.open(tiny.directory, "float32", EngineOptions(kv_tokens=256, page_tokens=PAGE, num_lanes=2)) as engine:

@@ -11,10 +11,10 @@ import torch
 
 from kvrelay.store.chunk_format import ChunkCorrupt, decode_header, encode_chunk
 from kvrelay.store.files import SharedDirTier, SsdTier
-from kvrelay.store.keys import chunk_chain
+from kvrelay.protocol.chunk_keys import chunk_chain
 from kvrelay.store.ram import RamTier
 from kvrelay.store.tier import ChunkTier, CorruptChunk, ResidencyEvent
-from kvrelay.store.tiers import TierStack
+from kvrelay.store.tier_stack import TierStack
 
 FP = b"tiny-llama|float32|64"
 SHAPE = (2, 2, 8, 1, 8)

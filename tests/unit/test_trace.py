@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.controller.trace import (
+from kvrelay.sim.trace import (
     PromptSynthesizer,
     TraceError,
     TraceRequest,
     infinite_cache_bound,
     load_trace,
 )
-from kvrelay.store.keys import prompt_chain
+from kvrelay.protocol.chunk_keys import prompt_chain
 
-DEV_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+DEV_TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 
 def write(tmp_path: Path, lines: list[str]) -> Path:
@@ -70,7 +70,6 @@ def test_infinite_cache_bound_counts_blocks_seen_before() -> None:
     assert (bound.tokens, bound.hit_tokens) == (42, 16)
 
 
-@pytest.mark.skipif(not DEV_TRACE.is_file(), reason=f"the development trace is not at {DEV_TRACE}")
 def test_dev_trace_bound_matches_its_readme() -> None:
     reqs = load_trace(DEV_TRACE)
     bound = infinite_cache_bound(reqs, 512)

@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 
 from kvrelay.models.batch import ForwardBatch, LaneRef
 from kvrelay.models.config import ModelConfig
-from kvrelay.models.kv_pages import KVPages
+from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.models.layers import PagedModel
 from kvrelay.models.registry import build_model
-from tests.support.tiny_models import make_tiny_model
+from kvrelay.testing.tiny_models import make_tiny_model
 from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 PAGE = 4

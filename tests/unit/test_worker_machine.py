@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.controller.worker import (
+from kvrelay.core.worker.machine import (
     AdmissionDecided,
     CancelReceived,
     FenceWork,

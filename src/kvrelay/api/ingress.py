@@ -22,8 +22,8 @@ from kvrelay.api.errors import APIError, from_outcome_error, invalid
 from kvrelay.api.metrics import Metrics
 from kvrelay.api.schema import ChatRequest, CompletionRequest, SamplingFields
 from kvrelay.api.templates import render_chat
-from kvrelay.controller.cluster import ClusterRouter, Consumer
-from kvrelay.controller.events import Outcome, Request
+from kvrelay.router.cluster_router import ClusterRouter, Consumer
+from kvrelay.core.router.events import Outcome, Request
 from kvrelay.protocol.messages import Sampling
 
 

@@ -9,7 +9,7 @@ fresh as the last heartbeat (0.5 s by default).
 from __future__ import annotations
 
 from kvrelay.api.metrics import Labels, Metrics
-from kvrelay.controller.cluster import ClusterRouter
+from kvrelay.router.cluster_router import ClusterRouter
 
 OUTCOME_COUNTERS = {"accepted": "accepted", "declined": "declines", "timed_out": "offer_timeouts",
                     "worker_lost": "worker_lost_assignments", "no_progress": "progress_timeouts"}

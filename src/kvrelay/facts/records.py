@@ -22,9 +22,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from kvrelay.controller.events import Record
+from kvrelay.core.router.events import Record
 from kvrelay.protocol.messages import FinishReason, RouteSegment, Tier
-from kvrelay.store.keys import DIGEST_BYTES
+from kvrelay.protocol.chunk_keys import DIGEST_BYTES
 
 OPS: tuple[str, ...] = (
     "model",
@@ -320,7 +320,7 @@ RECORD_KINDS = {
 def record_write(record: Record) -> Write:
     """The write for a router ``Record``; raises ``UnknownKind`` or ``MalformedRecord``."""
     if not isinstance(record, Record):
-        raise MalformedRecord(f"expected a kvrelay.controller.events.Record, got {type(record).__name__}")
+        raise MalformedRecord(f"expected a kvrelay.core.router.events.Record, got {type(record).__name__}")
     if record.kind not in RECORD_KINDS:
         raise UnknownKind(f"record kind {record.kind!r} is not stored; stored kinds: {', '.join(RECORD_KINDS)}")
     what = f"{record.kind} record ({record.request_id!r}, attempt {record.attempt!r})"

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 import sqlalchemy as sa
 
-from kvrelay.controller.events import Replica
+from kvrelay.core.router.events import Replica
 from kvrelay.facts.schema import LIVE_REPLICA, replicas
 
 

@@ -6,7 +6,7 @@ samples (heartbeats, residency of the gpu and ram tiers) never come here.
 
 Conventions every table keeps:
 - chunk keys and model fingerprints are raw bytes (``LargeBinary``): keys are
-  the 16-byte blake2b digests of DESIGN.md section 4;
+  the 16-byte blake2b digests of docs/design.md section 4;
 - times are float seconds on the clock of whoever recorded the fact (wall time
   for live processes, logical time under ``sim``);
 - there are no foreign keys: facts arrive out of order (a replica may be

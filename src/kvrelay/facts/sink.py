@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvrelay.controller.events import Record
+from kvrelay.core.router.events import Record
 from kvrelay.facts.replica_map import ReplicaMap
 from kvrelay.facts.store import FactStore
 

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvrelay.controller.events import Record
+from kvrelay.core.router.events import Record
 from kvrelay.facts.cache import ChainFactsCache
 from kvrelay.facts.engine import default_url, make_engine
 from kvrelay.facts.queries import FactReader

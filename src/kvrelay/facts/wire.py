@@ -35,10 +35,10 @@ from typing import Any
 
 import msgspec
 
-from kvrelay.controller.candidates import WorkerRoute
-from kvrelay.controller.events import Record
-from kvrelay.controller.predicted_ttft import Candidate, Scoring, make_candidate
-from kvrelay.controller.routes import Boundary
+from kvrelay.core.planning.candidates import WorkerRoute
+from kvrelay.core.router.events import Record
+from kvrelay.core.planning.predicted_ttft import Candidate, Scoring, make_candidate
+from kvrelay.core.planning.routes import Boundary
 from kvrelay.facts.records import DecisionData, Fact
 from kvrelay.protocol.messages import Heartbeat, RouteSegment
 
@@ -123,7 +123,7 @@ def encode_item(item: Any) -> bytes:
             return _encoder.encode(("r", item.kind, item.request_id, item.attempt, item.now, data))
         if isinstance(item, Fact):
             return _encoder.encode(("f", item.kind, item.params))
-        message = f"expected a kvrelay.controller.events.Record, got {type(item).__name__}"
+        message = f"expected a kvrelay.core.router.events.Record, got {type(item).__name__}"
     except Exception as exc:
         message = f"{_describe(item)}: cannot be sent to the fact writer: {exc!r}"
     return _encoder.encode(("x", message))

@@ -43,7 +43,7 @@ from typing import Any
 import msgspec
 import sqlalchemy as sa
 
-from kvrelay.controller.events import Record
+from kvrelay.core.router.events import Record
 from kvrelay.facts.batch_plan import IndexedWrite, fold_offer_outcomes, plan_groups
 from kvrelay.facts.engine import create_schema, make_engine
 from kvrelay.facts.records import Fact, MalformedRecord, UnknownKind, to_writes

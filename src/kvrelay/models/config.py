@@ -1,4 +1,4 @@
-"""The architecture configuration every adapter reads (DESIGN.md section 9).
+"""The architecture configuration every adapter reads (docs/design.md section 9).
 
 ``ModelConfig.from_hf(d)`` reads a Hugging Face ``config.json`` dict (the text
 config of Gemma 3, or Llama / Qwen2 / Qwen3) and returns one frozen record with

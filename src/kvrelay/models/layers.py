@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvrelay.models import native
-from kvrelay.models.attention import (
+from kvrelay.models.kernels import native
+from kvrelay.models.kernels.attention import (
     AttentionPlan,
     GatherBuffers,
     paged_attention,
@@ -28,12 +28,12 @@ from kvrelay.models.attention import (
 )
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
-from kvrelay.models.greedy_head import GreedyHead
-from kvrelay.models.kv_pages import KVPages, write_kv
+from kvrelay.models.kernels.greedy_head import GreedyHead
+from kvrelay.models.kernels.kv_pages import KVPages, write_kv
 from kvrelay.models.mlp import PackedLinear
-from kvrelay.models.native.rms_norm import add_rms_norm_native, rms_norm_native
+from kvrelay.models.kernels.native.rms_norm import add_rms_norm_native, rms_norm_native
 from kvrelay.models.sampling import greedy_tokens
-from kvrelay.models.window_mirror import MirrorStep, WindowMirror
+from kvrelay.models.kernels.window_mirror import MirrorStep, WindowMirror
 
 _TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 

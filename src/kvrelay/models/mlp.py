@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.models.config import ModelConfig
-from kvrelay.models.native.linear_row import linear_row_native
+from kvrelay.models.kernels.native.linear_row import linear_row_native
 
 if TYPE_CHECKING:
     from kvrelay.models.layers import Weights

@@ -7,7 +7,7 @@ probability when top-k or top-p is on, that of the whole vocabulary in id
 order when neither is (no sort of the vocabulary per row). Nothing depends on
 the other rows of the batch or on any generator state, so the same request and
 seed draw the same tokens on any worker of one device type, in any batch, and
-when a continuation resumes at a later position (DESIGN.md section 6); logits
+when a continuation resumes at a later position (docs/design.md section 6); logits
 that differ in their last bits (another device kind) can still move a draw
 across a CDF boundary. ``temperature == 0`` is greedy (argmax, lowest id on ties).
 

@@ -1,4 +1,4 @@
-"""Wire messages between router and workers (DESIGN.md sections 3 and 5).
+"""Wire messages between router and workers (docs/design.md sections 3 and 5).
 
 Every message is an immutable ``msgspec.Struct`` tagged by a ``type`` field and
 carrying the protocol version ``v``. Only these types cross the wire; timers,
@@ -31,7 +31,7 @@ ShortStr = Annotated[str, msgspec.Meta(max_length=256)]
 
 Tier = Literal["gpu", "ram", "ssd", "peer", "object", "recompute"]
 TIERS: tuple[str, ...] = ("gpu", "ram", "ssd", "peer", "object", "recompute")
-"""Tiers fastest first (DESIGN.md section 5)."""
+"""Tiers fastest first (docs/design.md section 5)."""
 
 DeclineReason = Literal[
     "wrong_epoch",
@@ -169,7 +169,7 @@ class Result(Message, frozen=True, kw_only=True, tag="result"):
 
 
 class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
-    """Worker -> router: low-rate observations (DESIGN.md section 5).
+    """Worker -> router: low-rate observations (docs/design.md section 5).
 
     The registry accepts it only when ``(epoch, seq)`` is newer than the last
     accepted heartbeat of ``worker_id``.

@@ -1,4 +1,4 @@
-"""The stored form of one KV chunk (DESIGN.md section 4) and its verification.
+"""The stored form of one KV chunk (docs/design.md section 4) and its verification.
 
 Layout, little-endian, the payload starting at a 64-byte boundary so it can be
 viewed in place (``torch.frombuffer`` on bytes or an ``mmap``)::
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from kvrelay.store.keys import DIGEST_BYTES
+from kvrelay.protocol.chunk_keys import DIGEST_BYTES
 
 if TYPE_CHECKING:
     import torch

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from kvrelay.store.chunk_format import ChunkView
-from kvrelay.store.keys import DIGEST_BYTES
+from kvrelay.protocol.chunk_keys import DIGEST_BYTES
 from kvrelay.store.tier import ChunkSource, CorruptionListener, Counters, TierCounters
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The router's WebSocket endpoint where workers connect (the live ``transport`` interpreter).
 
-Follows the seed's Kabel router middleware (DESIGN.md, seed note): heartbeats
+Follows the seed's Kabel router middleware (docs/design.md, seed note): heartbeats
 are bound to the exact connection that carried them, silent workers expire,
 disconnects become fenced worker-unavailable events, and unrelated traffic
 passes through unchanged.
@@ -64,7 +64,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from kvrelay.controller.cluster import ClusterRouter
+from kvrelay.router.cluster_router import ClusterRouter
 from kvrelay.protocol.codec import DEFAULT_MAX_FRAME_BYTES, encode
 from kvrelay.protocol.messages import (
     Cancel,

@@ -1,4 +1,4 @@
-"""Local admission: the worker's re-check of an offer against its real page pool (DESIGN.md section 7).
+"""Local admission: the worker's re-check of an offer against its real page pool (docs/design.md section 7).
 
 ``admit`` runs the steps in order and either returns an accepted admission
 holding a reservation and the referenced resident prefix, or a decline with a
@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvrelay.controller.predicted_ttft import page_demand
+from kvrelay.core.planning.predicted_ttft import page_demand
 from kvrelay.protocol.messages import DeclineReason, Offer
-from kvrelay.store.keys import prompt_chain
+from kvrelay.protocol.chunk_keys import prompt_chain
 from kvrelay.worker.page_pool import Eviction, PagePool, Reservation
 
 

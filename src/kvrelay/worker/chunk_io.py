@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrelay.models.kv_pages import KVPages
+from kvrelay.models.kernels.kv_pages import KVPages
 
 
 def gather_chunk(kv: KVPages, pages: Sequence[int]) -> torch.Tensor:

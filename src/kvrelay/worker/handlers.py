@@ -15,7 +15,7 @@ from typing import Protocol
 
 from kvrelay.protocol.messages import Offer, Tier, WireMessage
 from kvrelay.worker.admission import Admission
-from kvrelay.worker.jobs import JobHandle
+from kvrelay.worker.runtime.jobs import JobHandle
 
 Reply = Callable[[WireMessage], None]
 

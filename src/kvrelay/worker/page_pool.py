@@ -1,5 +1,5 @@
 """The worker's page pool: reference counts, a prefix index, an LRU of cached pages, durable marks
-and atomic reservations (DESIGN.md section 7).
+and atomic reservations (docs/design.md section 7).
 
 Every page is in exactly one state:
 

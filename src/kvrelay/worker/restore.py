@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvrelay.models.kv_pages import KVPages
+from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.protocol.messages import Offer
 from kvrelay.store.peer import PeerTier
-from kvrelay.store.tiers import TierStack
+from kvrelay.store.tier_stack import TierStack
 from kvrelay.worker.chunk_io import scatter_chunk
 from kvrelay.worker.handlers import RestoreReport
 

@@ -1,0 +1,1 @@
+"""The benchmark harness shared by the ``bench/`` scripts and ``kvrelay bench``."""

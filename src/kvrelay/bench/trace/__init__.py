@@ -1,0 +1,1 @@
+"""A Mooncake-format trace replayed end to end through real servers: prompts, faces, client, report."""

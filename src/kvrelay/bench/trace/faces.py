@@ -1,0 +1,208 @@
+"""The serving setups a trace replay compares, each started as real processes on loopback.
+
+- ``kvrelay_cluster(policy)``: ``kvrelay cluster --workers 2`` (a router process and
+  two worker processes) with the router's policy set through ``$KVRELAY_POLICY``
+  (``kvrelay`` or ``round_robin``).
+- ``serve_workers`` then ``start_sglang(policy)``: two ``kvrelay serve`` processes (each an embedded
+  router plus one worker: a plain OpenAI HTTP face per worker) behind PyPI
+  ``sglang-router`` with ``--policy <policy>`` (``cache_aware``, ``round_robin``).
+
+Every setup gets a fresh home (its own data directory: fact store and chunk
+files start empty, so every setup starts cold; the model cache is shared),
+``OMP_NUM_THREADS`` threads per process, and the same model, dtype, KV
+capacity and lanes per worker. ``Face.stop`` sends SIGTERM to each process it
+started, then kills what is still alive after ``grace_s``. Process output goes
+to log files under the home, named in errors.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from kvrelay.testing.ports import free_port
+
+CLUSTER_READY = "kvrelay cluster ready"
+SGLANG_CANDIDATES = ("sglang-router", "/tmp/sgr-venv/bin/sglang-router")
+
+
+@dataclass(frozen=True, slots=True)
+class FaceOptions:
+    model: str | None = None
+    """Model directory or GGUF file; None: the default Gemma 3 270M."""
+    dtype: str = "bfloat16"
+    kv_tokens: int = 65536
+    lanes: int = 16
+    threads: int = 1
+    """Torch threads per worker process (``OMP_NUM_THREADS``)."""
+    workers: int = 2
+
+
+@dataclass
+class Face:
+    """A running setup: its base URL and the processes behind it."""
+
+    name: str
+    url: str
+    home: Path
+    processes: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for _, p in self.processes)
+
+    def logs(self) -> str:
+        return ", ".join(str(self.home / f"{name}.log") for name, _ in self.processes)
+
+    def log_has(self, name: str, text: str) -> bool:
+        """Whether process ``name``'s log holds ``text`` yet."""
+        path = self.home / f"{name}.log"
+        return path.is_file() and text in path.read_text(errors="replace")
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) used so far by each started process and its descendants, by role."""
+        out: dict[str, float] = {}
+        for name, p in self.processes:
+            for pid in _descendants(p.pid):
+                role = _role(pid) or name
+                out[role] = out.get(role, 0.0) + _cpu(pid)
+        return out
+
+    def sched_seconds(self) -> tuple[float, float]:
+        """Seconds the worker processes' threads ran on a CPU and waited runnable for one (``/proc`` schedstat)."""
+        run = wait = 0.0
+        for _, p in self.processes:
+            for pid in _descendants(p.pid):
+                role = _role(pid) or ""
+                if role.startswith(("worker", "serve")):
+                    r, w = sched_of(pid)
+                    run, wait = run + r, wait + w
+        return run, wait
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        for _, p in reversed(self.processes):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for _, p in reversed(self.processes):
+            try:
+                p.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        try:
+            for task in Path(f"/proc/{current}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def sched_of(pid: int) -> tuple[float, float]:
+    """Seconds all threads of ``pid`` ran on a CPU and waited on a run queue (0, 0 when it is gone)."""
+    run = wait = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            fields = (task / "schedstat").read_text().split()
+            run, wait = run + int(fields[0]), wait + int(fields[1])
+    except OSError:
+        pass
+    return run / 1e9, wait / 1e9
+
+
+def _cpu(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _role(pid: int) -> str | None:
+    """``router``, ``worker w1``, ``serve``, ``cluster``... from a kvrelay process's command line."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    for command in ("router", "worker", "serve", "cluster"):
+        if command in argv:
+            return f"{command} {argv[argv.index('--worker-id') + 1]}" if "--worker-id" in argv else command
+    return None
+
+
+def find_sglang_router(explicit: str | None = None) -> str | None:
+    """The sglang-router executable: ``explicit`` if given, else on PATH, else the bench's venv; None if absent."""
+    for candidate in ((explicit,) if explicit else SGLANG_CANDIDATES):
+        found = shutil.which(candidate) or (candidate if Path(candidate).is_file() else None)
+        if found:
+            return found
+    return None
+
+
+def _env(home: Path, threads: int, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")}
+    cache = os.environ.get("KVRELAY_CACHE_DIR")
+    if cache:
+        env["KVRELAY_CACHE_DIR"] = cache
+    env.update(KVRELAY_DATA_DIR=str(home / "data"), OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _spawn(face: Face, name: str, argv: list[str], env: dict[str, str]) -> None:
+    with (face.home / f"{name}.log").open("wb") as log:
+        face.processes.append((name, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)))
+
+
+def _kvrelay(command: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "kvrelay.cli.main", command, *args]
+
+
+def _model_flags(options: FaceOptions) -> list[str]:
+    flags = ["--dtype", options.dtype, "--kv-tokens", str(options.kv_tokens), "--lanes", str(options.lanes)]
+    return (["--model", options.model] if options.model else []) + flags
+
+
+def kvrelay_cluster(name: str, policy: str, options: FaceOptions, home: Path) -> Face:
+    """``kvrelay cluster`` with the router policy ``policy``; it is ready when ``log_has("cluster", CLUSTER_READY)``."""
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    face = Face(name, f"http://127.0.0.1:{port}", home)
+    _spawn(face, "cluster", _kvrelay("cluster", "--workers", str(options.workers), "--port", str(port),
+                                     *_model_flags(options)),
+           _env(home, options.threads, KVRELAY_POLICY=policy))
+    return face
+
+
+def serve_workers(name: str, options: FaceOptions, home: Path) -> tuple[Face, list[str]]:
+    """One ``kvrelay serve`` process per worker; once they answer, the caller runs ``start_sglang``.
+
+    Returns the face (its URL is the port sglang-router will listen on) and the workers' URLs.
+    """
+    home.mkdir(parents=True, exist_ok=True)
+    face = Face(name, f"http://127.0.0.1:{free_port()}", home)
+    urls: list[str] = []
+    for i in range(options.workers):
+        port = free_port()
+        urls.append(f"http://127.0.0.1:{port}")
+        _spawn(face, f"serve{i}", _kvrelay("serve", "--port", str(port), *_model_flags(options)),
+               _env(home / f"serve{i}", options.threads))
+    return face, urls
+
+
+def start_sglang(face: Face, policy: str, sglang: str, worker_urls: list[str]) -> None:
+    """Start sglang-router in front of ``worker_urls`` on the face's port."""
+    port = face.url.rsplit(":", 1)[1]
+    _spawn(face, "sglang-router", [sglang, "launch", "--host", "127.0.0.1", "--port", port, "--worker-urls",
+                                   *worker_urls, "--policy", policy, "--log-level", "warn"],
+           _env(face.home, 1))

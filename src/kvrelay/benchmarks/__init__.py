@@ -1,1 +1,0 @@
-"""Measured scenarios with a real model, end to end (``kvrelay bench``)."""

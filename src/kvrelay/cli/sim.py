@@ -1,0 +1,126 @@
+"""``kvrelay sim``: replay a Mooncake-format trace through the router under logical time.
+
+Prints one table row per policy (TTFT, prefix-hit share and its ratio to the
+trace's infinite-cache bound, recomputed tokens, load imbalance) and the load per
+worker; ``--json PATH`` writes::
+
+    {"trace": str, "workers": int, "seed": int,
+     "policies": {NAME: {"requests", "completed", "ttft_s": {"mean", "p50", "p90", "p99"},
+                         "prefix_hit_share", "infinite_cache_bound", "recomputed_tokens", ...}}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace file")
+    parser.add_argument("--workers", type=int, default=None, help="number of workers (default: from the config)")
+    parser.add_argument("--policy", default="kvrelay", help="routing policy name, or 'all' (default kvrelay)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the network model and router (default 0)")
+    parser.add_argument("--rate-scale", type=float, default=1.0, help="replay X times faster (default 1)")
+    parser.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block (default 512)")
+    parser.add_argument("--config", default=None, help="cluster config TOML (default configs/cluster-default.toml)")
+    parser.add_argument("--calibration", default=None,
+                        help="calibration TOML of measured costs laid over the cluster config "
+                             "(e.g. configs/calibration-gemma3-270m-cpu.toml, written by bench/calibrate.py)")
+    parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--delta-tokens", type=int, default=16, help="tokens per streamed delta (default 16)")
+    parser.add_argument("--plot", dest="plot_path", default=None,
+                        help="write a PNG of the TTFT distribution per policy (default with --json and several "
+                             "policies: the JSON path with .png)")
+    parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this path")
+    parser.add_argument("--log", dest="log_path", default=None,
+                        help="write the byte-stable event log to this path (one policy only)")
+
+
+def _policies(name: str) -> tuple[str, ...]:
+    from kvrelay.core.policies import POLICY_NAMES
+
+    if name == "all":
+        return POLICY_NAMES
+    if name not in POLICY_NAMES:
+        raise ValueError(f"policy '{name}' is unknown; known policies: {', '.join(POLICY_NAMES)}, or 'all'")
+    return (name,)
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    """The comparison table, one row per policy, then the load per worker."""
+    width = max(14, *(len(name) + 2 for name in results))
+    head = (f"{'policy':<{width}}{'requests':>9}{'done':>7}{'ttft mean':>11}{'p50':>9}{'p90':>9}{'p99':>9}"
+            f"{'hit share':>10}{'of bound':>9}{'recomputed':>13}{'imbalance':>10}{'wall s':>8}")
+    lines = [head, "-" * len(head)]
+    for name, m in results.items():
+        t = {k: "-" if v is None else f"{v:.3f}s" for k, v in m["ttft_s"].items()}
+        lines.append(
+            f"{name:<{width}}{m['requests']:>9}{m['completed']:>7}{t['mean']:>11}{t['p50']:>9}{t['p90']:>9}"
+            f"{t['p99']:>9}{m['prefix_hit_share']:>10.1%}{m['bound_ratio']:>9.1%}{m['recomputed_tokens']:>13,}"
+            f"{m['load_imbalance']:>10.2f}{m['wall_s']:>8.1f}"
+        )
+    bound = next(iter(results.values()))["infinite_cache_bound"]
+    lines.append(f"infinite-cache bound: {bound:.1%} of prompt tokens")
+    lines.append("")
+    lines.append("load per worker (accepted attempts / busy seconds):")
+    for name, m in results.items():
+        cells = "  ".join(f"{wid} {w['accepted']}/{w['busy_s']:.0f}s" for wid, w in m["per_worker"].items())
+        lines.append(f"  {name:<{width}}{cells}")
+    for name, m in results.items():
+        if m["errors"] or not m["drained"]:
+            lines.append(f"  {name}: errors {m['errors']}, drained {m['drained']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvrelay.sim.calibration import (
+        CalibrationError,
+        apply_calibration,
+        load_calibration,
+    )
+    from kvrelay.sim.cluster_config import (
+        ClusterConfigError,
+        load_cluster_config,
+    )
+    from kvrelay.sim.replay import ReplayOptions, replay, with_workers
+    from kvrelay.sim.trace import TraceError, load_trace
+
+    try:
+        if args.workers is not None and args.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {args.workers}")
+        if args.limit is not None and args.limit < 1:
+            raise ValueError(f"--limit must be at least 1, got {args.limit}")
+        if args.rate_scale <= 0:
+            raise ValueError(f"--rate-scale must be positive, got {args.rate_scale}")
+        policies = _policies(args.policy)
+        if args.log_path and len(policies) > 1:
+            raise ValueError("--log needs a single --policy (the log is per run)")
+        cluster = load_cluster_config(args.config)
+        if args.calibration is not None:
+            cluster = apply_calibration(cluster, load_calibration(args.calibration))
+        cluster = with_workers(cluster, args.workers)
+        requests = load_trace(args.trace, args.block_tokens, args.limit)
+        options = ReplayOptions(seed=args.seed, rate_scale=args.rate_scale, block_tokens=args.block_tokens,
+                                delta_tokens=args.delta_tokens, log_path=args.log_path)
+        results = {name: replay(requests, cluster, name, options) for name in policies}
+    except (TraceError, ClusterConfigError, CalibrationError, ValueError) as exc:
+        print(f"kvrelay sim: {exc}", file=sys.stderr)
+        return 2
+    print(f"trace {args.trace}: {len(requests)} requests, {cluster.workers} workers, seed {args.seed}, "
+          f"rate x{args.rate_scale:g}")
+    print(format_table(results))
+    samples = {name: m.pop("ttft_samples_s") for name, m in results.items()}
+    if args.plot_path or (args.json_path and len(policies) > 1):
+        from kvrelay.sim.plot import plot_ttft
+
+        png = args.plot_path or str(Path(args.json_path).with_suffix(".png"))
+        plot_ttft(samples, png, f"{Path(args.trace).name}, {cluster.workers} workers, rate x{args.rate_scale:g}")
+        print(f"wrote {png}")
+    if args.json_path:
+        doc = {"trace": str(args.trace), "workers": cluster.workers, "seed": args.seed, "policies": results}
+        Path(args.json_path).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json_path}")
+    return 0

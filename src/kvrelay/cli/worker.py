@@ -1,0 +1,87 @@
+"""``kvrelay worker``: run one worker that serves a model for one or several routers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import sys
+
+from kvrelay.launch.config import ConfigError, Option, add_options, resolve
+
+COMMAND = "worker"
+OPTIONS = (
+    Option("router", str, [], "router WebSocket URL, e.g. ws://127.0.0.1:8001/workers; repeat for several",
+           repeated=True),
+    Option("worker_id", str, socket.gethostname(), "stable id of this worker (give each worker on a host its own)"),
+    Option("model", str, None, "model directory (config.json + safetensors) or .gguf file; none: Gemma 3 270M"),
+    Option("dtype", str, "bfloat16", "weights and KV dtype", choices=("float32", "bfloat16")),
+    Option("kv_tokens", int, 65536, "KV cache capacity in tokens"),
+    Option("page_tokens", int, 16, "tokens per KV page"),
+    Option("chunk_tokens", int, 64, "tokens per routed KV chunk"),
+    Option("lanes", int, 16, "concurrent sequences on the device"),
+    Option("token_budget", int, 512, "tokens per device iteration (chunked prefill budget)"),
+    Option("chunk_dir", str, None, "local chunk directory, the ssd tier (default: chunks/<worker id> under the "
+           "data directory)"),
+    Option("ram_bytes", int, 1 << 30, "bytes of host RAM for the ram chunk tier"),
+    Option("ssd_bytes", int, 16 << 30, "bytes of the local chunk directory"),
+    Option("object_dir", str, None, "a directory shared by all workers, used as the object tier"),
+    Option("s3_endpoint", str, None, "S3 endpoint URL of the object tier (instead of --object-dir)"),
+    Option("s3_bucket", str, None, "S3 bucket of the object tier"),
+    Option("s3_prefix", str, "kvrelay/", "key prefix of chunks in the S3 bucket"),
+    Option("heartbeat_s", float, 0.5, "seconds between heartbeats"),
+    Option("grace_s", float, 10.0, "on SIGTERM, seconds running requests may take to finish before they are "
+                                   "handed over to other workers"),
+    Option("secret_file", str, None, "file holding the shared secret (else $KVRELAY_SECRET)"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, COMMAND, OPTIONS)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvrelay.transport.auth import SecretError, load_secret
+
+    try:
+        values = resolve(args, COMMAND, OPTIONS)
+        secret = load_secret(values["secret_file"])
+        if not values["router"]:
+            raise ConfigError("no router URL: pass --router ws://HOST:PORT/workers (or set $KVRELAY_ROUTER)")
+        for url in values["router"]:
+            _check_url(url)
+    except (ConfigError, SecretError) as exc:
+        print(f"kvrelay worker: {exc}", file=sys.stderr)
+        return 2
+    from kvrelay.models.loading.weight_layout import ModelLoadError
+    from kvrelay.paths import data_dir
+    from kvrelay.launch.worker_assembly import StoreSpec, WorkerSpec
+    from kvrelay.launch.worker import WorkerOptions, run_worker
+
+    spec = WorkerSpec(values["worker_id"], values["model"], values["dtype"], values["kv_tokens"],
+                      values["page_tokens"], values["chunk_tokens"], values["lanes"], values["token_budget"],
+                      StoreSpec(values["chunk_dir"] or str(data_dir() / "chunks" / values["worker_id"]),
+                                values["ram_bytes"], values["ssd_bytes"], values["object_dir"],
+                                s3_endpoint=values["s3_endpoint"], s3_bucket=values["s3_bucket"],
+                                s3_prefix=values["s3_prefix"]))
+    options = WorkerOptions(spec, tuple(values["router"]), secret, values["heartbeat_s"], values["grace_s"])
+
+    def ready(worker_id: str, epoch: int, model: str) -> None:
+        print(f"kvrelay worker ready id={worker_id} epoch={epoch} model={model}", flush=True)
+
+    try:
+        asyncio.run(run_worker(options, ready))
+    except ModelLoadError as exc:
+        print(f"kvrelay worker: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _check_url(url: str) -> None:
+    from websockets.exceptions import InvalidURI
+    from websockets.uri import parse_uri
+
+    try:
+        parse_uri(url)
+    except InvalidURI as exc:
+        raise ConfigError(f"router URL {url!r} is not usable ({exc}); expected ws://HOST:PORT/workers") from None

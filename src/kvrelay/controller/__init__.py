@@ -1,1 +1,0 @@
-"""Router, worker protocol machine, candidates and registry (pure); sim and cluster interpreters."""

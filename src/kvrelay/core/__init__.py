@@ -1,0 +1,1 @@
+"""The pure core: routing, planning, policies and the worker protocol, as functions and state machines over protocol data. Imports only ``kvrelay.protocol``, ``kvrelay.core`` and the standard library (enforced by ``tests/unit/test_layering.py``)."""

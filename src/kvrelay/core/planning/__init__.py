@@ -1,0 +1,1 @@
+"""What the router plans with: the residency index, routes, candidates, roster, worker registry, predicted TTFT and prefill order."""

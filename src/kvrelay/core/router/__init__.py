@@ -1,0 +1,1 @@
+"""The router machine: ``step(state, event) -> (state, effects)``, its state, attempts and events."""

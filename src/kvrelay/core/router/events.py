@@ -1,0 +1,176 @@
+"""Events into and effects out of the pure router machine (docs/design.md section 2).
+
+Time arrives inside events (``now``, seconds on the interpreter's clock); the
+router reads no clock. Effects are plain data that an interpreter (``sim``,
+``cluster``, ``transport``) carries out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrelay.protocol.messages import (
+    Cancel,
+    FinishReason,
+    Offer,
+    Sampling,
+    Usage,
+    WireMessage,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A request as ingress submits it.
+
+    ``chain`` may carry precomputed chunk keys (a trace replay knows them from
+    its block ids); otherwise the router derives them from ``prompt``.
+    """
+
+    request_id: str
+    model: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    sampling: Sampling = Sampling()
+    chain: tuple[bytes, ...] | None = None
+
+
+TimerKey = tuple[str, str, int]
+"""``(kind, request_id, attempt)``; kind ``"offer"`` is the offer timeout."""
+
+
+Replica = tuple[bytes, str, str]
+"""``(chunk key, tier, location)`` of a durable replica fact: location is a worker id or a bucket."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestArrived:
+    """A new request."""
+
+    now: float
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicasKnown:
+    """Durable replica facts the shell read from the fact store: every object replica at start, and a
+    worker's own replicas when ``LoadReplicas`` asked for them (its epoch began)."""
+
+    now: float
+    replicas: tuple[Replica, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MessageReceived:
+    """A wire message from a worker (offer result, delta, result, heartbeat, residency)."""
+
+    now: float
+    message: WireMessage
+
+
+@dataclass(frozen=True, slots=True)
+class TimerFired:
+    now: float
+    timer: TimerKey
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerUnavailable:
+    """The transport lost the worker's connection, or it crashed, in ``epoch``."""
+
+    now: float
+    worker_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerCancelled:
+    now: float
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Periodic clock event: lets the router expire silent workers."""
+
+    now: float
+
+
+RouterEvent = RequestArrived | ReplicasKnown | MessageReceived | TimerFired | WorkerUnavailable | ConsumerCancelled | Tick
+
+
+@dataclass(frozen=True, slots=True)
+class SendOffer:
+    worker_id: str
+    offer: Offer
+
+
+@dataclass(frozen=True, slots=True)
+class SendCancel:
+    worker_id: str
+    cancel: Cancel
+
+
+@dataclass(frozen=True, slots=True)
+class StartTimer:
+    timer: TimerKey
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTimer:
+    timer: TimerKey
+
+
+@dataclass(frozen=True, slots=True)
+class DeliverDelta:
+    """Tokens for the consumer; ``index`` is the stream position of ``tokens[0]``."""
+
+    request_id: str
+    index: int
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The one terminal outcome a consumer receives.
+
+    ``tokens`` is the whole delivered stream across attempts; ``usage`` sums
+    the attempts' accounting.
+    """
+
+    request_id: str
+    finish_reason: FinishReason
+    tokens: tuple[int, ...]
+    attempts: int
+    usage: Usage = Usage()
+    ttft_s: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeliverResult:
+    request_id: str
+    outcome: Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A decision-grade fact for the fact store (never high-rate samples)."""
+
+    kind: str
+    request_id: str
+    attempt: int
+    now: float
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReplicas:
+    """Read the fact store's durable replicas held by ``worker_id`` and feed them back as ``ReplicasKnown``."""
+
+    worker_id: str
+
+
+Effect = SendOffer | SendCancel | StartTimer | CancelTimer | DeliverDelta | DeliverResult | Record | LoadReplicas

@@ -1,0 +1,333 @@
+"""The router as a pure state machine: ``step(state, event) -> (state, effects)``.
+
+Fencing (docs/design.md section 3): every request has one current attempt. A
+message whose assignment is not the request's current one, or that comes from
+another worker than the one holding it, is stale: it is dropped and counted
+(``counters["stale_dropped"]``), never delivered, never completes anything; a
+stale acceptance is answered with a cancel. Offer timeouts, declines, worker
+loss, silence after acceptance, and worker-side failures re-route with
+attempt + 1; once tokens reached the consumer the next attempt is a
+continuation (prompt + delivered tokens, remaining budget), so the consumer
+sees one gapless, duplicate-free stream. Each request gets exactly one
+``DeliverResult``.
+"""
+
+from __future__ import annotations
+
+from kvrelay.core.planning import predicted_ttft
+from kvrelay.core.router.events import (
+    CancelTimer,
+    ConsumerCancelled,
+    DeliverDelta,
+    DeliverResult,
+    Effect,
+    LoadReplicas,
+    MessageReceived,
+    Outcome,
+    Record,
+    ReplicasKnown,
+    Request,
+    RequestArrived,
+    RouterEvent,
+    SendCancel,
+    StartTimer,
+    Tick,
+    TimerFired,
+    WorkerUnavailable,
+)
+from kvrelay.core.planning.registry import accept_heartbeat, expire, fence
+from kvrelay.core.router.attempts import (
+    abandon,
+    finish,
+    retry_parked,
+    route,
+)
+from kvrelay.core.router.state import (
+    RequestState,
+    RouterConfig,
+    RouterState,
+    new_router,
+)
+from kvrelay.protocol.messages import (
+    Assignment,
+    Cancel,
+    Delta,
+    Heartbeat,
+    OfferResult,
+    Residency,
+    Result,
+)
+from kvrelay.protocol.chunk_keys import prompt_chain
+
+__all__ = ["RouterConfig", "RouterState", "new_router", "step"]
+
+Effects = list[Effect]
+
+
+def step(state: RouterState, event: RouterEvent) -> tuple[RouterState, Effects]:
+    """Apply one event; return the updated state and the effects to carry out, in order."""
+    fx: Effects = []
+    match event:
+        case RequestArrived(now=now, request=request):
+            _on_request(state, request, now, fx)
+        case ReplicasKnown(replicas=replicas):
+            _learn_replicas(state, replicas)
+        case MessageReceived(now=now, message=message):
+            _on_message(state, message, now, fx)
+        case TimerFired(now=now, timer=timer):
+            _on_timer(state, timer, now, fx)
+        case WorkerUnavailable(now=now, worker_id=wid, epoch=epoch):
+            if fence(state.registry, wid, epoch):
+                _worker_lost(state, wid, epoch, now, fx, "worker unavailable")
+        case ConsumerCancelled(now=now, request_id=rid):
+            _on_consumer_cancel(state, rid, now, fx)
+        case Tick(now=now):
+            for wid, epoch in expire(state.registry, now, state.config.worker_expiry_s):
+                state.count("workers_expired")
+                _worker_lost(state, wid, epoch, now, fx, "heartbeats stopped")
+            retry_parked(state, now, fx)
+    return state, fx
+
+
+# --- requests -----------------------------------------------------------------
+
+
+def _learn_replicas(state: RouterState, replicas: tuple[tuple[bytes, str, str], ...]) -> None:
+    """Merge durable replica facts into the index: object replicas always, local ones of live workers."""
+    groups: dict[tuple[str, str], list[bytes]] = {}
+    for key, tier, location in replicas:
+        groups.setdefault((tier, location), []).append(key)
+    for (tier, location), keys in groups.items():
+        if tier == "object" or (tier in ("ram", "ssd") and location in state.views):
+            state.index.store(location, tier, keys)
+
+
+def request_chain(state: RouterState, request: Request) -> tuple[bytes, ...]:
+    """The routable chunk chain of a new request, as the router will plan it (for fact lookups)."""
+    if request.chain is not None:
+        return request.chain
+    fp = state.fingerprints.get(request.model) or request.model.encode()
+    return prompt_chain(fp, request.prompt, state.config.chunk_tokens)
+
+
+def _on_request(state: RouterState, request: Request, now: float, fx: Effects) -> None:
+    if request.request_id in state.requests:
+        state.count("duplicate_request")
+        fx.append(DeliverResult(request.request_id, Outcome(
+            request.request_id, "error", (), 0, error=f"request id '{request.request_id}' is already in flight")))
+        return
+    fp = state.fingerprints.get(request.model) or request.model.encode()
+    rs = RequestState(request=request, arrived=now, fingerprint=fp)
+    state.requests[request.request_id] = rs
+    route(state, rs, now, fx)
+
+
+
+def _on_consumer_cancel(state: RouterState, rid: str, now: float, fx: Effects) -> None:
+    rs = state.requests.get(rid)
+    if rs is None:
+        state.count("cancel_unknown")
+        return
+    if rs.worker_id is not None:
+        wid = rs.worker_id
+        fx.append(SendCancel(wid, Cancel(assignment=Assignment(rid, rs.attempt), worker_id=wid, reason="consumer")))
+        fx.append(Record("offer_outcome", rid, rs.attempt, now,
+                         {"worker_id": wid, "outcome": "cancelled", "reason": "consumer"}))
+    finish(state, rs, "cancelled", now, fx)
+
+
+# --- timers and workers ---------------------------------------------------------
+
+
+def _on_timer(state: RouterState, timer: tuple[str, str, int], now: float, fx: Effects) -> None:
+    kind, rid, attempt = timer
+    rs = state.requests.get(rid)
+    if rs is None or rs.attempt != attempt or rs.worker_id is None:
+        return
+    if rs.phase == "offered":
+        state.count("offer_timeouts")
+        abandon(state, rs, now, fx, "timed_out", "offer timed out", send_cancel=True)
+    elif rs.phase == "running":
+        grace = state.config.progress_timeout_s
+        if rs.first_token_at is None and rs.candidate is not None:
+            grace += 2 * rs.candidate.predicted_ttft_s
+        deadline = rs.last_progress + grace
+        if now >= deadline:
+            state.count("progress_timeouts")
+            abandon(state, rs, now, fx, "timed_out", "no progress after acceptance", send_cancel=True)
+        else:
+            fx.append(StartTimer(("offer", rid, attempt), deadline))
+
+
+def _worker_lost(state: RouterState, wid: str, epoch: int, now: float, fx: Effects, reason: str) -> None:
+    """Fence everything of ``wid`` up to ``epoch``: its residency and its assignments."""
+    view = state.views.get(wid)
+    if view is not None and view.heartbeat.epoch <= epoch:
+        del state.views[wid]
+        state.roster.remove(wid)
+    state.index.drop_worker(wid)
+    state.residency_seq.pop(wid, None)
+    for rid in sorted(state.by_worker.get(wid, ())):
+        rs = state.requests.get(rid)
+        if rs is not None and rs.worker_id == wid and rs.epoch <= epoch:
+            state.count("worker_lost_assignments")
+            abandon(state, rs, now, fx, "worker_lost", f"{reason} (epoch {epoch})", send_cancel=False)
+
+
+# --- worker messages ------------------------------------------------------------
+
+
+def _on_message(state: RouterState, msg, now: float, fx: Effects) -> None:
+    match msg:
+        case Heartbeat():
+            _on_heartbeat(state, msg, now, fx)
+        case Residency():
+            _on_residency(state, msg, now, fx)
+        case OfferResult() | Delta() | Result():
+            rs = state.requests.get(msg.assignment.request_id)
+            if rs is None or rs.attempt != msg.assignment.attempt or rs.worker_id != msg.worker_id:
+                state.count("stale_dropped")
+                if isinstance(msg, OfferResult) and msg.accepted:
+                    state.count("stale_accept_cancelled")
+                    fx.append(SendCancel(msg.worker_id, Cancel(assignment=msg.assignment, worker_id=msg.worker_id,
+                                                               reason="stale assignment")))
+                return
+            if isinstance(msg, OfferResult):
+                _on_offer_result(state, rs, msg, now, fx)
+            elif isinstance(msg, Delta):
+                _on_delta(state, rs, msg, now, fx)
+            else:
+                _on_result(state, rs, msg, now, fx)
+        case _:
+            state.count("unexpected_message")
+
+
+def _on_heartbeat(state: RouterState, hb: Heartbeat, now: float, fx: Effects) -> None:
+    verdict = accept_heartbeat(state.registry, hb, now)
+    if not verdict.accepted:
+        state.count("stale_heartbeat")
+        return
+    if verdict.replaced_epoch is not None:
+        state.count("epoch_replaced")
+        _worker_lost(state, hb.worker_id, verdict.replaced_epoch, now, fx, "restarted")
+    fps = predicted_ttft.reported_fingerprints(hb)
+    for model, fp in fps.items():
+        state.fingerprints.setdefault(model, fp)
+    view = state.views.get(hb.worker_id)
+    if view is None or view.heartbeat.epoch != hb.epoch:
+        fx.append(LoadReplicas(hb.worker_id))  # its durable tiers may hold chunks the index forgot or never saw
+    load = view.load if view is not None else predicted_ttft.WorkerLoad()
+    load.accepted_pages = 0
+    load.restore_backlog_s, load.restore_backlog_at = hb.lower_tier_load_s, now
+    view = state.views[hb.worker_id] = predicted_ttft.WorkerView(hb, load, fps)
+    state.roster.put(view)
+    if state.parked:
+        retry_parked(state, now, fx)
+
+
+def _on_residency(state: RouterState, msg: Residency, now: float, fx: Effects) -> None:
+    """Follow a worker's residency in the index; durable tiers (ssd, object) also become replica facts."""
+    entry = state.registry.live_entry(msg.worker_id)
+    last = state.residency_seq.get(msg.worker_id, (-1, -1))
+    if entry is None or msg.epoch != entry.epoch or (msg.epoch, msg.seq) <= last:
+        state.count("stale_residency")
+        return
+    state.residency_seq[msg.worker_id] = (msg.epoch, msg.seq)
+    if msg.stored:
+        state.index.store(msg.worker_id, msg.tier, msg.stored)
+    if msg.removed:
+        state.index.remove(msg.worker_id, msg.tier, msg.removed)
+    if msg.tier in ("ssd", "object"):
+        fx.append(Record("replica", "", 0, now, {"worker_id": msg.worker_id, "tier": msg.tier,
+                                                  "stored": msg.stored, "removed": msg.removed}))
+
+
+def _on_offer_result(state: RouterState, rs: RequestState, msg: OfferResult, now: float, fx: Effects) -> None:
+    if rs.phase != "offered":
+        state.count("duplicate_offer_result")
+        return
+    view = state.views.get(msg.worker_id)
+    if rs.holds_inflight and view is not None:
+        view.load.inflight_pages = max(0, view.load.inflight_pages - rs.demand_pages)
+        if msg.accepted:
+            view.load.accepted_pages += rs.demand_pages
+    rs.holds_inflight = False
+    if msg.accepted:
+        state.count("accepted")
+        rs.phase = "running"
+        fx.append(CancelTimer(("offer", rs.request.request_id, rs.attempt)))
+        fx.append(StartTimer(("offer", rs.request.request_id, rs.attempt), now + state.config.progress_timeout_s))
+        fx.append(Record("offer_outcome", rs.request.request_id, rs.attempt, now,
+                         {"worker_id": msg.worker_id, "outcome": "accepted", "reason": None}))
+        return
+    state.count("declines")
+    state.count(f"declined_{msg.reason}")
+    route_tiers = rs.candidate.tiers if rs.candidate is not None else frozenset()
+    exclude = None
+    if msg.reason in ("stale_route", "no_capacity") and "gpu" in route_tiers:
+        exclude = (msg.worker_id, "gpu")
+    reason = f"declined: {msg.reason}" + (f" ({msg.detail})" if msg.detail else "")
+    abandon(state, rs, now, fx, "declined", reason, send_cancel=False, exclude=exclude)
+
+
+def _deliver(state: RouterState, rs: RequestState, tokens: tuple[int, ...], now: float, fx: Effects) -> None:
+    room = rs.request.max_new_tokens - len(rs.delivered)
+    tokens = tokens[:room]
+    if not tokens:
+        return
+    if rs.first_token_at is None:
+        rs.first_token_at = now
+    fx.append(DeliverDelta(rs.request.request_id, len(rs.delivered), tokens))
+    rs.delivered.extend(tokens)
+
+
+def _first_progress(state: RouterState, rs: RequestState) -> None:
+    if rs.holds_outstanding:
+        view = state.views.get(rs.worker_id or "")
+        if view is not None:
+            view.load.release_outstanding(rs.estimate_s)
+            state.roster.requeue(view)
+        rs.holds_outstanding = False
+
+
+def _on_delta(state: RouterState, rs: RequestState, msg: Delta, now: float, fx: Effects) -> None:
+    if rs.phase == "offered":  # the acceptance was lost or overtaken; the delta proves it
+        rs.phase = "running"
+        _mark_accepted_implicitly(state, rs, msg.worker_id, now, fx)
+    rs.last_progress = now
+    _first_progress(state, rs)
+    if msg.seq < rs.next_seq or msg.seq in rs.pending:
+        state.count("duplicate_dropped")
+        return
+    rs.pending[msg.seq] = msg.tokens
+    while rs.next_seq in rs.pending:
+        _deliver(state, rs, rs.pending.pop(rs.next_seq), now, fx)
+        rs.next_seq += 1
+
+
+def _mark_accepted_implicitly(state: RouterState, rs: RequestState, wid: str, now: float, fx: Effects) -> None:
+    view = state.views.get(wid)
+    if rs.holds_inflight and view is not None:
+        view.load.inflight_pages = max(0, view.load.inflight_pages - rs.demand_pages)
+    rs.holds_inflight = False
+    fx.append(CancelTimer(("offer", rs.request.request_id, rs.attempt)))
+    fx.append(StartTimer(("offer", rs.request.request_id, rs.attempt), now + state.config.progress_timeout_s))
+
+
+def _on_result(state: RouterState, rs: RequestState, msg: Result, now: float, fx: Effects) -> None:
+    if rs.phase == "offered":
+        _mark_accepted_implicitly(state, rs, msg.worker_id, now, fx)
+    _first_progress(state, rs)
+    already = len(rs.delivered) - rs.attempt_start
+    if tuple(rs.delivered[rs.attempt_start:]) != tuple(msg.tokens[:already]):
+        state.count("result_mismatch")
+    _deliver(state, rs, tuple(msg.tokens[already:]), now, fx)
+    for tier, n in msg.usage.cached_tokens.items():
+        rs.cached_tokens[tier] = rs.cached_tokens.get(tier, 0) + n
+    rs.recomputed_tokens += msg.usage.recomputed_tokens
+    if msg.finish_reason in ("stop", "length"):
+        finish(state, rs, msg.finish_reason, now, fx)
+        return
+    state.count(f"worker_{msg.finish_reason}")
+    abandon(state, rs, now, fx, "worker_lost", f"worker ended the attempt: {msg.finish_reason} {msg.error or ''}",
+             send_cancel=False)

@@ -1,0 +1,115 @@
+"""The router's configuration and state (the data the pure ``router.step`` threads through).
+
+The state is threaded linearly: ``step`` updates it and returns it, and the
+caller never reuses an older state. It holds no clock, no I/O handle and no
+randomness other than the seeded ``rng``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvrelay.core.router.events import Request
+from kvrelay.core.planning.index import ResidencyIndex
+from kvrelay.core.policies.base import Policy
+from kvrelay.core.planning.predicted_ttft import Candidate, WorkerView
+from kvrelay.core.planning.registry import Registry
+from kvrelay.core.planning.roster import Roster
+from kvrelay.protocol.messages import Usage
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    offer_timeout_s: float = 2.0
+    """An offer not answered in this time is cancelled and re-routed."""
+    progress_timeout_s: float = 30.0
+    """An accepted assignment silent for this long (beyond its predicted TTFT) is cancelled and re-routed."""
+    worker_expiry_s: float = 3.0
+    """A worker whose heartbeats stop for this long is fenced."""
+    max_attempts: int = 8
+    chunk_tokens: int = 64
+    max_index_keys: int = 2_000_000
+    max_queue_wait_s: float = 60.0
+    """How long a request may wait at the router for capacity before it fails with no_capacity."""
+    model_fingerprints: Mapping[str, bytes] = field(default_factory=dict)
+    """Fingerprints to chain keys with; others are learned from heartbeats."""
+
+
+@dataclass(slots=True)
+class RequestState:
+    """One request at the router, across its attempts."""
+
+    request: Request
+    arrived: float
+    fingerprint: bytes
+    attempt: int = 0
+    phase: str = "new"
+    """new -> offered -> running -> done; ``parked`` while waiting for capacity."""
+    worker_id: str | None = None
+    epoch: int = -1
+    candidate: Candidate | None = None
+    demand_pages: int = 0
+    estimate_s: float = 0.0
+    holds_outstanding: bool = False
+    holds_inflight: bool = False
+    delivered: list[int] = field(default_factory=list)
+    attempt_start: int = 0
+    next_seq: int = 0
+    pending: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    excluded_workers: set[str] = field(default_factory=set)
+    excluded_pairs: set[tuple[str, str]] = field(default_factory=set)
+    reasons: list[str] = field(default_factory=list)
+    first_token_at: float | None = None
+    last_progress: float = 0.0
+    parked_since: float | None = None
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+    recomputed_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RouterState:
+    config: RouterConfig
+    policy: Policy
+    rng: random.Random
+    registry: Registry = field(default_factory=Registry)
+    index: ResidencyIndex = field(default_factory=ResidencyIndex)
+    views: dict[str, WorkerView] = field(default_factory=dict)
+    """Live workers only."""
+    roster: Roster = field(default_factory=Roster)
+    """The same views, grouped by cost and ordered by queue (``roster.plan_pruned``)."""
+    residency_seq: dict[str, tuple[int, int]] = field(default_factory=dict)
+    fingerprints: dict[str, bytes] = field(default_factory=dict)
+    requests: dict[str, RequestState] = field(default_factory=dict)
+    by_worker: dict[str, set[str]] = field(default_factory=dict)
+    parked: dict[str, None] = field(default_factory=dict)
+    """Requests waiting for capacity, in arrival order."""
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+
+def new_router(config: RouterConfig | None = None, policy: Policy | str = "kvrelay", seed: int = 0) -> RouterState:
+    """A router with no workers and no requests."""
+    from kvrelay.core.policies import make_policy
+
+    config = config or RouterConfig()
+    return RouterState(
+        config=config,
+        policy=make_policy(policy) if isinstance(policy, str) else policy,
+        rng=random.Random(seed),
+        index=ResidencyIndex(config.max_index_keys),
+        fingerprints=dict(config.model_fingerprints),
+    )
+
+
+def usage_of(rs: RequestState) -> Usage:
+    return Usage(
+        prompt_tokens=len(rs.request.prompt),
+        cached_tokens=dict(rs.cached_tokens),
+        recomputed_tokens=rs.recomputed_tokens,
+        generated_tokens=len(rs.delivered),
+    )

@@ -1,0 +1,1 @@
+"""The worker protocol machine: offers, admission, fencing and results as pure transitions."""

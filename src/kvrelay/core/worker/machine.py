@@ -1,0 +1,354 @@
+"""The worker side of the protocol as a pure state machine (docs/design.md sections 3 and 7).
+
+``step(state, event) -> (state, effects)``: no I/O, no clock, no randomness. The
+state is threaded linearly (``step`` mutates it; never reuse an old state).
+
+Life of one assignment on this worker::
+
+    OfferReceived --(epoch, model, context ok)--> admitting --RequestAdmission-->
+    AdmissionDecided(accepted) --> running: OfferResult(accepted) + StartWork
+    AdmissionDecided(declined) --> OfferResult(declined, reason), forgotten
+    running --TokensProduced--> Delta(seq 0, 1, ...)            (per assignment)
+    running --WorkFinished--> Result + ReleaseReservation, forgotten
+    running --CancelReceived / superseded--> fenced: FenceWork at once, no further
+        message for it; ReleaseReservation only on WorkQuiesced or WorkFinished,
+        i.e. once the operation already in flight has finished.
+    admitting --CancelReceived--> fenced while admitting: a later accepted
+        decision is released at once, and nothing is sent.
+
+Admission itself is injected: the machine emits ``RequestAdmission`` and the
+interpreter answers with ``AdmissionDecided`` (a pure page-capacity model in the
+simulator, a real page pool in the worker process). The machine validates the
+epoch, the model, the context limit and shutdown itself, before asking.
+
+Fencing: for each request the machine remembers the highest attempt it has seen
+(bounded, oldest forgotten first). An offer or cancel for a lower attempt is
+stale: a stale offer is dropped and counted; an offer for a higher attempt
+supersedes (fences) the running lower one. A cancel that arrives before its offer
+leaves a tombstone so the late offer is dropped, never run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvrelay.protocol.messages import (
+    Assignment,
+    Cancel,
+    DeclineReason,
+    Delta,
+    FinishReason,
+    Offer,
+    OfferResult,
+    Result,
+    Timings,
+    Usage,
+    WireMessage,
+)
+
+DEFAULT_FENCE_MEMORY = 65536
+"""How many requests' highest attempts the machine remembers for fencing."""
+
+
+@dataclass(frozen=True, slots=True)
+class OfferReceived:
+    now: float
+    offer: Offer
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecided:
+    """The injected admission's answer to ``RequestAdmission``; ``reason`` is set when declined."""
+
+    now: float
+    assignment: Assignment
+    accepted: bool
+    reason: DeclineReason | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CancelReceived:
+    now: float
+    cancel: Cancel
+
+
+@dataclass(frozen=True, slots=True)
+class TokensProduced:
+    """The runtime produced the next ``tokens`` of a running assignment, in order."""
+
+    now: float
+    assignment: Assignment
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkFinished:
+    """The runtime finished an assignment (all its tokens were reported before)."""
+
+    now: float
+    assignment: Assignment
+    finish_reason: FinishReason
+    usage: Usage = Usage()
+    timings: Timings = Timings()
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkQuiesced:
+    """After ``FenceWork``: no operation of the assignment is in flight any more."""
+
+    now: float
+    assignment: Assignment
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownRequested:
+    """From now on every offer is declined with ``shutting_down``; running work continues."""
+
+    now: float
+
+
+WorkerEvent = (
+    OfferReceived | AdmissionDecided | CancelReceived | TokensProduced | WorkFinished | WorkQuiesced
+    | ShutdownRequested
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAdmission:
+    """Ask the injected admission to reserve pages for ``offer`` (answer: ``AdmissionDecided``)."""
+
+    offer: Offer
+
+
+@dataclass(frozen=True, slots=True)
+class StartWork:
+    """Run restore, prefill and decode for ``offer``; its reservation is held."""
+
+    offer: Offer
+
+
+@dataclass(frozen=True, slots=True)
+class FenceWork:
+    """Stop ``assignment`` now; answer ``WorkQuiesced`` once nothing of it is in flight."""
+
+    assignment: Assignment
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseReservation:
+    """Give back every page reserved for ``assignment`` (filled prefix pages may stay as cache)."""
+
+    assignment: Assignment
+
+
+@dataclass(frozen=True, slots=True)
+class SendMessage:
+    """Send a wire message to the router."""
+
+    message: WireMessage
+
+
+WorkerEffect = RequestAdmission | StartWork | FenceWork | ReleaseReservation | SendMessage
+
+ADMITTING = "admitting"
+ADMITTING_FENCED = "admitting_fenced"
+RUNNING = "running"
+FENCED = "fenced"
+
+
+@dataclass(slots=True)
+class Slot:
+    """One assignment this worker knows: its offer, phase, next delta seq and tokens so far."""
+
+    offer: Offer
+    phase: str
+    seq: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """The machine's state. ``slots`` holds every assignment that may still hold a reservation."""
+
+    worker_id: str
+    epoch: int
+    models: tuple[str, ...]
+    context_limit: int
+    fence_memory: int = DEFAULT_FENCE_MEMORY
+    shutting_down: bool = False
+    slots: dict[Assignment, Slot] = field(default_factory=dict)
+    latest_attempt: dict[str, int] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+def new_worker(
+    worker_id: str, epoch: int, models: tuple[str, ...], context_limit: int,
+    fence_memory: int = DEFAULT_FENCE_MEMORY,
+) -> WorkerState:
+    """A fresh machine for one start (``epoch``) of a worker."""
+    return WorkerState(worker_id, epoch, tuple(models), context_limit, fence_memory)
+
+
+def holds_reservations(state: WorkerState) -> bool:
+    """True while some assignment may still hold reserved pages (admitting, running or fenced)."""
+    return bool(state.slots)
+
+
+def step(state: WorkerState, event: WorkerEvent) -> tuple[WorkerState, list[WorkerEffect]]:
+    """Apply one event; return the (same, mutated) state and the effects to carry out."""
+    if isinstance(event, OfferReceived):
+        return state, _on_offer(state, event.offer)
+    if isinstance(event, AdmissionDecided):
+        return state, _on_admission(state, event)
+    if isinstance(event, CancelReceived):
+        return state, _on_cancel(state, event.cancel)
+    if isinstance(event, TokensProduced):
+        return state, _on_tokens(state, event)
+    if isinstance(event, WorkFinished):
+        return state, _on_finished(state, event)
+    if isinstance(event, WorkQuiesced):
+        return state, _on_quiesced(state, event.assignment)
+    if isinstance(event, ShutdownRequested):
+        state.shutting_down = True
+        return state, []
+    raise TypeError(f"not a worker event: {type(event).__name__}")
+
+
+def _count(state: WorkerState, name: str) -> None:
+    state.counters[name] = state.counters.get(name, 0) + 1
+
+
+def _remember_attempt(state: WorkerState, assignment: Assignment) -> None:
+    latest = state.latest_attempt
+    rid = assignment.request_id
+    if latest.get(rid, 0) >= assignment.attempt:
+        return
+    latest.pop(rid, None)
+    latest[rid] = assignment.attempt
+    while len(latest) > state.fence_memory:
+        del latest[next(iter(latest))]
+
+
+def _decline(state: WorkerState, offer: Offer, reason: DeclineReason, detail: str) -> list[WorkerEffect]:
+    _count(state, f"declined_{reason}")
+    return [SendMessage(OfferResult(
+        assignment=offer.assignment, worker_id=state.worker_id, epoch=state.epoch,
+        accepted=False, reason=reason, detail=detail[:256],
+    ))]
+
+
+def _fence(state: WorkerState, assignment: Assignment) -> list[WorkerEffect]:
+    slot = state.slots[assignment]
+    if slot.phase == ADMITTING:
+        slot.phase = ADMITTING_FENCED
+        return []
+    if slot.phase == RUNNING:
+        slot.phase = FENCED
+        return [FenceWork(assignment)]
+    return []
+
+
+def _on_offer(state: WorkerState, offer: Offer) -> list[WorkerEffect]:
+    a = offer.assignment
+    if a in state.slots:
+        _count(state, "duplicate_offer")
+        return []
+    if state.latest_attempt.get(a.request_id, 0) >= a.attempt:
+        _count(state, "stale_offer")
+        return []
+    effects: list[WorkerEffect] = []
+    for older in [s for s in state.slots if s.request_id == a.request_id]:
+        _count(state, "superseded")
+        effects += _fence(state, older)
+    _remember_attempt(state, a)
+    if offer.worker_id != state.worker_id or offer.epoch != state.epoch:
+        return effects + _decline(
+            state, offer, "wrong_epoch",
+            f"offer for {offer.worker_id} epoch {offer.epoch}; this is {state.worker_id} epoch {state.epoch}",
+        )
+    if state.shutting_down:
+        return effects + _decline(state, offer, "shutting_down", f"{state.worker_id} is shutting down")
+    if offer.model not in state.models:
+        return effects + _decline(
+            state, offer, "wrong_model", f"model {offer.model!r} is not served; served: {', '.join(state.models)}",
+        )
+    needed = len(offer.prompt) + offer.max_new_tokens
+    if needed > state.context_limit:
+        return effects + _decline(
+            state, offer, "over_context_limit", f"{needed} tokens exceed the context limit {state.context_limit}",
+        )
+    state.slots[a] = Slot(offer, ADMITTING)
+    return effects + [RequestAdmission(offer)]
+
+
+def _on_admission(state: WorkerState, event: AdmissionDecided) -> list[WorkerEffect]:
+    slot = state.slots.get(event.assignment)
+    if slot is None or slot.phase not in (ADMITTING, ADMITTING_FENCED):
+        raise ValueError(f"admission decided for {event.assignment} which is not awaiting admission")
+    if slot.phase == ADMITTING_FENCED:
+        del state.slots[event.assignment]
+        return [ReleaseReservation(event.assignment)] if event.accepted else []
+    if not event.accepted:
+        del state.slots[event.assignment]
+        return _decline(state, slot.offer, event.reason or "no_capacity", event.detail)
+    slot.phase = RUNNING
+    _count(state, "accepted")
+    return [
+        SendMessage(OfferResult(
+            assignment=event.assignment, worker_id=state.worker_id, epoch=state.epoch, accepted=True,
+        )),
+        StartWork(slot.offer),
+    ]
+
+
+def _on_cancel(state: WorkerState, cancel: Cancel) -> list[WorkerEffect]:
+    a = cancel.assignment
+    if a in state.slots:
+        _count(state, "cancelled")
+        return _fence(state, a)
+    if state.latest_attempt.get(a.request_id, 0) < a.attempt:
+        _count(state, "cancel_before_offer")
+        _remember_attempt(state, a)
+    else:
+        _count(state, "cancel_ignored")
+    return []
+
+
+def _on_tokens(state: WorkerState, event: TokensProduced) -> list[WorkerEffect]:
+    slot = state.slots.get(event.assignment)
+    if slot is None or slot.phase != RUNNING:
+        _count(state, "fenced_tokens_dropped")
+        return []
+    seq = slot.seq
+    slot.seq += 1
+    slot.tokens.extend(event.tokens)
+    return [SendMessage(Delta(
+        assignment=event.assignment, worker_id=state.worker_id, seq=seq, tokens=tuple(event.tokens),
+    ))]
+
+
+def _on_finished(state: WorkerState, event: WorkFinished) -> list[WorkerEffect]:
+    slot = state.slots.get(event.assignment)
+    if slot is None:
+        raise ValueError(f"work finished for {event.assignment} which holds no slot")
+    del state.slots[event.assignment]
+    if slot.phase != RUNNING:
+        return [ReleaseReservation(event.assignment)]
+    _count(state, "finished")
+    return [
+        SendMessage(Result(
+            assignment=event.assignment, worker_id=state.worker_id, tokens=tuple(slot.tokens),
+            finish_reason=event.finish_reason, usage=event.usage, timings=event.timings, error=event.error,
+        )),
+        ReleaseReservation(event.assignment),
+    ]
+
+
+def _on_quiesced(state: WorkerState, assignment: Assignment) -> list[WorkerEffect]:
+    slot = state.slots.get(assignment)
+    if slot is None or slot.phase != FENCED:
+        raise ValueError(f"work quiesced for {assignment} which is not fenced")
+    del state.slots[assignment]
+    return [ReleaseReservation(assignment)]

@@ -1,0 +1,1 @@
+"""Processes and their wiring: ``serve``, router, worker and cluster processes, child processes, configuration."""

@@ -1,0 +1,158 @@
+"""``kvrelay router``: the HTTP ingress, the router and the workers' WebSocket endpoint in one process.
+
+Contract:
+- HTTP (the OpenAI-compatible API, ``/health``, ``/metrics``, and ``/cluster``:
+  live workers, requests in flight and counters as JSON) listens on
+  ``host:port``; workers connect over WebSocket at
+  ``ws://host:worker_port/workers`` (the transport's own server, on a port of
+  its own). Port 0 picks a free port; ``on_ready(http_url, workers_url)`` is
+  called once both listen, with the bound ports.
+- The models the ingress offers are learned from heartbeats (``ModelCatalog``);
+  the router loads only the tokenizers of ``model_sources``.
+- On SIGINT/SIGTERM the HTTP server stops, then the worker endpoint (workers
+  see close code 1001 and reconnect to whatever listens next), the router's
+  timers, and the fact store (flushed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from kvrelay.api.app import create_app
+from kvrelay.api.ingress import Ingress
+from kvrelay.api.metrics import Metrics
+from kvrelay.api.router_metrics import add_router_metrics
+from kvrelay.router.cluster_router import ClusterRouter
+from kvrelay.core.router.machine import RouterConfig, new_router
+from kvrelay.facts.replica_map import ReplicaMap
+from kvrelay.facts.sink import record_sink
+from kvrelay.facts.store import FactStore
+from kvrelay.launch.catalog import ModelCatalog, load_served_model
+from kvrelay.protocol.messages import Heartbeat, WireMessage
+from kvrelay.transport.router_endpoint import RouterEndpoint, registry_liveness
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterOptions:
+    secret: bytes
+    host: str = "127.0.0.1"
+    port: int = 8000
+    worker_port: int = 8001
+    model_sources: tuple[str | None, ...] = (None,)
+    db_url: str | None = None
+    policy: str = "kvrelay"
+    chunk_tokens: int = 64
+    offer_timeout_s: float = 2.0
+    progress_timeout_s: float = 30.0
+    worker_expiry_s: float = 3.0
+
+
+class _HeartbeatTap:
+    """The endpoint's sink: the router, with every accepted heartbeat shown to the catalog first."""
+
+    def __init__(self, router: ClusterRouter, catalog: ModelCatalog) -> None:
+        self.router = router
+        self.catalog = catalog
+
+    def receive(self, message: WireMessage) -> None:
+        if isinstance(message, Heartbeat):
+            self.catalog.learn(message)
+        self.router.receive(message)
+
+    def worker_unavailable(self, worker_id: str, epoch: int) -> None:
+        self.router.worker_unavailable(worker_id, epoch)
+
+
+def cluster_snapshot(router: ClusterRouter, endpoint: RouterEndpoint) -> dict[str, Any]:
+    """What ``/cluster`` answers: live workers (from their last heartbeat), requests in flight, counters."""
+    workers = {
+        wid: {"epoch": v.heartbeat.epoch, "seq": v.heartbeat.seq, "models": list(v.heartbeat.models),
+              "pages_total": v.heartbeat.pages_total, "pages_free": v.heartbeat.pages_free,
+              "pages_evictable": v.heartbeat.pages_evictable, "active_lanes": v.heartbeat.active_lanes}
+        for wid, v in sorted(router.state.views.items())
+    }
+    requests = {
+        rid: {"worker_id": rs.worker_id, "attempt": rs.attempt, "phase": rs.phase, "delivered": len(rs.delivered)}
+        for rid, rs in sorted(router.state.requests.items())
+    }
+    return {"workers": workers, "requests": requests, "router_counters": dict(router.state.counters),
+            "endpoint_counters": dict(endpoint.counters)}
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(512)
+    sock.setblocking(False)
+    return sock
+
+
+async def run_router(options: RouterOptions, on_ready: Callable[[str, str], None] = lambda h, w: None) -> None:
+    """Serve until SIGINT/SIGTERM (see the module contract)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loaded = {}
+    for source in options.model_sources:
+        served = await asyncio.to_thread(load_served_model, source)
+        loaded[served.name] = served
+    catalog = ModelCatalog(loaded)
+    facts = FactStore(options.db_url)
+    replica_map = ReplicaMap.load(facts.engine)
+    endpoint = RouterEndpoint(options.secret, host=options.host, port=options.worker_port)
+    config = RouterConfig(offer_timeout_s=options.offer_timeout_s, progress_timeout_s=options.progress_timeout_s,
+                          worker_expiry_s=options.worker_expiry_s, chunk_tokens=options.chunk_tokens)
+    router = ClusterRouter(new_router(config, options.policy), endpoint.send, record_sink(facts, replica_map),
+                           replicas=replica_map)
+    ingress = Ingress(router, catalog.served, _metrics(router, endpoint),
+                      lambda name: any(name in v.heartbeat.models for v in router.state.views.values()))
+    app = create_app(ingress)
+    app.add_api_route("/cluster", lambda: cluster_snapshot(router, endpoint), methods=["GET"])
+    router.start()
+    sock: socket.socket | None = None
+    try:
+        await endpoint.start(_HeartbeatTap(router, catalog), registry_liveness(router))
+        sock = _listen(options.host, options.port)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        serving = loop.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        if serving.done():
+            serving.result()
+        port = sock.getsockname()[1]
+        on_ready(f"http://{options.host}:{port}", endpoint.url)
+        log.info("router: HTTP on http://%s:%d, workers on %s", options.host, port, endpoint.url)
+        stopping = loop.create_task(stop.wait())
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        server.should_exit = True
+        await serving
+    finally:
+        await endpoint.close()
+        await router.close()
+        facts.close()
+        if sock is not None:
+            sock.close()
+        log.info("router stopped")
+
+
+def _metrics(router: ClusterRouter, endpoint: RouterEndpoint) -> Metrics:
+    metrics = Metrics()
+    add_router_metrics(metrics, router)
+    metrics.gauge("kvrelay_router_events", lambda: {(("counter", k),): v for k, v in router.state.counters.items()},
+                  "every router counter")
+    metrics.gauge("kvrelay_endpoint_events", lambda: {(("counter", k),): v for k, v in endpoint.counters.items()},
+                  "worker endpoint counters (connections, refused handshakes, dropped frames by reason, ...)")
+    return metrics

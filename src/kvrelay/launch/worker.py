@@ -1,0 +1,96 @@
+"""``kvrelay worker``: one worker (model, runtime, page pool, controller) linked to one or several routers.
+
+Contract:
+- The worker loads its model, then keeps a WebSocket link to every router URL
+  (``transport.worker_endpoint``), authenticated with the shared secret. When
+  a link drops, the controller moves to a new epoch (``on_disconnect``), so
+  every assignment of the old epoch is fenced and its pages come back once the
+  step in flight has finished. ``on_ready(worker_id, epoch, model)`` is called
+  once the model is loaded and the links are starting.
+- Graceful shutdown on SIGINT/SIGTERM: the controller declines every new offer
+  (``shutting_down``); running work gets ``grace_s`` to finish; what is still
+  running then is handed over (a ``cancelled`` Result with the tokens so far,
+  which the router continues elsewhere as a continuation). Then the endpoint
+  closes, the controller's remaining work quiesces, and only then the runtime
+  (the device thread) stops.
+- Every time the controller's reservations drop to none, the controller logs
+  "holds no reservations", so an operator (or a test) can see a fenced
+  assignment's pages come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvrelay.launch.worker_assembly import WorkerParts, WorkerSpec, build_worker
+from kvrelay.transport.worker_endpoint import WorkerEndpoint
+from kvrelay.worker.host import WorkerController
+
+log = logging.getLogger(__name__)
+
+QUIESCE_S = 10.0
+"""How long a handed-over or fenced step may take to finish before the runtime stops anyway."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    spec: WorkerSpec
+    router_urls: tuple[str, ...]
+    secret: bytes
+    heartbeat_s: float = 0.5
+    grace_s: float = 10.0
+
+
+async def run_worker(options: WorkerOptions, on_ready: Callable[[str, int, str], None] = lambda w, e, m: None) -> None:
+    """Serve until SIGINT/SIGTERM, then drain (see the module contract)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    parts = await build_worker(options.spec)
+    controller = parts.controller
+    endpoint = WorkerEndpoint(controller, options.router_urls, options.secret,
+                              heartbeat_interval_s=options.heartbeat_s)
+    controller.publish = endpoint.publish
+    await endpoint.start()
+    on_ready(controller.worker_id, controller.epoch, parts.artifacts.name)
+    log.info("worker %s (epoch %d) serves %s; routers: %s", controller.worker_id, controller.epoch,
+             parts.artifacts.name, ", ".join(options.router_urls))
+    try:
+        await stop.wait()
+        await drain(parts, endpoint, options.grace_s)
+    finally:
+        await endpoint.close()
+        parts.close()
+        log.info("worker %s stopped", controller.worker_id)
+
+
+async def drain(parts: WorkerParts, endpoint: WorkerEndpoint, grace_s: float) -> None:
+    """Decline new offers, let running work finish within ``grace_s``, hand the rest over, close the link."""
+    controller = parts.controller
+    controller.shut_down()
+    log.info("worker %s shutting down: %d assignments running, grace %.1f s", controller.worker_id,
+             len(controller.runs), grace_s)
+    if not await _quiesce(controller, grace_s):
+        handed = controller.hand_over()
+        log.info("worker %s handed over %d assignments as continuations", controller.worker_id, handed)
+        await _quiesce(controller, QUIESCE_S)
+    await endpoint.close()
+    if not await _quiesce(controller, QUIESCE_S):
+        log.warning("worker %s: work still in flight after %.0f s; stopping the runtime anyway",
+                    controller.worker_id, QUIESCE_S)
+
+
+async def _quiesce(controller: WorkerController, timeout_s: float) -> bool:
+    """Wait until the controller holds no reservation; False after ``timeout_s``."""
+    if not controller.state.slots:
+        return True
+    try:
+        await asyncio.wait_for(controller.quiesced.wait(), timeout_s)
+    except TimeoutError:
+        return False
+    return True

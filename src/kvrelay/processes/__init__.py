@@ -1,1 +1,0 @@
-"""The cluster faces as processes: ``kvrelay router``, ``kvrelay worker`` and ``kvrelay cluster``."""

@@ -1,0 +1,346 @@
+"""The deterministic simulator: logical time driving the real router and worker machines.
+
+One heap of timed events (ties broken by insertion order) feeds ``router.step``
+and the simulated workers (``sim_workers``, which run ``worker.step``); every
+router effect is carried out here: offers and cancels go through the seeded
+``NetworkModel``, timers become heap events, deliveries reach the consumer
+records. No routing or protocol rule lives here.
+
+Faults: directed partitions and per-link loss (``network``), worker crashes with
+an optional restart (a new epoch; the transport reports the lost connection as
+``WorkerUnavailable`` after ``detect_s``), consumer cancellations.
+
+The consumer side checks, independently of the router, what every delivery
+must satisfy (``violations``): deltas are gapless and duplicate-free, equal the
+deterministic token values, and come from the request's current attempt (the
+last one offered and not cancelled); each request gets exactly one outcome,
+whose tokens are the delivered stream.
+
+With ``log=True`` every input and effect is written to a text log; the same
+seed and input give a byte-identical log.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvrelay.core.worker import machine
+from kvrelay.sim.cluster_config import ClusterConfig
+from kvrelay.core.router.events import (
+    CancelTimer,
+    ConsumerCancelled,
+    DeliverDelta,
+    DeliverResult,
+    LoadReplicas,
+    MessageReceived,
+    Outcome,
+    Record,
+    Request,
+    RequestArrived,
+    SendCancel,
+    SendOffer,
+    StartTimer,
+    Tick,
+    TimerFired,
+    WorkerUnavailable,
+)
+from kvrelay.core.router.machine import RouterConfig, new_router, step
+from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
+from kvrelay.sim.log import describe
+from kvrelay.sim.network import ROUTER, NetworkModel
+from kvrelay.sim.tokens import token_value
+from kvrelay.sim.workers import SimWorker
+from kvrelay.protocol.messages import (
+    Assignment,
+    Cancel,
+    Delta,
+    Offer,
+    Result,
+    RouteSegment,
+)
+
+
+@dataclass(slots=True)
+class Consumer:
+    """What one request's consumer received (the request itself is not kept)."""
+
+    request_id: str
+    submitted_at: float
+    prompt_tokens: int = 0
+    seed: int = 0
+    stream: list[int] = field(default_factory=list)
+    outcomes: list[Outcome] = field(default_factory=list)
+    first_token_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OfferSent:
+    """An offer the router sent (its prompt is not kept)."""
+
+    at: float
+    worker_id: str
+    epoch: int
+    assignment: Assignment
+    route: tuple[RouteSegment, ...]
+    prompt_tokens: int
+    generated_before: int
+    priority: float
+
+
+class Simulation:
+    """A cluster of simulated workers behind one router, under logical time."""
+
+    def __init__(
+        self, cluster: ClusterConfig, *, router_config: RouterConfig | None = None, policy: str = "kvrelay",
+        seed: int = 0, log: bool = True, delta_tokens: int = 1, tick_s: float = 0.25,
+        detect_s: float | None = 0.05, admission_s: float = 0.0,
+    ) -> None:
+        self.cluster = cluster
+        config = router_config or RouterConfig(chunk_tokens=cluster.chunk_tokens)
+        if config.chunk_tokens != cluster.chunk_tokens:
+            raise ValueError(
+                f"router chunk_tokens {config.chunk_tokens} != cluster chunk_tokens {cluster.chunk_tokens}")
+        fps = {**dict(config.model_fingerprints), cluster.model: cluster.fingerprint}
+        self.router = new_router(replace(config, model_fingerprints=fps), policy, seed)
+        self.network = NetworkModel(cluster.network, seed)
+        self.detect_s, self.tick_s = detect_s, tick_s
+        self.now = 0.0
+        self._heap: list[tuple[float, int, str, Any]] = []
+        self._seq = 0
+        self._timers: dict[tuple[str, str, int], int] = {}
+        self.log: list[str] | None = [] if log else None
+        self.consumers: dict[str, Consumer] = {}
+        self.offers: list[OfferSent] = []
+        self.current: dict[str, Assignment] = {}
+        self.cancelled: set[Assignment] = set()
+        self.violations: list[str] = []
+        self.records: dict[str, int] = {}
+        self._open = 0
+        self._to_workers = 0
+        self.known_chains: dict[str, tuple[bytes, ...]] = {}
+        self.shared = SharedObjectTier()
+        self.peers: dict[str, WorkerCaches] = {}
+        self.workers: dict[str, SimWorker] = {}
+        for i in range(cluster.workers):
+            wid = f"w{i}"
+            self.workers[wid] = SimWorker(wid, cluster, self.shared, self.peers, self._schedule_worker,
+                                          self._send_to_router, delta_tokens, self.known_chains, admission_s)
+            self._start_worker(wid, 0.0, offset=cluster.heartbeat_interval_s * i / cluster.workers)
+        self._push(0.0, "tick", None)
+
+    # --- the heap ----------------------------------------------------------------
+
+    def _push(self, at: float, kind: str, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (at, self._seq, kind, payload))
+
+    def _note(self, text: str) -> None:
+        if self.log is not None:
+            self.log.append(f"{self.now:.6f} {text}")
+
+    def log_bytes(self) -> bytes:
+        return ("\n".join(self.log or []) + "\n").encode()
+
+    # --- inputs --------------------------------------------------------------------
+
+    def submit(self, request: Request, at: float) -> None:
+        """Submit ``request`` at logical time ``at``."""
+        self.submit_later(request.request_id, at, lambda: request)
+
+    def submit_later(self, request_id: str, at: float, make: Callable[[], Request]) -> None:
+        """Submit the request ``make()`` builds at time ``at`` (built only then, to bound memory)."""
+        self.consumers[request_id] = Consumer(request_id, at)
+        self._open += 1
+        self._push(at, "arrive", make)
+
+    def cancel(self, request_id: str, at: float) -> None:
+        self._push(at, "consumer_cancel", request_id)
+
+    def crash(self, worker_id: str, at: float, restart_after: float | None = None) -> None:
+        self._push(at, "crash", (worker_id, restart_after))
+
+    def partition(self, src: str, dst: str, start: float, end: float = math.inf) -> None:
+        """Drop messages from ``src`` to ``dst`` (``"router"`` or a worker id) sent in ``[start, end)``."""
+        self.network.partition(src, dst, start, end)
+
+    # --- running -------------------------------------------------------------------
+
+    def quiescent(self) -> bool:
+        """Every request has its outcome, nothing is on its way to a worker, no worker holds a reservation."""
+        return self._open == 0 and self._to_workers == 0 and not any(
+            w.holds_reservations() for w in self.workers.values())
+
+    def run(self, until: float = math.inf) -> bool:
+        """Process events until quiescent (True) or until logical time ``until`` (False)."""
+        while self._heap:
+            if self._open == 0 and self.quiescent():
+                return True
+            if self._heap[0][0] > until:
+                return False
+            at, _, kind, payload = heapq.heappop(self._heap)
+            self.now = at
+            getattr(self, f"_on_{kind}")(payload)
+        return self.quiescent()
+
+    def _router(self, event: Any, cause: Assignment | None = None) -> None:
+        if self.log is not None:
+            self._note(f"router <- {describe(event)}")
+        self.router, effects = step(self.router, event)
+        for effect in effects:
+            self._carry(effect, cause)
+
+    def _carry(self, effect: Any, cause: Assignment | None) -> None:
+        if isinstance(effect, LoadReplicas):
+            return  # the simulated cluster has no fact store; its index follows residency events alone
+        if self.log is not None and not isinstance(effect, Record):
+            self._note(f"router -> {describe(effect)}")
+        if isinstance(effect, SendOffer):
+            self.current[effect.offer.assignment.request_id] = effect.offer.assignment
+            o = effect.offer
+            self.offers.append(OfferSent(self.now, effect.worker_id, o.epoch, o.assignment, o.route,
+                                         len(o.prompt), o.generated_before, o.priority))
+            self._send_to_worker(effect.worker_id, effect.offer)
+        elif isinstance(effect, SendCancel):
+            self.cancelled.add(effect.cancel.assignment)
+            self._send_to_worker(effect.worker_id, effect.cancel)
+        elif isinstance(effect, StartTimer):
+            self._seq += 1
+            self._timers[effect.timer] = self._seq
+            heapq.heappush(self._heap, (effect.at, self._seq, "timer", effect.timer))
+        elif isinstance(effect, CancelTimer):
+            self._timers.pop(effect.timer, None)
+        elif isinstance(effect, DeliverDelta):
+            self._check_delta(effect, cause)
+        elif isinstance(effect, DeliverResult):
+            self._check_result(effect.outcome)
+        elif isinstance(effect, Record):
+            self.records[effect.kind] = self.records.get(effect.kind, 0) + 1
+
+    def _send_to_worker(self, worker_id: str, message: Offer | Cancel) -> None:
+        arrival = self.network.transit(ROUTER, worker_id, self.now)
+        if arrival is None:
+            self._note(f"lost router -> {worker_id}: {describe(message)}")
+            return
+        self._to_workers += 1
+        self._push(arrival, "to_worker", (worker_id, message))
+
+    def _send_to_router(self, now: float, worker_id: str, message: Any) -> None:
+        arrival = self.network.transit(worker_id, ROUTER, now)
+        if arrival is None:
+            self._note(f"lost {worker_id} -> router: {describe(message)}")
+            return
+        self._push(arrival, "to_router", message)
+
+    def _schedule_worker(self, at: float, kind: str, worker_id: str, epoch: int, payload: object) -> None:
+        self._push(at, "worker", (kind, worker_id, epoch, payload))
+
+    def _start_worker(self, worker_id: str, at: float, offset: float = 0.0) -> None:
+        w = self.workers[worker_id]
+        w.start(at)
+        self._note(f"start {worker_id} epoch {w.epoch}")
+        self._push(at + offset, "heartbeat", (worker_id, w.epoch))
+
+    # --- event handlers ------------------------------------------------------------------
+
+    def _on_arrive(self, make: Callable[[], Request]) -> None:
+        request = make()
+        c = self.consumers[request.request_id]
+        c.prompt_tokens, c.seed = len(request.prompt), request.sampling.seed
+        if request.chain is not None:
+            self.known_chains[request.request_id] = request.chain
+        self._router(RequestArrived(self.now, request))
+
+    def _on_consumer_cancel(self, request_id: str) -> None:
+        self._router(ConsumerCancelled(self.now, request_id))
+
+    def _on_tick(self, _: None) -> None:
+        self._router(Tick(self.now))
+        self._push(self.now + self.tick_s, "tick", None)
+
+    def _on_timer(self, timer: tuple[str, str, int]) -> None:
+        if self._timers.get(timer) is None:
+            return
+        del self._timers[timer]
+        self._router(TimerFired(self.now, timer))
+
+    def _on_to_router(self, message: Any) -> None:
+        cause = message.assignment if isinstance(message, (Delta, Result)) else None
+        self._router(MessageReceived(self.now, message), cause)
+
+    def _on_to_worker(self, item: tuple[str, Offer | Cancel]) -> None:
+        self._to_workers -= 1
+        worker_id, message = item
+        w = self.workers[worker_id]
+        if not w.alive:
+            self._note(f"dropped at dead {worker_id}: {describe(message)}")
+            return
+        self._note(f"{worker_id} <- {describe(message)}")
+        event = (machine.OfferReceived(self.now, message) if isinstance(message, Offer)
+                 else machine.CancelReceived(self.now, message))
+        w.deliver(self.now, event)
+
+    def _on_worker(self, item: tuple[str, str, int, object]) -> None:
+        kind, worker_id, epoch, payload = item
+        w = self.workers[worker_id]
+        if w.alive and w.epoch == epoch:
+            getattr(w, f"on_{kind}")(self.now, payload)
+
+    def _on_heartbeat(self, item: tuple[str, int]) -> None:
+        worker_id, epoch = item
+        w = self.workers[worker_id]
+        if not (w.alive and w.epoch == epoch):
+            return
+        self._send_to_router(self.now, worker_id, w.heartbeat(self.now))
+        w.flush_residency(self.now)
+        self._push(self.now + self.cluster.heartbeat_interval_s, "heartbeat", item)
+
+    def _on_crash(self, item: tuple[str, float | None]) -> None:
+        worker_id, restart_after = item
+        w = self.workers[worker_id]
+        if not w.alive:
+            return
+        self._note(f"crash {worker_id} epoch {w.epoch}")
+        w.crash()
+        if self.detect_s is not None:
+            self._push(self.now + self.detect_s, "unavailable", (worker_id, w.epoch))
+        if restart_after is not None:
+            self._push(self.now + restart_after, "restart", worker_id)
+
+    def _on_unavailable(self, item: tuple[str, int]) -> None:
+        self._router(WorkerUnavailable(self.now, item[0], item[1]))
+
+    def _on_restart(self, worker_id: str) -> None:
+        if not self.workers[worker_id].alive:
+            self._start_worker(worker_id, self.now)
+
+    # --- the consumer's checks ----------------------------------------------------------
+
+    def _check_delta(self, effect: DeliverDelta, cause: Assignment | None) -> None:
+        c = self.consumers[effect.request_id]
+        rid = effect.request_id
+        if cause is None or cause != self.current.get(rid) or cause in self.cancelled:
+            self.violations.append(f"{rid}: tokens at {effect.index} delivered from stale or no attempt {cause}")
+        if effect.index != len(c.stream):
+            self.violations.append(f"{rid}: delta at index {effect.index}, stream has {len(c.stream)} tokens")
+        base = c.prompt_tokens + effect.index
+        seed = c.seed
+        if list(effect.tokens) != [token_value(seed, base + i) for i in range(len(effect.tokens))]:
+            self.violations.append(f"{rid}: tokens at {effect.index} differ from the deterministic values")
+        if c.first_token_at is None and effect.tokens:
+            c.first_token_at = self.now
+        c.stream.extend(effect.tokens)
+
+    def _check_result(self, outcome: Outcome) -> None:
+        c = self.consumers[outcome.request_id]
+        c.outcomes.append(outcome)
+        if len(c.outcomes) == 1:
+            self._open -= 1
+            self.known_chains.pop(outcome.request_id, None)
+        else:
+            self.violations.append(f"{outcome.request_id}: outcome number {len(c.outcomes)}")
+        if list(outcome.tokens) != c.stream:
+            self.violations.append(f"{outcome.request_id}: outcome tokens differ from the delivered stream")

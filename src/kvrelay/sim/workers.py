@@ -1,0 +1,411 @@
+"""A simulated worker: the pure worker machine plus declared costs, caches and batching.
+
+It carries the machine's effects (``worker.step``) and holds no protocol rule:
+admission is ``sim_admission.plan_admission``; fencing, deltas and results come
+from the machine.
+
+Execution model (declared costs, logical time):
+
+- Admission: decided when the offer arrives, or ``admission_s`` later (a worker
+  busy reserving pages), which opens the window for a cancel before acceptance.
+- Restore: an accepted assignment first restores its non-gpu prefix on the
+  worker's one restore channel (FIFO), taking ``bytes / rate`` per tier.
+- Continuous batching: the device runs one iteration at a time. An iteration
+  takes every decoding sequence (one token each) plus up to
+  ``prefill_chunk_tokens`` prompt tokens of waiting prefills (in queue order:
+  ``prefill_order.queue_position`` by the offer's priority, FIFO among equals; each holds
+  one of ``max_lanes`` lanes from its first chunk to its last token; chunked
+  prefill as in vLLM and Sarathi-Serve), and lasts
+  ``decode_step(lanes) + prefill tokens * prefill_s_per_token``. A prefill that
+  completes yields its first token at the end of that iteration.
+- Tokens are ``token_value(seed, absolute position)``, so a continuation draws
+  what the first attempt would have. Deltas go out at the first token, then every
+  ``delta_tokens`` tokens, and the rest with the result.
+- A fenced assignment stops at once; its reservation is released when the
+  restore or iteration it is part of ends (``WorkQuiesced``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvrelay.core.worker import machine
+from kvrelay.sim.calibration import CalibratedWorkerSpec
+from kvrelay.sim.cluster_config import ClusterConfig, WorkerSpec
+from kvrelay.sim.admission import (
+    AdmissionDecline,
+    AdmissionPlan,
+    plan_admission,
+)
+from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
+from kvrelay.sim.tokens import token_value
+from kvrelay.protocol.messages import (
+    Assignment,
+    Heartbeat,
+    Offer,
+    Residency,
+    Timings,
+    Usage,
+    WireMessage,
+)
+from kvrelay.protocol.chunk_keys import prompt_chain
+from kvrelay.core.planning.prefill_order import queue_position
+
+
+@dataclass(slots=True)
+class Work:
+    """One accepted assignment on the runtime."""
+
+    offer: Offer
+    plan: AdmissionPlan
+    reserved_pages: int
+    pinned: list[bytes]
+    accepted_at: float
+    prefill_left: int
+    generated: int = 0
+    emitted: int = 0
+    in_flight: bool = False
+    fenced: bool = False
+    restore_done_at: float = 0.0
+    prefill_started_at: float | None = None
+    first_token_at: float | None = None
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """What one worker did, over all its epochs."""
+
+    accepted: int = 0
+    finished: int = 0
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    busy_s: float = 0.0
+    restored_bytes: dict[str, int] = field(default_factory=dict)
+
+
+Schedule = Callable[[float, str, str, int, object], None]
+"""``schedule(at, kind, worker_id, epoch, payload)``: run ``on_<kind>`` at ``at`` if the epoch still holds."""
+Send = Callable[[float, str, WireMessage], None]
+
+
+def iteration_s(spec: WorkerSpec, decode_lanes: int, prefill_tokens: int) -> float:
+    """Seconds of one device iteration; a measured spec (``CalibratedWorkerSpec``) prices it itself."""
+    if isinstance(spec, CalibratedWorkerSpec):
+        return spec.iteration_s(decode_lanes, prefill_tokens)
+    return (spec.decode_step(decode_lanes) if decode_lanes else 0.0) + prefill_tokens * spec.prefill_s_per_token
+
+
+class SimWorker:
+    """One simulated worker process across crashes (each start is a new epoch)."""
+
+    def __init__(
+        self, worker_id: str, cluster: ClusterConfig, shared: SharedObjectTier,
+        peers: dict[str, WorkerCaches], schedule: Schedule, send: Send, delta_tokens: int = 1,
+        known_chains: dict[str, tuple[bytes, ...]] | None = None, admission_s: float = 0.0,
+    ) -> None:
+        w = cluster.worker
+        self.worker_id, self.cluster, self.spec = worker_id, cluster, w
+        self.schedule, self.send, self.delta_tokens = schedule, send, max(1, delta_tokens)
+        self.peers = peers  # caches of the live workers: peer restores read their ram and ssd
+        self.admission_s = admission_s
+        self.known_chains = known_chains if known_chains is not None else {}
+        self._chain_memo: dict[tuple[str, int], tuple[bytes, ...]] = {}
+        chunk_pages = cluster.chunk_tokens // cluster.page_tokens
+        self.caches = WorkerCaches(
+            w.gpu_kv_tokens // cluster.page_tokens, chunk_pages, w.ram_kv_tokens // cluster.chunk_tokens,
+            w.ssd_kv_tokens // cluster.chunk_tokens, shared, cluster.object_write_through,
+        )
+        self.epoch = 0
+        self.alive = False
+        self.state = machine.new_worker(worker_id, 0, (cluster.model,), w.context_limit)
+        self.stats = WorkerStats()
+        self._reset_runtime()
+
+    def _reset_runtime(self) -> None:
+        self.plans: dict[Assignment, AdmissionPlan] = {}
+        self.works: dict[Assignment, Work] = {}
+        self.prefill_queue: list[Work] = []
+        self.decoding: list[Work] = []
+        self.busy = False
+        self.restore_free_at = 0.0
+        self.heartbeat_seq = 0
+        self.residency_seq = 0
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    def start(self, now: float) -> None:
+        """Start a new epoch: a fresh machine and runtime; ssd and the object tier survive."""
+        self.epoch += 1
+        self.alive = True
+        self.peers[self.worker_id] = self.caches
+        self.state = machine.new_worker(self.worker_id, self.epoch, (self.cluster.model,), self.spec.context_limit)
+        self._reset_runtime()
+        self.restore_free_at = now
+
+    def crash(self) -> None:
+        """Lose the process: machine, runtime, gpu and ram."""
+        self.alive = False
+        self.peers.pop(self.worker_id, None)
+        self.caches.lose_volatile()
+        self._reset_runtime()
+        self.state = machine.new_worker(self.worker_id, self.epoch, (self.cluster.model,), self.spec.context_limit)
+
+    def holds_reservations(self) -> bool:
+        return machine.holds_reservations(self.state) or self.caches.gpu.reserved > 0 or bool(self.works)
+
+    # --- observations --------------------------------------------------------------
+
+    def heartbeat(self, now: float) -> Heartbeat:
+        gpu, w = self.caches.gpu, self.spec
+        waiting = self.prefill_queue + [x for x in self.works.values() if x.restore_done_at > now]
+        self.heartbeat_seq += 1
+        if self.heartbeat_seq == 2 and self.epoch > 1:
+            self.caches.announce_durable()  # once the router knows this epoch (after the first heartbeat)
+        return Heartbeat(
+            worker_id=self.worker_id, epoch=self.epoch, seq=self.heartbeat_seq, models=(self.cluster.model,),
+            model_fingerprints=(self.cluster.fingerprint.hex(),), pages_total=gpu.pages_total,
+            pages_free=max(gpu.free_pages, 0), pages_evictable=gpu.evictable_pages,
+            page_tokens=self.cluster.page_tokens, chunk_tokens=self.cluster.chunk_tokens,
+            queue_delay_s=sum(x.prefill_left for x in waiting) * w.prefill_s_per_token,
+            lower_tier_load_s=max(0.0, self.restore_free_at - now), active_lanes=len(self.decoding),
+            max_lanes=w.max_lanes, prefill_s_per_token=w.prefill_s_per_token,
+            decode_s_per_token=w.decode_step(len(self.decoding)), prefill_chunk_tokens=w.prefill_chunk_tokens,
+            restore_bytes_per_s=dict(w.restore_bytes_per_s), kv_bytes_per_token=self.cluster.kv_bytes_per_token,
+            context_limit=w.context_limit,
+        )
+
+    def flush_residency(self, now: float) -> None:
+        """Send the buffered residency changes, one message per tier."""
+        changes = self.caches.drain_changes()
+        for tier in ("gpu", "ram", "ssd", "object"):
+            delta = changes.get(tier)
+            if not delta:
+                continue
+            self.residency_seq += 1
+            self.send(now, self.worker_id, Residency(
+                worker_id=self.worker_id, epoch=self.epoch, seq=self.residency_seq, tier=tier,
+                model=self.cluster.model, stored=tuple(k for k, s in delta.items() if s),
+                removed=tuple(k for k, s in delta.items() if not s),
+            ))
+
+    # --- the machine and its effects -------------------------------------------------
+
+    def deliver(self, now: float, event: machine.WorkerEvent) -> None:
+        """Feed one event to the machine, carry out its effects, then let the device run."""
+        self._feed(now, [event])
+        self._maybe_iterate(now)
+        self.flush_residency(now)
+
+    def _feed(self, now: float, events: list[machine.WorkerEvent]) -> None:
+        queue = list(events)
+        while queue:
+            self.state, effects = machine.step(self.state, queue.pop(0))
+            for effect in effects:
+                follow = self._carry(now, effect)
+                if follow is not None:
+                    queue.append(follow)
+
+    def _carry(self, now: float, effect: machine.WorkerEffect) -> machine.WorkerEvent | None:
+        if isinstance(effect, machine.SendMessage):
+            self.send(now, self.worker_id, effect.message)
+        elif isinstance(effect, machine.RequestAdmission):
+            if self.admission_s > 0:
+                self.schedule(now + self.admission_s, "admission", self.worker_id, self.epoch, effect.offer)
+                return None
+            return self._admit(now, effect.offer)
+        elif isinstance(effect, machine.StartWork):
+            self._start_work(now, effect.offer)
+        elif isinstance(effect, machine.FenceWork):
+            return self._fence(now, effect.assignment)
+        elif isinstance(effect, machine.ReleaseReservation):
+            self._release(effect.assignment)
+        return None
+
+    def chain_of(self, offer: Offer) -> tuple[bytes, ...]:
+        """The chunk chain of the offer's prompt: as ingress gave it (a trace's), else from the tokens."""
+        known = self.known_chains.get(offer.assignment.request_id)
+        if known is not None:
+            return known
+        memo_key = (offer.assignment.request_id, len(offer.prompt))
+        chain = self._chain_memo.get(memo_key)
+        if chain is None:
+            chain = self._chain_memo[memo_key] = prompt_chain(
+                self.cluster.fingerprint, offer.prompt, self.cluster.chunk_tokens)
+        return chain
+
+    def _admit(self, now: float, offer: Offer) -> machine.AdmissionDecided:
+        decision = plan_admission(offer, self.chain_of(offer), self.caches, self.peers, self.cluster)
+        if isinstance(decision, AdmissionDecline):
+            return machine.AdmissionDecided(now, offer.assignment, False, decision.reason, decision.detail)
+        for key in decision.gpu_keys:
+            self.caches.gpu.pin(key)
+        self.caches.reserve(decision.demand_pages)
+        self.plans[offer.assignment] = decision
+        return machine.AdmissionDecided(now, offer.assignment, True)
+
+    def _start_work(self, now: float, offer: Offer) -> None:
+        plan = self.plans.pop(offer.assignment)
+        work = Work(offer, plan, plan.demand_pages, list(plan.gpu_keys), now, plan.uncached_tokens)
+        self.works[offer.assignment] = work
+        self.stats.accepted += 1
+        if plan.restore:
+            start = max(now, self.restore_free_at)
+            work.restore_done_at = self.restore_free_at = start + plan.restore_s
+            work.in_flight = True
+            self.schedule(work.restore_done_at, "restore_done", self.worker_id, self.epoch, offer.assignment)
+        else:
+            self._enqueue(work)
+
+    def _enqueue(self, work: Work) -> None:
+        """Queue ``work`` for prefill at its priority's place; started prefills stay first."""
+        queue = self.prefill_queue
+        started = sum(1 for w in queue if w.prefill_started_at is not None)
+        queue.insert(queue_position([w.offer.priority for w in queue], started, work.offer.priority), work)
+
+    def _fence(self, now: float, assignment: Assignment) -> machine.WorkerEvent | None:
+        work = self.works[assignment]
+        work.fenced = True
+        if work.in_flight:
+            return None
+        self._drop(work)
+        return machine.WorkQuiesced(now, assignment)
+
+    def _drop(self, work: Work) -> None:
+        if work in self.prefill_queue:
+            self.prefill_queue.remove(work)
+        if work in self.decoding:
+            self.decoding.remove(work)
+
+    def _release(self, assignment: Assignment) -> None:
+        plan = self.plans.pop(assignment, None)
+        if plan is not None:  # released between admission and start (fenced while admitting)
+            for key in plan.gpu_keys:
+                self.caches.gpu.unpin(key)
+            self.caches.release(plan.demand_pages)
+            return
+        work = self.works.pop(assignment)
+        for key in work.pinned:
+            self.caches.gpu.unpin(key)
+        self.caches.release(work.reserved_pages)
+
+    def _fill_gpu(self, work: Work, keys: list[bytes], computed: bool) -> None:
+        for key in keys:
+            if self.caches.add_to_gpu(key, computed):
+                work.reserved_pages -= self.caches.gpu.chunk_pages
+            work.pinned.append(key)
+
+    # --- scheduled events ---------------------------------------------------------
+
+    def on_admission(self, now: float, offer: Offer) -> None:
+        """A delayed admission decision (``admission_s`` after the offer arrived)."""
+        self.deliver(now, self._admit(now, offer))
+
+    def on_restore_done(self, now: float, assignment: Assignment) -> None:
+        work = self.works[assignment]
+        work.in_flight = False
+        self._fill_gpu(work, [k for k, _ in work.plan.restore], computed=False)
+        for tier, n in work.plan.restore_bytes.items():
+            self.stats.restored_bytes[tier] = self.stats.restored_bytes.get(tier, 0) + n
+        if work.fenced:
+            self._feed(now, [machine.WorkQuiesced(now, assignment)])
+        else:
+            self._enqueue(work)
+        self._maybe_iterate(now)
+        self.flush_residency(now)
+
+    def _maybe_iterate(self, now: float) -> None:
+        if self.busy or not self.alive:
+            return
+        w = self.spec
+        decode = list(self.decoding)
+        lanes = w.max_lanes - len(decode)
+        budget = w.prefill_chunk_tokens
+        prefill: list[tuple[Work, int]] = []
+        for work in self.prefill_queue:  # queue order; a waiting prefill holds its lane even without budget
+            if lanes <= 0:
+                break
+            lanes -= 1
+            if budget <= 0:
+                continue
+            take = min(work.prefill_left, budget)
+            prefill.append((work, take))
+            budget -= take
+            if work.prefill_started_at is None:
+                work.prefill_started_at = now
+        if not decode and not prefill:
+            return
+        tokens = sum(t for _, t in prefill)
+        duration = iteration_s(w, len(decode), tokens)
+        for work in decode:
+            work.in_flight = True
+        for work, _ in prefill:
+            work.in_flight = True
+        self.busy = True
+        self.stats.busy_s += duration
+        self.stats.prefill_tokens += tokens
+        self.schedule(now + duration, "iteration_done", self.worker_id, self.epoch, (decode, prefill))
+
+    def on_iteration_done(self, now: float, batch: tuple[list[Work], list[tuple[Work, int]]]) -> None:
+        decode, prefill = batch
+        self.busy = False
+        events: list[machine.WorkerEvent] = []
+        for work in decode:
+            work.in_flight = False
+            if work.fenced:
+                self._drop(work)
+                events.append(machine.WorkQuiesced(now, work.offer.assignment))
+                continue
+            work.generated += 1
+            events += self._progress(now, work)
+        for work, take in prefill:
+            work.in_flight = False
+            work.prefill_left -= take
+            if work.fenced:
+                self._drop(work)
+                events.append(machine.WorkQuiesced(now, work.offer.assignment))
+            elif work.prefill_left == 0:
+                self.prefill_queue.remove(work)
+                self._fill_gpu(work, list(work.plan.computed_keys), computed=True)
+                work.generated = 1
+                work.first_token_at = now
+                self.decoding.append(work)
+                events += self._progress(now, work)
+        self._feed(now, events)
+        self._maybe_iterate(now)
+        self.flush_residency(now)
+
+    def _progress(self, now: float, work: Work) -> list[machine.WorkerEvent]:
+        """Events for new tokens of ``work`` (a delta when due) and its finish."""
+        offer = work.offer
+        done = work.generated >= offer.max_new_tokens
+        due = work.emitted == 0 or work.generated - work.emitted >= self.delta_tokens or done
+        events: list[machine.WorkerEvent] = []
+        if due and work.generated > work.emitted:
+            base = len(offer.prompt)
+            seed = offer.sampling.seed
+            tokens = tuple(token_value(seed, base + i) for i in range(work.emitted, work.generated))
+            work.emitted = work.generated
+            events.append(machine.TokensProduced(now, offer.assignment, tokens))
+        if done:
+            self.decoding.remove(work)
+            self.stats.finished += 1
+            self.stats.generated_tokens += work.generated
+            events.append(machine.WorkFinished(now, offer.assignment, "length", self._usage(work), self._timings(work)))
+        return events
+
+    def _usage(self, work: Work) -> Usage:
+        plan = work.plan
+        return Usage(
+            prompt_tokens=len(work.offer.prompt), cached_tokens=dict(plan.cached_tokens),
+            recomputed_tokens=plan.uncached_tokens, generated_tokens=work.generated,
+        )
+
+    def _timings(self, work: Work) -> Timings:
+        start = work.prefill_started_at if work.prefill_started_at is not None else work.accepted_at
+        first = work.first_token_at if work.first_token_at is not None else start
+        return Timings(
+            queue_s=max(0.0, start - max(work.accepted_at, work.restore_done_at)),
+            restore_s=work.plan.restore_s, prefill_s=work.plan.uncached_tokens * self.spec.prefill_s_per_token,
+            ttft_s=first - work.accepted_at,
+        )

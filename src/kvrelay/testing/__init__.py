@@ -1,0 +1,1 @@
+"""Helpers shared by the tests and the benchmarks: ports, moto S3, databases, tiny random models."""

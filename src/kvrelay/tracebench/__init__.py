@@ -1,1 +1,0 @@
-"""A Mooncake-format trace replayed end to end through real servers (issue 9): prompts, faces, client, report."""

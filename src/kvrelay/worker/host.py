@@ -1,0 +1,371 @@
+"""The worker-local controller: the pure worker machine backed by a real page pool and runtime.
+
+It implements the transport's worker host (``heartbeat``, ``on_offer``,
+``on_cancel``) on one asyncio loop. Every protocol rule lives in
+``kvrelay.core.worker.machine`` (the pure machine) and ``worker.admission``;
+this module only carries effects:
+
+- ``RequestAdmission`` -> ``admit`` against the pool (atomic reservation);
+- ``StartWork`` -> restore (injected handler, on a thread, off the device
+  loop), then one runtime job for the uncached tokens and the decode budget;
+  the route is activated only after the restore copies completed;
+- runtime token events -> ``TokensProduced`` -> deltas, as soon as they exist;
+- ``FenceWork`` -> mark the job cancelled at once (the machine sends nothing
+  more for it); the runtime answers once the step in flight has finished,
+  which becomes ``WorkFinished``/``WorkQuiesced``;
+- ``ReleaseReservation`` -> index the full chunks the sequence filled (they
+  stay resident as cache), return the unused reserved pages, drop references.
+
+Pages are consumed from the reservation as the sequence grows: the page
+table lists all reserved pages up front (nobody else can take them), and the
+pool accounts them as taken when a token event shows the position reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from kvrelay.core.worker import machine
+from kvrelay.protocol.messages import (
+    Assignment,
+    Cancel,
+    Heartbeat,
+    Offer,
+    OfferResult,
+    Residency,
+    Result,
+    Tier,
+    Timings,
+    Usage,
+    WireMessage,
+)
+from kvrelay.protocol.chunk_keys import chunk_key, root_key
+from kvrelay.worker.admission import WorkerIdentity, admit
+from kvrelay.worker.kv_capture import Checkpointer
+from kvrelay.worker.handlers import Reply, RestoreHandler, RestoreReport, Run
+from kvrelay.worker.runtime.jobs import Job, JobResult, RuntimeEvent, TokenEvent
+from kvrelay.worker.page_pool import PagePool
+from kvrelay.worker.runtime.loop import PagedRuntime
+
+log = logging.getLogger(__name__)
+
+
+class WorkerController:
+    def __init__(
+        self,
+        identity: WorkerIdentity,
+        pool: PagePool,
+        runtime: PagedRuntime,
+        kv_bytes_per_token: int,
+        restore: RestoreHandler | None = None,
+        checkpointer: Checkpointer | None = None,
+        publish: Callable[[WireMessage], None] = lambda m: None,
+        prefill_s_per_token: float = 1e-3,
+        decode_s_per_token: float = 0.05,
+        restore_bytes_per_s: dict[str, float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.me = identity
+        self.worker_id, self.epoch = identity.worker_id, identity.epoch
+        self.pool = pool
+        self.runtime = runtime
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.restorer = restore
+        self.checkpointer = checkpointer
+        self.peer_url = ""
+        self.publish = publish
+        self.prefill_s_per_token = prefill_s_per_token
+        self.decode_s_per_token = decode_s_per_token
+        self.restore_bytes_per_s = dict(restore_bytes_per_s or {})
+        self.clock = clock
+        self.state = machine.new_worker(identity.worker_id, identity.epoch, (identity.model,), identity.context_limit)
+        self.runs: dict[Assignment, Run] = {}
+        self._replies: dict[Assignment, Reply] = {}
+        self._seq = 0
+        self._residency_seq = 0
+        self._pending_prefill_tokens = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.quiesced = asyncio.Event()
+        self.pool_callback_errors = 0
+        self._handing_over = False
+
+    # --- transport-facing host interface ------------------------------------------
+
+    def heartbeat(self) -> Heartbeat:
+        """Fresh observations with the next sequence number."""
+        self._seq += 1
+        return Heartbeat(
+            worker_id=self.worker_id, epoch=self.epoch, seq=self._seq, models=(self.me.model,),
+            model_fingerprints=(self.me.fingerprint.hex(),), pages_total=self.pool.num_pages,
+            pages_free=self.pool.num_free, pages_evictable=self.pool.num_evictable,
+            pages_reserved=self.pool.num_reserved, chunk_bytes_by_tier=self._chunk_bytes(),
+            page_tokens=self.pool.page_tokens, chunk_tokens=self.me.chunk_tokens,
+            queue_delay_s=self._pending_prefill_tokens * self.prefill_s_per_token,
+            active_lanes=self.runtime.num_active, max_lanes=self.runtime.policy.num_lanes,
+            prefill_s_per_token=self.prefill_s_per_token, decode_s_per_token=self.decode_s_per_token,
+            prefill_chunk_tokens=self.runtime.policy.token_budget,
+            restore_bytes_per_s=self.restore_bytes_per_s, kv_bytes_per_token=self.kv_bytes_per_token,
+            context_limit=self.me.context_limit, peer_url=self.peer_url,
+        )
+
+    def _chunk_bytes(self) -> dict[Tier, int]:
+        """Bytes each local chunk tier holds (ram, ssd), when the worker has a chunk store."""
+        stack = getattr(self.restorer, "stack", None)
+        if stack is None:
+            return {}
+        return {tier.name: tier.used_bytes for tier in stack.local_tiers}
+
+    def on_offer(self, offer: Offer, reply: Reply) -> None:
+        self._loop = self._loop or asyncio.get_running_loop()
+        self._replies[offer.assignment] = reply
+        self._step(machine.OfferReceived(self.clock(), offer))
+
+    def on_cancel(self, cancel: Cancel) -> None:
+        self._step(machine.CancelReceived(self.clock(), cancel))
+
+    def shut_down(self) -> None:
+        """Decline every later offer (``shutting_down``); running work continues."""
+        self._step(machine.ShutdownRequested(self.clock()))
+
+    def on_disconnect(self, router_url: str) -> None:
+        """A router connection ended, so that router fenced this epoch: move to a newer one.
+
+        Every assignment of the old epoch is fenced at once through the machine
+        (as a cancel would: nothing more is sent for it, its pages are released
+        once the step in flight has finished); later heartbeats and offers carry
+        the new epoch. Pages already filled stay resident as cache.
+        """
+        now = self.clock()
+        for assignment in list(self.state.slots):
+            self._step(machine.CancelReceived(now, Cancel(assignment=assignment, worker_id=self.worker_id,
+                                                          reason=f"connection to {router_url} lost")))
+        self.epoch = max(self.epoch + 1, time.time_ns() // 1_000_000)
+        self.state.epoch = self.epoch
+        self.me = dataclasses.replace(self.me, epoch=self.epoch)
+        log.info("worker %s: connection to %s lost; now epoch %d", self.worker_id, router_url, self.epoch)
+
+    def hand_over(self) -> int:
+        """Stop every running assignment and end it with a ``cancelled`` Result carrying its tokens so far.
+
+        The router continues such a request elsewhere as a continuation. Work
+        not yet on the device is stopped as soon as it is submitted. Returns
+        how many assignments were handed over.
+        """
+        self._handing_over = True
+        running = [run for run in self.runs.values() if not run.fenced]
+        for run in running:
+            if run.handle is not None:
+                run.handle.cancel()
+        return len(running)
+
+    def publish_residency(self, stored: tuple[bytes, ...], removed: tuple[bytes, ...], tier: Tier = "gpu") -> None:
+        """One Residency message per change of a tier (the pool's gpu callback; lower tiers via the loop)."""
+        self._residency_seq += 1
+        self.publish(Residency(worker_id=self.worker_id, epoch=self.epoch, seq=self._residency_seq, tier=tier,
+                               model=self.me.model, stored=stored, removed=removed))
+
+    # --- the machine and its effects ------------------------------------------------
+
+    def _step(self, event: machine.WorkerEvent) -> None:
+        self.state, effects = machine.step(self.state, event)
+        for effect in effects:
+            match effect:
+                case machine.SendMessage(message=msg):
+                    reply = self._replies.get(msg.assignment)
+                    if reply is not None:
+                        reply(msg)
+                    if isinstance(msg, Result) or (isinstance(msg, OfferResult) and not msg.accepted):
+                        self._replies.pop(msg.assignment, None)
+                case machine.RequestAdmission(offer=offer):
+                    self._admit(offer)
+                case machine.StartWork(offer=offer):
+                    self._start(offer)
+                case machine.FenceWork(assignment=a):
+                    self._fence(a)
+                case machine.ReleaseReservation(assignment=a):
+                    self._release(a)
+        if not machine.holds_reservations(self.state):
+            if not self.quiesced.is_set():
+                counters = self.state.counters
+                log.info("worker %s holds no reservations (epoch %d; assignments finished %d, cancelled %d)",
+                         self.worker_id, self.epoch, counters.get("finished", 0), counters.get("cancelled", 0))
+            self.quiesced.set()
+        else:
+            self.quiesced.clear()
+
+    def _admit(self, offer: Offer) -> None:
+        result = admit(self.pool, self.me, offer, self.state.shutting_down)
+        if result.accepted:
+            assert result.reservation is not None
+            prefix_pages = [p for pages in result.prefix for p in pages]
+            run = Run(offer, self._replies[offer.assignment], result, prefix_pages + list(result.reservation.pages),
+                      taken=len(prefix_pages), registered=len(result.prefix),
+                      parent_key=result.chain[len(result.prefix) - 1] if result.prefix else root_key(self.me.fingerprint),
+                      accepted_at=self.clock())
+            if result.prefix:
+                run.cached_tokens["gpu"] = len(result.prefix) * self.me.chunk_tokens
+            self.runs[offer.assignment] = run
+        self._step(machine.AdmissionDecided(self.clock(), offer.assignment, result.accepted, result.reason,
+                                            result.detail))
+
+    def _start(self, offer: Offer) -> None:
+        run = self.runs[offer.assignment]
+        ppc = self.pool.pages_per_chunk
+        wanted = len(run.admission.chain) - run.registered
+        if self.restorer is not None and wanted > 0 and any(s.tier not in ("gpu", "recompute") for s in offer.route):
+            keys = run.admission.chain[run.registered:]
+            first = run.taken
+            pages = [run.page_table[first + i * ppc : first + (i + 1) * ppc] for i in range(wanted)]
+            run.restoring = True
+            asyncio.get_running_loop().create_task(self._restore_then_submit(run, keys, pages))
+        else:
+            self._submit(run)
+
+    async def _restore_then_submit(self, run: Run, keys: tuple[bytes, ...], pages: list[list[int]]) -> None:
+        assert self.restorer is not None
+        try:
+            report = await asyncio.to_thread(self.restorer.restore, run.offer, keys, pages)
+        except Exception:
+            log.exception("restore of %s failed; recomputing", run.offer.assignment)
+            report = None
+        run.restoring = False
+        if report is not None:
+            run.restore_s = report.seconds
+            self._learn_restore_rates(report)
+            for tier, n in report.bytes_by_tier.items():
+                run.bytes_by_tier[tier] = run.bytes_by_tier.get(tier, 0) + n
+            for tier in report.tiers:
+                run.cached_tokens[tier] = run.cached_tokens.get(tier, 0) + self.me.chunk_tokens
+            self._take(run, run.taken + len(report.tiers) * self.pool.pages_per_chunk)
+            run.kv_end = (run.registered + len(report.tiers)) * self.me.chunk_tokens
+            self._register_through(run, run.registered + len(report.tiers), run.offer.prompt)
+        if run.fenced:
+            self._step(machine.WorkQuiesced(self.clock(), run.offer.assignment))
+        else:
+            self._submit(run)
+
+    def _submit(self, run: Run) -> None:
+        cached = run.registered * self.me.chunk_tokens
+        offer = run.offer
+        job = Job(tokens=offer.prompt[cached:], page_table=tuple(run.page_table), start_pos=cached,
+                  max_new_tokens=offer.max_new_tokens, sampling=offer.sampling, priority=offer.priority)
+        loop = asyncio.get_running_loop()
+        self._pending_prefill_tokens += len(job.tokens)
+        run.submitted_at = self.clock()
+
+        def on_event(event: RuntimeEvent) -> None:
+            loop.call_soon_threadsafe(self._on_runtime_event, run, event)
+
+        run.handle = self.runtime.submit(job, on_event, timeout=0)
+        if self._handing_over:
+            run.handle.cancel()
+
+    def _on_runtime_event(self, run: Run, event: RuntimeEvent) -> None:
+        a = run.offer.assignment
+        if isinstance(event, TokenEvent):
+            now = self.clock()
+            if not run.generated:
+                self._pending_prefill_tokens -= len(run.offer.prompt) - run.registered * self.me.chunk_tokens
+                self._register_through(run, len(run.offer.prompt) // self.me.chunk_tokens, run.offer.prompt)
+            run.token_times.append(now)
+            run.generated.append(event.token)
+            self._take(run, event.position // self.pool.page_tokens + 1)
+            self._step(machine.TokensProduced(now, a, (event.token,)))
+            return
+        assert isinstance(event, JobResult)
+        if not run.generated:
+            self._pending_prefill_tokens -= len(run.offer.prompt) - run.registered * self.me.chunk_tokens
+        run.kv_end = event.kv_end
+        self._learn_speeds(run, event)
+        if event.finish_reason == "cancelled" and run.fenced:
+            self._step(machine.WorkQuiesced(self.clock(), a))
+            return
+        self._step(machine.WorkFinished(self.clock(), a, event.finish_reason, self._usage(run), self._timings(run),
+                                        event.error))
+
+    def _fence(self, assignment: Assignment) -> None:
+        run = self.runs.get(assignment)
+        if run is None:
+            return
+        run.fenced = True
+        if run.handle is not None:
+            run.handle.cancel()
+
+    def _release(self, assignment: Assignment) -> None:
+        run = self.runs.pop(assignment, None)
+        self._replies.pop(assignment, None)
+        if run is None:
+            return
+        written = max(run.kv_end, run.registered * self.me.chunk_tokens)
+        self._take(run, -(-written // self.pool.page_tokens))
+        self._register_through(run, written // self.me.chunk_tokens, run.offer.prompt + tuple(run.generated))
+        reservation = run.admission.reservation
+        assert reservation is not None
+        self.pool.release(reservation)
+        self.pool.unref(run.page_table[: run.taken])
+
+    # --- pages and chunks ------------------------------------------------------------
+
+    def _take(self, run: Run, pages: int) -> None:
+        pages = min(pages, len(run.page_table))
+        if pages > run.taken:
+            reservation = run.admission.reservation
+            assert reservation is not None
+            self.pool.take(reservation, pages - run.taken)
+            run.taken = pages
+
+    def _register_through(self, run: Run, chunks: int, tokens: tuple[int, ...]) -> None:
+        """Index the sequence's full chunks up to ``chunks`` (their pages must be taken)."""
+        ct, ppc = self.me.chunk_tokens, self.pool.pages_per_chunk
+        chunks = min(chunks, len(tokens) // ct, run.taken // ppc)
+        while run.registered < chunks:
+            i = run.registered
+            key = chunk_key(run.parent_key, tokens[i * ct : (i + 1) * ct])
+            pages = run.page_table[i * ppc : (i + 1) * ppc]
+            if self.pool.register(key, pages) and self.checkpointer is not None:
+                self.checkpointer.capture(key, pages)
+            run.parent_key = key
+            run.registered += 1
+
+    # --- accounting ------------------------------------------------------------------
+
+    def _usage(self, run: Run) -> Usage:
+        cached = sum(run.cached_tokens.values())
+        return Usage(prompt_tokens=len(run.offer.prompt), cached_tokens=dict(run.cached_tokens),
+                     recomputed_tokens=len(run.offer.prompt) - cached, generated_tokens=len(run.generated))
+
+    def _timings(self, run: Run) -> Timings:
+        times = run.token_times
+        return Timings(
+            queue_s=max(0.0, run.submitted_at - run.accepted_at - run.restore_s),
+            restore_s=run.restore_s,
+            prefill_s=(times[0] - run.submitted_at) if times else 0.0,
+            ttft_s=(times[0] - run.accepted_at) if times else 0.0,
+            inter_token_s=tuple(b - a for a, b in zip(times, times[1:])),
+        )
+
+    def _learn_restore_rates(self, report: RestoreReport) -> None:
+        """Moving averages of restore bytes per second per tier, for heartbeats."""
+        if report.seconds <= 0:
+            return
+        total = sum(report.bytes_by_tier.values())
+        for tier, nbytes in report.bytes_by_tier.items():
+            if nbytes < 1 << 16:
+                continue
+            rate = total / report.seconds
+            old = self.restore_bytes_per_s.get(tier)
+            self.restore_bytes_per_s[tier] = rate if old is None else 0.8 * old + 0.2 * rate
+
+    def _learn_speeds(self, run: Run, result: JobResult) -> None:
+        """Exponential moving averages of measured prefill and decode speeds, for heartbeats."""
+        uncached = len(run.offer.prompt) - sum(run.cached_tokens.values())
+        if result.first_token_s is not None and result.admitted_s is not None and uncached >= 32:
+            per_token = (result.first_token_s - result.admitted_s) / uncached
+            self.prefill_s_per_token = 0.8 * self.prefill_s_per_token + 0.2 * per_token
+        gaps = [b - a for a, b in zip(run.token_times, run.token_times[1:])]
+        if gaps:
+            self.decode_s_per_token = 0.8 * self.decode_s_per_token + 0.2 * (sum(gaps) / len(gaps))

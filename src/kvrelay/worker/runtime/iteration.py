@@ -1,0 +1,139 @@
+"""The pure per-iteration policy of the paged runtime (docs/design.md section 8).
+
+``plan_iteration(config, lanes, waiting)`` decides what ONE model forward does:
+
+- Decode first: every decoding lane gets one token row, oldest-served first. When
+  the worker has several lanes and prefill work is waiting (a lane still writing its
+  prompt, or a waiting job that a free lane could admit), decode takes at most
+  ``token_budget - 1`` rows, keeping one lane-token for that prefill work.
+- A single-lane worker finishes its decode before it admits another prompt.
+- Lanes are stable physical slots: a sequence keeps the lane it was admitted to until
+  it finishes; a waiting job gets the lowest free lane.
+- Prefill is chunked under the token budget: lanes already prefilling continue in
+  admission order, then waiting jobs are admitted in queue order (never skipping the head) while
+  a lane and budget remain; each takes ``min(prompt_left, budget_left)`` tokens.
+
+Follows the shape of vLLM's and nano-vllm's chunked-prefill schedulers (decode
+first, prefill fills the remaining token budget) but keeps lane slots fixed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """``num_lanes`` concurrent sequences; at most ``token_budget`` tokens per forward."""
+
+    num_lanes: int
+    token_budget: int
+
+    def __post_init__(self) -> None:
+        if self.num_lanes < 1:
+            raise ValueError(f"num_lanes must be at least 1, got {self.num_lanes}")
+        least = 1 if self.num_lanes == 1 else 2
+        if self.token_budget < least:
+            raise ValueError(
+                f"token_budget must be at least {least} with {self.num_lanes} lane(s) "
+                f"(several lanes keep one lane-token for prefill), got {self.token_budget}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class LaneState:
+    """The sequence in one lane.
+
+    ``prompt_left`` tokens of its input are not yet written (0: it is decoding);
+    ``admitted`` orders lanes by admission (smaller is older); ``last_step`` is the
+    iteration that last gave it a row (decode fairness when the budget is short).
+    """
+
+    prompt_left: int
+    admitted: int
+    last_step: int = -1
+
+    @property
+    def decoding(self) -> bool:
+        return self.prompt_left == 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """Write the next ``tokens`` prompt tokens of the sequence in ``lane``."""
+
+    lane: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class IterationPlan:
+    """One forward: ``decode_lanes`` (ascending) get one row each; ``prefill`` chunks follow.
+
+    ``admit[i]`` is the lane given to the i-th waiting job (the first ``len(admit)``
+    waiting jobs are admitted); their first chunks are already in ``prefill``.
+    """
+
+    decode_lanes: tuple[int, ...]
+    prefill: tuple[PrefillChunk, ...]
+    admit: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode_lanes) + sum(c.tokens for c in self.prefill)
+
+    @property
+    def idle(self) -> bool:
+        return self.num_tokens == 0
+
+
+def plan_iteration(
+    config: PolicyConfig, lanes: Sequence[LaneState | None], waiting: Sequence[int]
+) -> IterationPlan:
+    """Plan one iteration.
+
+    ``lanes[i]`` is lane i's sequence or ``None`` (free); ``len(lanes) == config.num_lanes``.
+    ``waiting`` lists the input lengths (each >= 1) of queued jobs in queue order (``prefill_order``).
+    The plan never exceeds ``config.token_budget`` tokens and never gives a lane two roles.
+    """
+    if len(lanes) != config.num_lanes:
+        raise ValueError(f"expected {config.num_lanes} lanes, got {len(lanes)}")
+    if any(n < 1 for n in waiting):
+        raise ValueError("every waiting job must have at least one input token")
+    free_lanes = [i for i, lane in enumerate(lanes) if lane is None]
+    decoding = [i for i, lane in enumerate(lanes) if lane is not None and lane.decoding]
+    prefilling = sorted(
+        (i for i, lane in enumerate(lanes) if lane is not None and not lane.decoding),
+        key=lambda i: lanes[i].admitted,  # type: ignore[union-attr]
+    )
+    single_lane_busy = config.num_lanes == 1 and bool(decoding)
+    admissible = bool(waiting) and bool(free_lanes) and not single_lane_busy
+    prefill_waiting = bool(prefilling) or admissible
+
+    decode_cap = config.token_budget
+    if config.num_lanes > 1 and prefill_waiting:
+        decode_cap = config.token_budget - 1
+    if len(decoding) > decode_cap:
+        by_age = sorted(decoding, key=lambda i: (lanes[i].last_step, i))  # type: ignore[union-attr]
+        decoding = sorted(by_age[:decode_cap])
+    budget = config.token_budget - len(decoding)
+
+    chunks: list[PrefillChunk] = []
+    for lane in prefilling:
+        if budget == 0:
+            break
+        take = min(lanes[lane].prompt_left, budget)  # type: ignore[union-attr]
+        chunks.append(PrefillChunk(lane, take))
+        budget -= take
+
+    admit: list[int] = []
+    if admissible:
+        for lane, prompt_len in zip(free_lanes, waiting):
+            if budget == 0:
+                break
+            take = min(prompt_len, budget)
+            admit.append(lane)
+            chunks.append(PrefillChunk(lane, take))
+            budget -= take
+    return IterationPlan(tuple(decoding), tuple(chunks), tuple(admit))

@@ -1,0 +1,404 @@
+"""The device-owning loop of a worker (docs/design.md section 8).
+
+``PagedRuntime(model, kv, policy, queue_capacity)`` starts one thread that alone
+runs the model. Callers on any thread ``submit`` jobs (see ``jobs``) into a
+bounded queue; asyncio callers use ``submit_async`` and iterate an
+``AsyncJobStream``. Each iteration:
+
+1. finishes cancelled jobs (the previous step has completed, so this is their
+   quiescence point) and frees their lanes;
+2. asks the pure ``plan_iteration`` policy for decode rows and prefill chunks;
+3. runs ONE forward over that mixed batch and samples the rows that need a token;
+4. emits token events and terminal results.
+
+Backpressure: the queue bound counts jobs waiting for a lane. ``submit`` blocks
+while the queue is full and raises ``QueueFullError`` after ``timeout`` seconds
+(``timeout=0``: fail at once); ``submit_async`` waits the same way without
+blocking the event loop. A forward that raises fails only the jobs in that batch
+(``finish_reason="error"``); the loop keeps serving.
+
+Threads: the device thread owns torch's intra-op pool; the thread that constructs
+the runtime and every other thread run torch ops serially (``torch_threads``); heavy
+torch work runs on the device thread through ``run_on_device``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+import torch
+
+from kvrelay.models.batch import ForwardBatch, LaneRef
+from kvrelay.models.kernels.kv_pages import KVPages
+from kvrelay.models.sampling import sample_next
+from kvrelay.protocol.messages import FinishReason
+from kvrelay.worker.runtime.async_bridge import AsyncJobStream
+from kvrelay.worker.runtime.iteration import LaneState, PolicyConfig, plan_iteration
+from kvrelay.worker.runtime.jobs import (
+    EventCallback,
+    Job,
+    JobHandle,
+    JobResult,
+    QueueFullError,
+    RuntimeClosedError,
+    TokenEvent,
+)
+from kvrelay.core.planning.prefill_order import queue_position
+from kvrelay.worker.runtime.torch_threads import confine_threads, own_pool
+
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+
+class StepModel(Protocol):
+    """What the runtime needs of a model: one step over a batch, writing its K/V into ``kv`` and giving
+    the rows that want a token (``hidden``), then those rows' logits or greedy tokens.
+
+    The runtime takes logits in the model's own dtype: sampling reads bfloat16 logits as
+    they are, sparing a float32 copy of ``[rows, vocab]`` per step. ``greedy(h)`` must equal
+    ``greedy_tokens(logits(h))``.
+    """
+
+    def hidden(self, batch: ForwardBatch, kv: KVPages) -> torch.Tensor: ...
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor: ...
+
+    def greedy(self, h: torch.Tensor) -> list[int]: ...
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """Device-thread state of one job: ``written`` of its input tokens are in pages."""
+
+    handle: JobHandle
+    submitted: float
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    lane: int = -1
+    ticket: int = 0
+    last_step: int = -1
+    written: int = 0
+    fed: int = 0
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def job(self) -> Job:
+        return self.handle.job
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.written == len(self.job.tokens)
+
+    @property
+    def kv_end(self) -> int:
+        """One past the last position whose K/V is written (input tokens, then fed-back samples)."""
+        return self.job.start_pos + self.written + self.fed
+
+    @property
+    def next_position(self) -> int:
+        """The absolute position of the next sampled token."""
+        return self.job.start_pos + len(self.job.tokens) + len(self.generated)
+
+    def lane_state(self) -> LaneState:
+        return LaneState(prompt_left=len(self.job.tokens) - self.written, admitted=self.ticket, last_step=self.last_step)
+
+
+class _Row(NamedTuple):
+    """One sequence's share of a forward: ``tokens`` at positions ``start ..``; ``sample``: draw a token."""
+
+    seq: _Sequence
+    tokens: Sequence[int]
+    start: int
+    sample: bool
+
+
+class PagedRuntime:
+    """One device thread running continuously batched jobs over one paged KV pool."""
+
+    def __init__(
+        self,
+        model: StepModel,
+        kv: KVPages,
+        policy: PolicyConfig,
+        queue_capacity: int = 64,
+        name: str = "kvrelay-device",
+        threads: int | None = None,
+    ) -> None:
+        """``threads``: the device thread's torch pool (default: the process's, see ``torch_threads``)."""
+        if queue_capacity < 1:
+            raise ValueError(f"queue_capacity must be at least 1, got {queue_capacity}")
+        self.model = model
+        self.kv = kv
+        self.policy = policy
+        self.queue_capacity = queue_capacity
+        self._cond = threading.Condition()
+        self._waiting: deque[_Sequence] = deque()
+        self._lanes: list[_Sequence | None] = [None] * policy.num_lanes
+        self._closing = False
+        self._ids = itertools.count(1)
+        self._tickets = itertools.count()
+        self._step = 0
+        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        pool = confine_threads()
+        self.threads = pool if threads is None else threads
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any thread) ----
+
+    def submit(self, job: Job, on_event: EventCallback | None = None, timeout: float | None = None) -> JobHandle:
+        """Queue ``job`` at its priority's place (``prefill_order``); block while the queue is full, raising
+        ``QueueFullError`` after ``timeout`` s."""
+        self._validate(job)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while len(self._waiting) >= self.queue_capacity and not self._closing:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise QueueFullError(
+                        f"the runtime queue is full ({self.queue_capacity} jobs waiting for a lane); "
+                        "retry later or raise queue_capacity"
+                    )
+                self._cond.wait(left)
+            if self._closing:
+                raise RuntimeClosedError("the runtime is closed; it accepts no more jobs")
+            handle = JobHandle(next(self._ids), job, on_event, self._wake)
+            at = queue_position([w.handle.job.priority for w in self._waiting], 0, job.priority)
+            self._waiting.insert(at, _Sequence(handle, submitted=time.perf_counter()))
+            self._cond.notify_all()
+        return handle
+
+    async def submit_async(self, job: Job, timeout: float | None = None) -> AsyncJobStream:
+        """``submit`` for asyncio callers: events arrive on the running loop via ``call_soon_threadsafe``."""
+        stream = AsyncJobStream(asyncio.get_running_loop())
+        try:
+            stream.handle = self.submit(job, stream.on_event, timeout=0)
+        except QueueFullError:
+            if timeout == 0:
+                raise
+            pending = asyncio.get_running_loop().run_in_executor(None, self.submit, job, stream.on_event, timeout)
+            try:
+                stream.handle = await asyncio.shield(pending)
+            except asyncio.CancelledError:  # the caller gave up: cancel the job if it gets queued after all
+                pending.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().cancel())
+                raise
+        return stream
+
+    def run_on_device(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run ``fn`` on the device thread between two iterations; return its result or raise its error.
+
+        For heavy torch work beside the runtime (a baseline model, a bulk copy): there it uses
+        the runtime's torch pool instead of opening a second one (``torch_threads``). ``fn``
+        runs outside the loop's inference mode.
+        """
+        future: Future[T] = Future()
+        with self._cond:
+            if self._closing:
+                raise RuntimeClosedError("the runtime is closed; it runs nothing more")
+            self._calls.append((fn, future))
+            self._cond.notify_all()
+        return future.result(timeout)
+
+    def generate(self, job: Job, timeout: float | None = None) -> JobResult:
+        """Submit ``job`` and wait for its result (convenience for scripts and tests)."""
+        return self.submit(job).result(timeout)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_active(self) -> int:
+        return sum(lane is not None for lane in self._lanes)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Stop accepting jobs, cancel every job (each gets its ``JobResult``), join the device thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the device thread did not stop within {timeout} s")
+
+    def __enter__(self) -> PagedRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _validate(self, job: Job) -> None:
+        if not job.tokens:
+            raise ValueError("a job needs at least one input token (the prompt, or the last sampled token)")
+        if job.start_pos < 0 or job.max_new_tokens < 0:
+            raise ValueError(f"start_pos and max_new_tokens must be >= 0; got {job.start_pos}, {job.max_new_tokens}")
+        capacity = len(job.page_table) * self.kv.page_tokens
+        if job.positions_needed > capacity:
+            raise ValueError(
+                f"the job writes positions up to {job.positions_needed - 1} but its page table of "
+                f"{len(job.page_table)} pages holds {capacity} tokens; give it "
+                f"{-(-job.positions_needed // self.kv.page_tokens)} pages"
+            )
+        bad = [p for p in job.page_table if not 0 <= p < self.kv.num_pages]
+        if bad:
+            raise ValueError(f"page ids {bad[:5]} are outside the pool of {self.kv.num_pages} pages")
+
+    # ---- device thread ----
+
+    def _run(self) -> None:
+        own_pool(self.threads)
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not self._closing and not self._waiting and not self._calls and self.num_active == 0:
+                        self._cond.wait()
+                    if self._closing:
+                        break
+                    calls = list(self._calls)
+                    self._calls.clear()
+                    cancelled = [s for s in self._waiting if s.handle.cancel_requested]
+                    for seq in cancelled:
+                        self._waiting.remove(seq)
+                    waiting = list(itertools.islice(self._waiting, self.policy.num_lanes))
+                    if cancelled:
+                        self._cond.notify_all()
+                for fn, future in calls:
+                    _call(fn, future)
+                for seq in cancelled:
+                    self._finish(seq, "cancelled")
+                for seq in self._lanes:
+                    if seq is not None and seq.handle.cancel_requested:
+                        self._finish(seq, "cancelled")
+                self._iterate(waiting)
+        self._shutdown()
+
+    def _iterate(self, waiting: list[_Sequence]) -> None:
+        lanes = [None if s is None else s.lane_state() for s in self._lanes]
+        plan = plan_iteration(self.policy, lanes, [len(s.job.tokens) for s in waiting])
+        if plan.admit:
+            with self._cond:
+                for _ in plan.admit:
+                    self._waiting.popleft()
+                self._cond.notify_all()
+            now = time.perf_counter()
+            for seq, lane in zip(waiting, plan.admit):
+                seq.lane, seq.ticket, seq.admitted_at = lane, next(self._tickets), now
+                self._lanes[lane] = seq
+        if plan.idle:
+            return
+        rows: list[_Row] = []
+        for lane in plan.decode_lanes:
+            seq = self._lanes[lane]
+            assert seq is not None
+            rows.append(_Row(seq, seq.generated[-1:], seq.kv_end, True))
+        for chunk in plan.prefill:
+            seq = self._lanes[chunk.lane]
+            assert seq is not None
+            tokens = seq.job.tokens[seq.written : seq.written + chunk.tokens]
+            completes = seq.written + chunk.tokens == len(seq.job.tokens)
+            rows.append(_Row(seq, tokens, seq.job.start_pos + seq.written, completes and seq.job.max_new_tokens > 0))
+        self._step += 1
+        try:
+            sampled = self._forward(rows)
+        except Exception as exc:  # a bad batch fails its jobs, not the worker
+            log.exception("forward failed; failing the %d jobs of this batch", len(rows))
+            for row in rows:
+                self._finish(row.seq, "error", error=f"{type(exc).__name__}: {exc}")
+            return
+        for row in rows:
+            row.seq.last_step = self._step
+            if row.seq.prompt_done:
+                row.seq.fed += 1
+            else:
+                row.seq.written += len(row.tokens)
+        sampled_iter = iter(sampled)
+        for row in rows:
+            if row.sample:
+                self._accept_token(row.seq, next(sampled_iter))
+            elif row.seq.prompt_done and row.seq.job.max_new_tokens == 0:
+                self._finish(row.seq, "length")
+
+    def _forward(self, rows: list[_Row]) -> list[int]:
+        """Run one forward over ``rows`` and sample the rows that want a token, in row order."""
+        batch = ForwardBatch.build(
+            [(r.tokens, r.start, r.seq.job.page_table) for r in rows],
+            device=self.kv.device,
+            lanes=[LaneRef(r.seq.lane, r.seq.handle.job_id) for r in rows],
+        )
+        wanted = [i for i, row in enumerate(rows) if row.sample]
+        if len(wanted) != len(rows):
+            batch = replace(batch, logits_indices=batch.logits_indices[wanted])
+        h = self.model.hidden(batch, self.kv)
+        if not wanted:
+            return []
+        seqs = [rows[i].seq for i in wanted]
+        params = [s.job.sampling for s in seqs]
+        if all(p.temperature == 0.0 for p in params):
+            return self.model.greedy(h)
+        return sample_next(self.model.logits(h), params, [s.next_position for s in seqs])
+
+    def _accept_token(self, seq: _Sequence, token: int) -> None:
+        if seq.handle.cancel_requested:
+            self._finish(seq, "cancelled")
+            return
+        position = seq.next_position
+        seq.generated.append(token)
+        if seq.first_token_at is None:
+            seq.first_token_at = time.perf_counter()
+        seq.handle.deliver(TokenEvent(seq.handle.job_id, len(seq.generated) - 1, token, position))
+        if token in seq.job.sampling.stop_token_ids:
+            self._finish(seq, "stop")
+        elif len(seq.generated) >= seq.job.max_new_tokens:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: _Sequence, reason: FinishReason, error: str | None = None) -> None:
+        if seq.lane >= 0 and self._lanes[seq.lane] is seq:
+            self._lanes[seq.lane] = None
+        now = time.perf_counter()
+        result = JobResult(
+            job_id=seq.handle.job_id,
+            finish_reason=reason,
+            tokens=tuple(seq.generated),
+            kv_end=seq.kv_end,
+            admitted_s=None if seq.admitted_at is None else seq.admitted_at - seq.submitted,
+            first_token_s=None if seq.first_token_at is None else seq.first_token_at - seq.submitted,
+            finished_s=now - seq.submitted,
+            error=error,
+        )
+        seq.handle.deliver(result)
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            pending = list(self._waiting)
+            self._waiting.clear()
+            calls = list(self._calls)
+            self._calls.clear()
+            self._cond.notify_all()
+        for _, future in calls:
+            future.set_exception(RuntimeClosedError("the runtime closed before running this call"))
+        for seq in pending + [s for s in self._lanes if s is not None]:
+            self._finish(seq, "cancelled")
+
+
+def _call(fn: Callable[[], Any], future: Future[Any]) -> None:
+    """Run ``fn`` into ``future`` on the device thread, outside inference mode (a caller's model may train)."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        with torch.inference_mode(False):
+            future.set_result(fn())
+    except BaseException as exc:  # the caller gets the error; the loop keeps serving
+        future.set_exception(exc)
