@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvrelay.models.loading.weight_layout import ModelLoadError, expected_tensor_shapes
 from kvrelay.models.config import ModelConfig
+from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS
 from kvrelay.models.loading.fingerprint import (
-    DEFAULT_CHUNK_TOKENS,
     DEFAULT_PAGE_LAYOUT,
     model_fingerprint,
 )

@@ -14,6 +14,10 @@ from array import array
 from collections.abc import Sequence
 
 DIGEST_BYTES = 16
+DEFAULT_CHUNK_TOKENS = 64
+"""Tokens per KV chunk when none is configured: the one default of router, workers, simulator and fingerprint."""
+DEFAULT_PAGE_TOKENS = 16
+"""Tokens per KV page when none is configured (a chunk is a whole number of pages)."""
 
 
 def root_key(fingerprint: bytes) -> bytes:

@@ -17,6 +17,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS, DEFAULT_PAGE_TOKENS
+
 PROTOCOL_VERSION = 1
 """The only version this build speaks; a frame with another ``v`` is rejected."""
 
@@ -184,8 +186,8 @@ class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
     pages_free: NonNegInt
     pages_evictable: NonNegInt = 0
     pages_reserved: NonNegInt = 0
-    page_tokens: PositiveInt = 16
-    chunk_tokens: PositiveInt = 64
+    page_tokens: PositiveInt = DEFAULT_PAGE_TOKENS
+    chunk_tokens: PositiveInt = DEFAULT_CHUNK_TOKENS
     queue_delay_s: NonNegFloat = 0.0
     lower_tier_load_s: NonNegFloat = 0.0
     active_lanes: NonNegInt = 0

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS, DEFAULT_PAGE_TOKENS
+
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[3] / "configs" / "cluster-default.toml"
 
 RESTORE_TIERS: tuple[str, ...] = ("ram", "ssd", "peer", "object")
@@ -58,8 +60,8 @@ class ClusterConfig:
     workers: int = 8
     model: str = "llama-3-8b"
     kv_bytes_per_token: int = 131072
-    page_tokens: int = 16
-    chunk_tokens: int = 64
+    page_tokens: int = DEFAULT_PAGE_TOKENS
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     heartbeat_interval_s: float = 0.5
     object_write_through: bool = True
     worker: WorkerSpec = field(default_factory=WorkerSpec)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from kvrelay.core.planning.predicted_ttft import page_demand
 from kvrelay.protocol.messages import DeclineReason, Offer
-from kvrelay.protocol.chunk_keys import prompt_chain
+from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS, prompt_chain
 from kvrelay.worker.page_pool import Eviction, PagePool, Reservation
 
 
@@ -37,7 +37,7 @@ class WorkerIdentity:
     model: str
     fingerprint: bytes
     context_limit: int
-    chunk_tokens: int = 64
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
 
 class Admission(NamedTuple):

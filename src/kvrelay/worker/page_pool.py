@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS, DEFAULT_PAGE_TOKENS
+
 ResidencyCallback = Callable[[tuple[bytes, ...], tuple[bytes, ...]], None]
 """``(stored keys, removed keys)`` of the gpu tier."""
 
@@ -63,7 +65,7 @@ class ReservePlan(NamedTuple):
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_tokens: int = 16, chunk_tokens: int = 64,
+    def __init__(self, num_pages: int, page_tokens: int = DEFAULT_PAGE_TOKENS, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  on_residency: ResidencyCallback | None = None) -> None:
         if num_pages < 1:
             raise ValueError(f"a page pool needs at least one page, got {num_pages}")

@@ -17,6 +17,7 @@ from kvrelay.core.policies.base import Policy
 from kvrelay.core.planning.predicted_ttft import Candidate, WorkerView
 from kvrelay.core.planning.registry import Registry
 from kvrelay.core.planning.roster import Roster
+from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS
 from kvrelay.protocol.messages import Usage
 
 
@@ -29,7 +30,7 @@ class RouterConfig:
     worker_expiry_s: float = 3.0
     """A worker whose heartbeats stop for this long is fenced."""
     max_attempts: int = 8
-    chunk_tokens: int = 64
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     max_index_keys: int = 2_000_000
     max_queue_wait_s: float = 60.0
     """How long a request may wait at the router for capacity before it fails with no_capacity."""

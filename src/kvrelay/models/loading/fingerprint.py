@@ -24,11 +24,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvrelay.models.config import ModelConfig
+from kvrelay.protocol.chunk_keys import DEFAULT_PAGE_TOKENS
 
 DIGEST_BYTES = 16
 FINGERPRINT_VERSION = b"kvrelay-model-fingerprint-v1"
-DEFAULT_PAGE_LAYOUT = "page[layer][k|v][page_tokens=16][kv_head][head_dim]"
-DEFAULT_CHUNK_TOKENS = 64
+DEFAULT_PAGE_LAYOUT = f"page[layer][k|v][page_tokens={DEFAULT_PAGE_TOKENS}][kv_head][head_dim]"
 _READ_BYTES = 1 << 22
 
 

@@ -32,8 +32,8 @@ from kvrelay import paths
 from kvrelay.models.loading.weight_layout import ModelLoadError, check_weights
 from kvrelay.models.config import ModelConfig, UnsupportedModelError
 from kvrelay.models.loading.default_model import DEFAULT_MODEL_NAME, default_gguf_path
+from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS
 from kvrelay.models.loading.fingerprint import (
-    DEFAULT_CHUNK_TOKENS,
     DEFAULT_PAGE_LAYOUT,
     model_fingerprint,
     weights_digest,
