@@ -19,6 +19,8 @@ Contract:
 - ``admit`` lets a worker message through only from the connection that holds
   that worker's route, naming the bound worker (and its epoch, when the message
   carries one).
+- Every refusal (of a heartbeat, ``RouteClaim.reason``, or of a message,
+  ``admit``'s answer) is an enum whose value is the endpoint's counter name.
 - Ended epochs are remembered: heartbeats of an ended epoch are refused, as the
   router's registry refuses them (``controller.registry.fence``), so a worker
   whose route ended comes back only with a newer epoch.
@@ -27,6 +29,7 @@ Contract:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,14 +44,41 @@ class Binding:
     epoch: int
 
 
-@dataclass(frozen=True, slots=True)
-class HeartbeatVerdict:
-    """``reason`` is a counter name when refused (``identity_mismatch``, ``fenced_epoch``, ``stale_heartbeat``)."""
+class ClaimReason(StrEnum):
+    """Why a heartbeat's claim on its worker's route was granted or refused; a refusal's value is its counter name."""
 
-    accepted: bool
-    reason: str
+    NEW_ROUTE = "new route"
+    SAME_CONNECTION = "same connection"
+    REPLACED_CONNECTION = "replaced connection"
+    IDENTITY_MISMATCH = "identity_mismatch"
+    FENCED_EPOCH = "fenced_epoch"
+    STALE_HEARTBEAT = "stale_heartbeat"
+
+
+GRANTED = frozenset({ClaimReason.NEW_ROUTE, ClaimReason.SAME_CONNECTION, ClaimReason.REPLACED_CONNECTION})
+"""The reasons of a granted claim: the heartbeat's connection now holds the route."""
+
+
+class AdmitRefusal(StrEnum):
+    """Why ``admit`` stopped a worker message; the value is the endpoint's counter name."""
+
+    UNBOUND = "unbound"
+    IDENTITY_MISMATCH = "identity_mismatch"
+    STALE_CONNECTION = "stale_connection"
+    WRONG_EPOCH = "wrong_epoch"
+
+
+@dataclass(frozen=True, slots=True)
+class RouteClaim:
+    """Whether a connection's heartbeat holds its worker's route (``bind_heartbeat``'s answer)."""
+
+    reason: ClaimReason
     displaced: int | None = None
     """The connection that held the route before, when another one."""
+
+    @property
+    def accepted(self) -> bool:
+        return self.reason in GRANTED
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,39 +110,39 @@ class ConnectionTable:
         route = self.routes.get(worker_id)
         return route.connection_id if route is not None else None
 
-    def bind_heartbeat(self, connection_id: int, worker_id: str, epoch: int, seq: int) -> HeartbeatVerdict:
+    def bind_heartbeat(self, connection_id: int, worker_id: str, epoch: int, seq: int) -> RouteClaim:
         if connection_id not in self.bindings:
             raise ValueError(f"connection {connection_id} is not open")
         bound = self.bindings[connection_id]
         if bound is not None and bound.worker_id != worker_id:
-            return HeartbeatVerdict(False, "identity_mismatch")
+            return RouteClaim(ClaimReason.IDENTITY_MISMATCH)
         if epoch <= self.ended.get(worker_id, -1):
-            return HeartbeatVerdict(False, "fenced_epoch")
+            return RouteClaim(ClaimReason.FENCED_EPOCH)
         if (epoch, seq) <= self.newest.get(worker_id, (-1, -1)):
-            return HeartbeatVerdict(False, "stale_heartbeat")
+            return RouteClaim(ClaimReason.STALE_HEARTBEAT)
         self.newest[worker_id] = (epoch, seq)
         self.bindings[connection_id] = Binding(worker_id, epoch)
         before = self.routes.get(worker_id)
         self.routes[worker_id] = Route(connection_id, epoch)
         if before is None:
-            return HeartbeatVerdict(True, "new route")
+            return RouteClaim(ClaimReason.NEW_ROUTE)
         if before.epoch < epoch:
             self._end(worker_id, before.epoch)
         if before.connection_id == connection_id:
-            return HeartbeatVerdict(True, "same connection")
-        return HeartbeatVerdict(True, "replaced connection", displaced=before.connection_id)
+            return RouteClaim(ClaimReason.SAME_CONNECTION)
+        return RouteClaim(ClaimReason.REPLACED_CONNECTION, displaced=before.connection_id)
 
-    def admit(self, connection_id: int, worker_id: str, epoch: int | None = None) -> str | None:
-        """``None`` if a message of ``worker_id`` may pass from this connection, else the counter name."""
+    def admit(self, connection_id: int, worker_id: str, epoch: int | None = None) -> AdmitRefusal | None:
+        """``None`` if a message of ``worker_id`` may pass from this connection, else why not."""
         bound = self.bindings.get(connection_id)
         if bound is None:
-            return "unbound"
+            return AdmitRefusal.UNBOUND
         if bound.worker_id != worker_id:
-            return "identity_mismatch"
+            return AdmitRefusal.IDENTITY_MISMATCH
         if self.route_of(worker_id) != connection_id:
-            return "stale_connection"
+            return AdmitRefusal.STALE_CONNECTION
         if epoch is not None and epoch != bound.epoch:
-            return "wrong_epoch"
+            return AdmitRefusal.WRONG_EPOCH
         return None
 
     def close(self, connection_id: int) -> RouteLost | None:

@@ -249,12 +249,12 @@ class RouterEndpoint:
                     self.count("extension_frames")
                     self._guard(self._on_extension, cid, item.frame)
             case Heartbeat():
-                verdict = self.table.bind_heartbeat(cid, item.worker_id, item.epoch, item.seq)
-                if not verdict.accepted:
-                    self._reject(cid, peer, verdict.reason, f"heartbeat {item.worker_id} {(item.epoch, item.seq)}")
+                claim = self.table.bind_heartbeat(cid, item.worker_id, item.epoch, item.seq)
+                if not claim.accepted:
+                    self._reject(cid, peer, claim.reason.value, f"heartbeat {item.worker_id} {(item.epoch, item.seq)}")
                     return
-                if verdict.displaced is not None:
-                    self._close_peer(verdict.displaced, CLOSE_REPLACED,
+                if claim.displaced is not None:
+                    self._close_peer(claim.displaced, CLOSE_REPLACED,
                                      f"replaced by a newer connection of {item.worker_id} (epoch {item.epoch})")
                 self.count("heartbeats")
                 self._feed(item)
@@ -264,7 +264,7 @@ class RouterEndpoint:
                 epoch = item.epoch if isinstance(item, (OfferResult, Residency)) else None
                 refused = self.table.admit(cid, item.worker_id, epoch)
                 if refused is not None:
-                    self._reject(cid, peer, refused, f"{type(item).__name__} of {item.worker_id}")
+                    self._reject(cid, peer, refused.value, f"{type(item).__name__} of {item.worker_id}")
                     return
                 self._feed(item)
 
