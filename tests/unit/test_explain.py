@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kvrelay.cli import explain as explain_command
 from kvrelay.cli import main as cli
 from kvrelay.core.router.events import Record
 from kvrelay.facts import explain
@@ -63,8 +64,8 @@ def write_history(url: str) -> None:
 
 def run_explain(request_id: str, db: str | None) -> int:
     parser = argparse.ArgumentParser()
-    explain.add_arguments(parser)
-    return explain.run(parser.parse_args([request_id] + (["--db", db] if db else [])))
+    explain_command.add_arguments(parser)
+    return explain_command.run(parser.parse_args([request_id] + (["--db", db] if db else [])))
 
 
 def test_explain_prints_candidates_winner_losers_offers_and_outcome(
@@ -122,7 +123,7 @@ def test_an_unknown_request_exits_1_with_a_clear_message(
 def test_the_default_database_is_the_data_dir_file_and_a_missing_one_is_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.COMMANDS["explain"][0] == explain.__name__
+    assert cli.COMMANDS["explain"][0] == explain_command.__name__
     monkeypatch.setenv("KVRELAY_DATA_DIR", str(tmp_path / "data"))
     assert run_explain("req-7", None) == 1
     assert f"no fact store at {tmp_path / 'data' / 'facts.sqlite3'}; pass --db URL" in capsys.readouterr().err

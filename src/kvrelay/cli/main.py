@@ -15,7 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvrelay.cli.serve", "serve the OpenAI-compatible API with a router and one worker in one process"),
     "sim": ("kvrelay.cli.sim", "replay a Mooncake-format trace through the router under logical time"),
-    "explain": ("kvrelay.facts.explain", "print the recorded candidates, winner, losers and outcome of one request"),
+    "explain": ("kvrelay.cli.explain", "print the recorded candidates, winner, losers and outcome of one request"),
     "generate": ("kvrelay.cli.generate", "continue a prompt with a local model through the paged runtime"),
     "router": ("kvrelay.cli.router", "run the HTTP ingress and router; workers connect over WebSocket"),
     "worker": ("kvrelay.cli.worker", "run one worker that serves a model for one or several routers"),
@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():

@@ -1,18 +1,15 @@
-"""``kvrelay explain REQUEST_ID``: why the router sent a request where it did.
+"""Why the router sent a request where it did, as text (what ``kvrelay explain`` prints).
 
-Prints, per attempt and per recorded scoring: every candidate (worker, route,
-cached tokens, predicted TTFT and its terms), the winner, why each other
-candidate lost (a higher predicted TTFT, by how much and in which terms, or a
-lost tie-break) and which workers a hard constraint excluded, the offer's
-outcome, and the measured outcome with predicted against measured TTFT.
-``explain_lines`` is the pure formatter; ``run`` reads the store. Exit code 1
-when the request is unknown or the store cannot be read.
+``explain_lines(history)`` gives, per attempt and per recorded scoring: every
+candidate (worker, route, cached tokens, predicted TTFT and its terms), the
+winner, why each other candidate lost (a higher predicted TTFT, by how much and
+in which terms, or a lost tie-break) and which workers a hard constraint
+excluded, the offer's outcome, and the measured outcome with predicted against
+measured TTFT. It is pure: the command (``kvrelay.cli.explain``) reads the store.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -167,47 +164,3 @@ def explain_lines(history: RequestHistory) -> list[str]:
         lines.extend(_outcome_lines(history.outcome, history.decisions))
     return lines
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("request_id", metavar="REQUEST_ID", help="the request to explain")
-    parser.add_argument(
-        "--db",
-        metavar="URL",
-        default=None,
-        help="fact store URL (default: sqlite:///<data dir>/facts.sqlite3; data dir from KVRELAY_DATA_DIR "
-        "or ~/.local/share/kvrelay), e.g. postgresql+psycopg://user@host:5432/kvrelay",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    import sqlalchemy as sa
-
-    from kvrelay.facts.engine import default_url, make_engine, sqlite_path
-    from kvrelay.facts.queries import FactReader
-
-    url = args.db or default_url()
-    try:
-        engine = make_engine(url)
-    except (ValueError, sa.exc.ArgumentError) as exc:
-        print(f"kvrelay explain: {exc}", file=sys.stderr)
-        return 1
-    shown = engine.url.render_as_string(hide_password=True)
-    path = sqlite_path(engine)
-    if path is not None and not path.is_file():
-        print(f"kvrelay explain: no fact store at {path}; pass --db URL or set KVRELAY_DATA_DIR", file=sys.stderr)
-        return 1
-    try:
-        history = FactReader(engine).request_history(args.request_id)
-    except sa.exc.SQLAlchemyError as exc:
-        print(f"kvrelay explain: cannot read the fact store at {shown}: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        engine.dispose()
-    if history is None:
-        print(
-            f"kvrelay explain: request {args.request_id!r} has no recorded decisions or outcome in {shown}",
-            file=sys.stderr,
-        )
-        return 1
-    print("\n".join(explain_lines(history)))
-    return 0
