@@ -111,8 +111,8 @@ def _null(type_: Any) -> Any:
     return sa.cast(sa.null(), type_)
 
 
-def _chain_statement() -> sa.CompoundSelect:
-    keys = sa.bindparam("keys", expanding=True)
+def _chain_statement() -> sa.CompoundSelect[Any]:
+    keys: sa.BindParameter[list[bytes]] = sa.bindparam("keys", expanding=True)
     c, r = schema.chunks, schema.replicas
     lineage = sa.select(
         sa.literal_column("'c'").label("kind"),

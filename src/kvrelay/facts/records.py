@@ -18,6 +18,7 @@ data, each with a message naming the record and the offending field.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -310,7 +311,7 @@ def _outcome_write(head: OutcomeHeader, data: OutcomeData) -> Write:
     )
 
 
-RECORD_KINDS = {
+RECORD_KINDS: dict[str, tuple[type, Callable[[Any, Any], Write]]] = {
     "decision": (DecisionData, _decision_write),
     "offer_outcome": (OfferOutcomeData, _offer_outcome_write),
     "outcome": (OutcomeData, _outcome_write),

@@ -24,6 +24,7 @@ by the same rule; see ``batch_plan``.)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
@@ -52,7 +53,7 @@ def _insert(dialect: str, table: sa.Table) -> Any:
 
 def _decision_for_offer(outcome: str, pick: Any) -> sa.ScalarSelect[Any]:
     d = schema.decisions.alias("answered")
-    outcome_text = sa.literal_column(f"'{outcome}'")
+    outcome_text: sa.ColumnElement[str] = sa.literal_column(f"'{outcome}'")
     return (
         sa.select(pick(d.c.id))
         .where(
@@ -118,7 +119,7 @@ def build_statements(dialect: str) -> dict[str, Any]:
     }
 
 
-_DRIVER_DIALECTS = {"sqlite": lambda: pysqlite.dialect(paramstyle="named"), "postgresql": psycopg.dialect}
+_DRIVER_DIALECTS: dict[str, Callable[[], sa.Dialect]] = {"sqlite": lambda: pysqlite.dialect(paramstyle="named"), "postgresql": psycopg.dialect}
 """Compilers with named parameters (``:name`` for sqlite3, ``%(name)s`` with casts for psycopg)."""
 
 _INSERTED = {
@@ -140,7 +141,7 @@ def driver_statements(dialect: str) -> dict[str, str]:
     if dialect not in _DRIVER_DIALECTS:
         raise ValueError(f"the fact store supports {', '.join(SUPPORTED_DIALECTS)}; got a {dialect!r} URL")
     compiler = _DRIVER_DIALECTS[dialect]()
-    out = {}
+    out: dict[str, str] = {}
     for op, statement in build_statements(dialect).items():
         if op in _INSERTED:
             compiled = statement.inline().compile(dialect=compiler, column_keys=insert_columns(op))

@@ -65,7 +65,7 @@ HEARTBEATS_CACHED = 4096
 DECISION_FIELDS = frozenset(DecisionData.__struct_fields__)
 
 _route_encoder = msgspec.msgpack.Encoder()
-_route_decoder = msgspec.msgpack.Decoder(RouteInputs)
+_route_decoder: msgspec.msgpack.Decoder[RouteInputs] = msgspec.msgpack.Decoder(RouteInputs)
 _heartbeat_decoder = msgspec.msgpack.Decoder(Heartbeat)
 _encoded_heartbeats: dict[int, tuple[Heartbeat, msgspec.Raw]] = {}
 _decoded_heartbeats: dict[bytes, Heartbeat] = {}
@@ -180,8 +180,10 @@ class LazyRoute:
 
     @property
     def best(self) -> Candidate:
-        heartbeat, *inputs = _route_decoder.decode(self._data)
-        return make_candidate(_heartbeat_of(heartbeat), *inputs)
+        heartbeat, base_queue, lower_load, segments, boundary, prompt_len, chunk_tokens, scoring = (
+            _route_decoder.decode(self._data))
+        return make_candidate(_heartbeat_of(heartbeat), base_queue, lower_load, segments, boundary, prompt_len,
+                              chunk_tokens, scoring)
 
 
 def _ext_hook(code: int, data: memoryview) -> Any:

@@ -11,6 +11,7 @@ itself (``trace.infinite_cache_bound``).
 from __future__ import annotations
 
 import time
+from functools import partial
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,7 @@ def replay(
         rid = f"t{r.line}"
         at = options.start_s + r.timestamp_ms / 1000.0 / options.rate_scale
         last = max(last, at)
-        sim.submit_later(rid, at, lambda r=r, rid=rid: synth.request(r, rid, cluster.model))
+        sim.submit_later(rid, at, partial(synth.request, r, rid, cluster.model))
     finished = sim.run(until=last + options.drain_s)
     wall = time.perf_counter() - wall
     if options.log_path is not None:
@@ -102,8 +103,8 @@ def _metrics(sim: Simulation, requests: list[TraceRequest], options: ReplayOptio
     workers: dict[str, dict[str, Any]] = {}
     for wid, w in sim.workers.items():
         st = w.stats
-        for tier, n in st.restored_bytes.items():
-            restored[tier] = restored.get(tier, 0) + n
+        for source, n in st.restored_bytes.items():
+            restored[source] = restored.get(source, 0) + n
         workers[wid] = {"accepted": st.accepted, "finished": st.finished, "prefill_tokens": st.prefill_tokens,
                         "generated_tokens": st.generated_tokens, "busy_s": round(st.busy_s, 6)}
     busy = [w["busy_s"] for w in workers.values()]

@@ -59,7 +59,7 @@ class PeerServer:
     @property
     def url(self) -> str:
         host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def counters(self) -> TierCounters:
         """Chunks served (``hits``, ``bytes_read``), not found (``misses``), malformed requests (``errors``)."""

@@ -89,7 +89,7 @@ class TierStack:
             local.put(fetched.buffer)
             if local is self.ram:
                 # The ram tier keeps the fetched buffer itself: no second read is needed.
-                if local.contains(key):
+                if self.ram.contains(key):
                     return StackHit(source.name, fetched)
                 continue
             if (view := local.get(key, fingerprint)) is not None:

@@ -25,6 +25,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     PretrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
@@ -103,7 +104,7 @@ def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
     return _CONFIG_CLASSES[arch](**{**TINY_DEFAULTS[arch], **overrides})
 
 
-def build_tiny_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+def build_tiny_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """A float32 ``transformers`` causal LM of ``arch`` with every parameter drawn from ``seed``."""
     config = tiny_config(arch, **overrides)
     generator = torch.Generator().manual_seed(seed)

@@ -152,7 +152,9 @@ class WindowMirror:
     def _rebuild(self, batch: ForwardBatch, kv: KVPages, stale: list[int]) -> None:
         """Copy positions ``max(0, s - window) .. s - 2`` of each stale row's sequence from its pages."""
         page_tokens = kv.page_tokens
-        positions, seq_of, slot_of = [], [], []
+        positions: list[int] = []
+        seq_of: list[int] = []
+        slot_of: list[int] = []
         for i in stale:
             last = batch.seq_lens[i] - 1
             span = range(max(0, last - self.window + 1), last)

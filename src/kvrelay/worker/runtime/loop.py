@@ -60,6 +60,13 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+
+def _cancel_when_queued(submitted: asyncio.Future[JobHandle]) -> None:
+    """Cancel the job of ``submitted`` once it is queued, when its caller gave up before that."""
+    if not submitted.cancelled() and submitted.exception() is None:
+        submitted.result().cancel()
+
+
 class StepModel(Protocol):
     """What the runtime needs of a model: one step over a batch, writing its K/V into ``kv`` and giving
     the rows that want a token (``hidden``), then those rows' logits or greedy tokens.
@@ -190,7 +197,7 @@ class PagedRuntime:
             try:
                 stream.handle = await asyncio.shield(pending)
             except asyncio.CancelledError:  # the caller gave up: cancel the job if it gets queued after all
-                pending.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().cancel())
+                pending.add_done_callback(_cancel_when_queued)
                 raise
         return stream
 
@@ -279,9 +286,9 @@ class PagedRuntime:
                     _call(fn, future)
                 for seq in cancelled:
                     self._finish(seq, "cancelled")
-                for seq in self._lanes:
-                    if seq is not None and seq.handle.cancel_requested:
-                        self._finish(seq, "cancelled")
+                for lane_seq in self._lanes:
+                    if lane_seq is not None and lane_seq.handle.cancel_requested:
+                        self._finish(lane_seq, "cancelled")
                 self._iterate(waiting)
         self._shutdown()
 
@@ -294,9 +301,9 @@ class PagedRuntime:
                     self._waiting.popleft()
                 self._cond.notify_all()
             now = time.perf_counter()
-            for seq, lane in zip(waiting, plan.admit):
-                seq.lane, seq.ticket, seq.admitted_at = lane, next(self._tickets), now
-                self._lanes[lane] = seq
+            for admitted, lane in zip(waiting, plan.admit):
+                admitted.lane, admitted.ticket, admitted.admitted_at = lane, next(self._tickets), now
+                self._lanes[lane] = admitted
         if plan.idle:
             return
         rows: list[_Row] = []

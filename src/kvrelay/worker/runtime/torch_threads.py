@@ -59,6 +59,6 @@ def _omp_set_num_threads() -> Callable[[int], object] | None:
     if not found:
         return None
     try:
-        return ctypes.CDLL(found[0]).omp_set_num_threads  # type: ignore[no-any-return]
+        return ctypes.CDLL(found[0]).omp_set_num_threads
     except (OSError, AttributeError):
         return None
