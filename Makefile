@@ -1,10 +1,10 @@
-# The two commands: `make run` and `make test`. Both install into .venv first if needed.
+# The two commands: `make run` and `make test`; `make lint` checks style and types. Each installs into .venv first if needed.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test sim bench clean
+.PHONY: install run test lint sim clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,6 +20,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/mypy
 
 sim: $(STAMP)
 	$(VENV)/bin/kvrelay sim --trace data/traces/mooncake_synthetic_trace.jsonl --workers 8 --policy all
