@@ -40,7 +40,8 @@ OPS: tuple[str, ...] = (
 """Every write operation, in the order the writer applies a batch's lanes."""
 
 # The validation structs below are built from plain data and never form reference cycles, so they are
-# created with ``gc=False``: a 64-candidate decision then costs the collector nothing (3x faster under load).
+# created with ``gc=False``: a decision's records then cost the collector nothing (docs/performance.md,
+# "Records without the collector").
 
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
 """A finite, non-negative duration or time; NaN and infinities are rejected."""

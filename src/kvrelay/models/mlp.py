@@ -40,11 +40,8 @@ ACTIVATIONS: dict[str, Activation] = {
 
 
 PACKED_MAX_ROWS = 256
-"""Projections of at most this many rows use the packed weight; larger ones the plain one.
-
-Gemma 3 270M, bfloat16, 2 cores, best of 8 interleaved runs: a 256-token prefill
-over 1,792 resident tokens took 123 ms with packed projections against 136 ms with
-plain ones; 512-token chunks were slower packed (233 against 221 ms)."""
+"""Projections of at most this many rows use the packed weight; larger ones the plain one, which is
+faster there (the figures behind the value: docs/performance.md, "Packed projections")."""
 
 
 class PackedLinear:
@@ -52,8 +49,8 @@ class PackedLinear:
 
     Given a plain weight, oneDNN's AMX / AVX-512 bf16 kernels re-lay it out on
     every call, which costs as much as the projection itself when few rows
-    (decode) stream the weight from memory; for the 262k-row tied LM head of
-    Gemma 3 270M it is a third of the step. The packed copy
+    (decode) stream the weight from memory (docs/performance.md, "Packed
+    projections"). The packed copy
     (``mkldnn._reorder_linear_weight``, what inductor's CPU freezing uses)
     takes the weight's size again in memory and gives the same values; it
     serves inputs of at most ``max_rows`` rows (``None``: all), the plain
@@ -107,16 +104,13 @@ class GatedMLP:
 
     Gate and up stay two projections: a fused one leaves both halves strided,
     and the activation and product on strided halves cost more on CPU than the
-    fusion saves (1,024 tokens, Gemma 3 270M shapes: 27 ms fused, 17 ms apart);
-    through packed weights (32-lane decode, 256-token prefill) fused and apart
-    measured the same. Through packed weights the activation and the product
-    are oneDNN post-ops of the gate and up projections (two calls instead of
-    four; 32 rows, Gemma 3 270M shapes: 281 against 359 us). They apply to the
-    float32 accumulator, so the gate's output is rounded to bfloat16 once
-    instead of twice and the product once instead of three times. A single row
-    (one decoding sequence) skips the post-ops: its gate and up are C GEMVs
-    (``PackedLinear``), faster than oneDNN there (a Gemma 3 270M decode step at
-    batch 1: 10.1 against 12.5 ms in the MLPs).
+    fusion saves. Through packed weights the activation and the product are
+    oneDNN post-ops of the gate and up projections (two calls instead of four).
+    They apply to the float32 accumulator, so the gate's output is rounded to
+    bfloat16 once instead of twice and the product once instead of three times
+    (``tests/unit/test_packed_linear.py``). A single row (one decoding sequence)
+    skips the post-ops: its gate and up are C GEMVs (``PackedLinear``), faster
+    than oneDNN there. (Why and how fast: docs/performance.md, "MLP gate and up".)
     """
 
     def __init__(self, w: Weights, prefix: str, config: ModelConfig) -> None:

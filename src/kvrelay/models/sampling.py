@@ -74,8 +74,9 @@ def sample_next(logits: torch.Tensor, params: Sequence[Sampling], positions: Seq
 def greedy_tokens(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """``logits.argmax(-1)`` (the lowest id among equal maxima), computed blockwise.
 
-    On CPU ``argmax`` over a 262k vocabulary is ~20x slower than ``amax``; so take
-    the first block holding the row maximum, then the first maximum inside it.
+    Takes the first block holding the row maximum, then the first maximum inside it:
+    on CPU ``argmax`` over a large vocabulary is much slower than ``amax``
+    (docs/performance.md, "Blockwise greedy argmax"; ``tests/unit/test_sampling.py``).
     """
     rows, vocab = logits.shape
     if vocab <= 4 * block:

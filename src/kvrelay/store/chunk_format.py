@@ -14,9 +14,9 @@ viewed in place (``torch.frombuffer`` on bytes or an ``mmap``)::
 ``payload_digest`` is the 128-bit XXH3 of the payload (``payload_digest``
 below). It is an integrity check against bit rot, truncation and torn copies,
 not a content address: the chunk's key, a blake2b chain over the model
-fingerprint and the tokens, is that. Format version 1 used blake2b here too;
-at about 1 GB/s per core it capped restores at 8-14 % of a memory copy, while
-XXH3 runs at memory speed. The KV layout belongs to the
+fingerprint and the tokens, is that. Format version 1 used blake2b here too,
+which capped restore throughput far below a memory copy; XXH3 runs at memory
+speed (docs/performance.md, "Chunk payload digest"). The KV layout belongs to the
 runtime; this module stores only the shape, the dtype name (a ``torch`` dtype
 name such as ``bfloat16``) and the bytes. ``decode_chunk`` accepts a buffer only
 when the header digest, the payload digest (unless told not to), the declared

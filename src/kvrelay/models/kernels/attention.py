@@ -50,10 +50,8 @@ member crosses a quantum, not a page."""
 
 KEPT_GROUP_COST_TOKENS = 4096
 """``GROUP_COST_TOKENS`` for groups whose windows are kept: with no gather per step, a group
-costs its calls (append, attention, row select and scatter), about 0.4 ms per layer on the
-development machine, which reads some 4,000 padded keys and values of Gemma 3 270M. Its 3
-full layers, 32 lanes, in-runtime timers: 17.2 and 17.7 ms per step at 1,024; 11.2 and 12.1
-at 4,096; 9.3 and 13.4 at 16,384 (one group: every lane padded to the longest)."""
+costs only its calls (append, attention, row select and scatter), so more padding is worth
+a group (the figures behind the value: docs/performance.md, "Kept decode groups")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,8 +378,8 @@ def decode_attention(
     ``[G, kv_heads, group, S]`` with at least one visible key per row. Scores are
     softmaxed in float32; in bfloat16 they are rounded to bfloat16 before scaling, as in
     transformers' eager attention. The scores are computed as ``k q^T`` (keys as the
-    row-major operand), which streams the keys faster than ``q k^T`` on CPU (Gemma 3 270M
-    rings, 15 layers of 32 lanes x 512 keys, bfloat16 on 2 cores: 21.0 against 23.5 ms).
+    row-major operand), which streams the keys faster than ``q k^T`` on CPU
+    (docs/performance.md, "Decode attention score order").
     """
     scores = torch.matmul(k, q.transpose(-1, -2)).transpose(-1, -2).contiguous().float().mul_(scale).add_(mask)
     return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)

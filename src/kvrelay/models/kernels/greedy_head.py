@@ -2,8 +2,8 @@
 compute only the logits that could be the largest.
 
 Greedy decoding needs the argmax of ``h W^T`` (``W`` the ``[vocab, hidden]`` head), not the
-logits. One bfloat16 row through Gemma 3 270M's 262k-row head streams 335 MB; an int8 copy of
-``W`` (one scale per row) is half that. From the int8 dots (``native.head_screen``) and bounds on
+logits. An int8 copy of ``W`` (one scale per row) is half the bytes to stream (why and how fast:
+docs/performance.md, "Greedy head screen"). From the int8 dots (``native.head_screen``) and bounds on
 everything that separates them from the full head's values (quantizing ``W`` and ``h``, the
 float32 sums of the bfloat16 GEMV, its rounding to bfloat16), every row whose logit is surely
 below another row's is ruled out; the few left get their exact logits from the same C GEMV the
@@ -23,9 +23,9 @@ from kvrelay.models.kernels.native import head_screen
 from kvrelay.models.kernels.native.linear_row import linear_rows_at_native
 
 MAX_PICKED = 16384
-"""More rows left than this after the screen: the caller computes the full logits instead. Exact
-logits for this many rows take about a sixth of the full head's time. Gemma 3 270M's hidden rows
-of random-token prompts left more than 4,096 rows in 55 of 512 cases, more than 16,384 in 17."""
+"""More rows left than this after the screen: the caller computes the full logits instead (the
+exact logits of this many rows still cost a small share of the full head's; how often real rows
+leave more: docs/performance.md, "Greedy head screen")."""
 
 _INT8_MAX = 127
 _SLACK = 1 + 2.0**-20

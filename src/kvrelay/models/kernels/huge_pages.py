@@ -1,15 +1,13 @@
 """Large CPU tensors on 2 MiB transparent huge pages (Linux ``madvise(MADV_HUGEPAGE)``).
 
-The runtime streams hundreds of megabytes per step: the 335 MB tied LM head
-of Gemma 3 270M for every prompt's last token, the sliding-window rings and
-the page pool for every decode step. On 4 KiB pages that is one translation
-per 4 KiB, 82k for the LM head alone, and after a prefill has evicted the page
-tables from the caches each one is a walk to memory: the one-row LM head took
-18 to 20 ms on this project's CPU, and 11 ms on huge pages
-(``bench/huge_pages.py``). PyTorch's CPU allocator gives huge pages only when
-``THP_MEM_ALLOC_ENABLE=1`` is set before its first allocation; this module asks
-for them explicitly for the tensors the runtime owns, whatever the
-environment and the import order.
+The runtime streams hundreds of megabytes per step: the tied LM head for
+every prompt's last token, the sliding-window rings and the page pool for
+every decode step. On 4 KiB pages that is one translation per 4 KiB, and after
+a prefill has evicted the page tables from the caches each one is a walk to
+memory (why and how fast: docs/performance.md, "Huge pages"). PyTorch's CPU
+allocator gives huge pages only when ``THP_MEM_ALLOC_ENABLE=1`` is set before
+its first allocation; this module asks for them explicitly for the tensors the
+runtime owns, whatever the environment and the import order.
 
 The kernel grants them where transparent huge pages are ``always`` or
 ``madvise`` (``/sys/kernel/mm/transparent_hugepage/enabled``) and it has free

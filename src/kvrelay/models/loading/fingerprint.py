@@ -9,9 +9,10 @@ host; changing any input changes the fingerprint.
 
 ``weights_digest(files)`` is a 16-byte blake2b digest of the weight files'
 contents, in name order (file names themselves do not count): content-based,
-so two hosts holding the same files agree. Hashing costs about 0.3 s per
-250 MB; ``file_digest`` memoizes a file's digest under ``memo_dir`` keyed by
-(absolute path, size, mtime_ns, inode), so an unchanged large file is read once.
+so two hosts holding the same files agree. ``file_digest`` memoizes a file's
+digest under ``memo_dir`` keyed by (absolute path, size, mtime_ns, inode), so an
+unchanged large file is read once (what hashing costs: docs/performance.md,
+"Weights digest").
 """
 
 from __future__ import annotations

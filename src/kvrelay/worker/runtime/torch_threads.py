@@ -4,10 +4,7 @@ PyTorch's CPU build parallelises an op with OpenMP (libgomp), which gives every
 OS thread that opens a parallel region a team of its own. Once two teams exist
 on a machine with no more cores than one team has threads, libgomp counts more
 managed threads than CPUs and its idle workers stop spinning, so every parallel
-op pays a wake-up. ``bench/torch_threads.py`` on the 2-core development machine,
-torch at 2 threads, ops on a second thread: a 40,960-element add 5.2 us alone,
-76 us once the main thread had run one parallel op, 4.8 us when the main thread
-had been confined first; a 32-row bfloat16 linear 159 / 274 / 156 us.
+op pays a wake-up (how much: docs/performance.md, "Torch thread pools").
 
 ``confine_threads`` sets torch's process-wide count to one, so every thread
 runs its torch ops serially; a process that runs a ``PagedRuntime`` calls it

@@ -1,13 +1,10 @@
 """A CPU fast path for batched decode attention: a C kernel (AVX-512 BF16), compiled on first use.
 
 ``decode_attention`` in PyTorch reads a decode step's keys and values through two
-batched matmuls plus a softmax and the copies between them; on the 2-core CPU
-this project is measured on, that streams the 15 sliding-window rings of Gemma 3
-270M (252 MB per 32-lane step) at 8 to 12 GB/s. ``decode_attention.c`` reads
-each visible key and value row once, with software prefetch, and keeps the scores
-in the core's cache (``bench/ring_attention.py``: 15 rings of 32 lanes x 512 keys
-in 19.5 against 28.1 ms, median; the 3 full layers' windows in 2.8 against
-7.7 ms). Inside the running model a 32-lane decode step went from 105 to 95 ms.
+batched matmuls plus a softmax and the copies between them. ``decode_attention.c``
+reads each visible key and value row once, with software prefetch, and keeps the
+scores in the core's cache (why and how fast: docs/performance.md, "Decode
+attention kernel").
 
 Numerics are the PyTorch path's in bfloat16 (scores rounded to bfloat16 before
 scaling, softmax in float32, probabilities rounded to bfloat16, float32

@@ -1,10 +1,9 @@
 """A CPU fast path for a single-row bfloat16 projection (a GEMV): a C kernel.
 
-One row through the 262k-row tied LM head of Gemma 3 270M (the last prompt
-token of every prefill) streams 335 MB of weights; oneDNN's packed kernel took
-16.7 ms for it on this project's 2-core CPU, ``linear_row.c``, which reads each
-weight row once with software prefetch, 13.7 ms (at 2 rows and more oneDNN is as
-fast or faster, so only single rows come here). The numerics are ``F.linear``'s
+``linear_row.c`` reads each weight row once, with software prefetch. It takes
+single rows only (the LM head row of every prefill), where it beats oneDNN's
+packed kernel; from two rows on oneDNN is as fast or faster (why and how fast:
+docs/performance.md, "Single-row projection"). The numerics are ``F.linear``'s
 in bfloat16 up to summation order (``tests/unit/test_native_linear_row.py``).
 Applies to a bfloat16 ``[1, K]`` row and a contiguous bfloat16 weight on the CPU,
 ``K`` a multiple of 32, no bias, where the kernel is built (``build``).

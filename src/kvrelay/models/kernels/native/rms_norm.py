@@ -1,9 +1,8 @@
 """A CPU fast path for RMS norm of bfloat16 rows, and for a residual add of a normed tensor: a C kernel.
 
-In a decode step of Gemma 3 270M (32 rows) each of the 91 norms is eight small
-PyTorch ops (cast, square, mean, add, rsqrt, two products, cast back) that
-together took 100 to 140 us inside the running model, 9 to 13 ms a step.
-``rms_norm.c`` does a row in one pass; ``add_rms_norm_native`` also folds in the
+In PyTorch a norm is eight small ops (cast, square, mean, add, rsqrt, two
+products, cast back); ``rms_norm.c`` does a row in one pass (why and how fast:
+docs/performance.md, "RMS norm"). ``add_rms_norm_native`` also folds in the
 residual add that follows Gemma's post-attention and post-feedforward norms, and
 ``rms_norm_native(..., rope=...)`` the rotation that follows the q/k norm.
 The numerics are ``layers.RMSNorm``'s; only the order of the sum of squares
