@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 
 from kvrelay.core.planning import candidates as cand
+from kvrelay.core.planning import exclusions
+from kvrelay.core.planning.exclusions import ExclusionKind
 from kvrelay.core.planning import predicted_ttft
 from kvrelay.core.planning.index import ResidencyIndex
 from kvrelay.core.planning.roster import Roster, plan_pruned
@@ -106,10 +108,15 @@ def test_hard_constraints_say_why_a_worker_was_removed() -> None:
         heartbeat("other", models=("x",)),
         heartbeat("ok"),
     ], [])
-    assert plan.excluded == {
+    assert exclusions.texts(plan.excluded) == {
         "small": "capacity",
         "short": "context limit 100 < 517",
         "other": "model 'm' not served",
+    }
+    assert {w: e.kind for w, e in plan.excluded.items()} == {
+        "small": ExclusionKind.CAPACITY,
+        "short": ExclusionKind.CONTEXT_LIMIT,
+        "other": ExclusionKind.MODEL_NOT_SERVED,
     }
     assert [r.worker_id for r in plan.routes] == ["ok"]
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 
-from kvrelay.core.router.events import Record
+from kvrelay.core.router.events import OfferOutcome, Record
 from kvrelay.protocol.messages import FinishReason, RouteSegment, Tier
 from kvrelay.protocol.chunk_keys import DIGEST_BYTES
 
@@ -50,7 +50,6 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 ChunkKey = Annotated[bytes, msgspec.Meta(min_length=DIGEST_BYTES, max_length=DIGEST_BYTES)]
 Fingerprint = Annotated[bytes, msgspec.Meta(min_length=1, max_length=1024)]
-OfferOutcome = Literal["accepted", "declined", "timed_out", "worker_lost", "cancelled"]
 
 
 class UnknownKind(ValueError):

@@ -13,6 +13,7 @@ Identifiers:
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Literal
 
 import msgspec
@@ -35,17 +36,25 @@ Tier = Literal["gpu", "ram", "ssd", "peer", "object", "recompute"]
 TIERS: tuple[str, ...] = ("gpu", "ram", "ssd", "peer", "object", "recompute")
 """Tiers fastest first (docs/design.md section 5)."""
 
-DeclineReason = Literal[
-    "wrong_epoch",
-    "wrong_model",
-    "no_capacity",
-    "over_context_limit",
-    "shutting_down",
-    "stale_route",
-]
-"""The closed set of reasons a worker may decline an offer."""
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+class DeclineReason(StrEnum):
+    """The closed set of reasons a worker may decline an offer (on the wire: the value)."""
+
+    WRONG_EPOCH = "wrong_epoch"
+    WRONG_MODEL = "wrong_model"
+    NO_CAPACITY = "no_capacity"
+    OVER_CONTEXT_LIMIT = "over_context_limit"
+    SHUTTING_DOWN = "shutting_down"
+    STALE_ROUTE = "stale_route"
+
+
+class FinishReason(StrEnum):
+    """How an attempt (on the wire: the value) or a request ended."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
 
 
 class Assignment(msgspec.Struct, frozen=True, array_like=True):

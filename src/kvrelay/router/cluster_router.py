@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, assert_never
 
 from kvrelay.core.router.events import (
     CancelTimer,
@@ -167,6 +167,8 @@ class ClusterRouter:
                 self._guard(self._record, effect)
             case LoadReplicas(worker_id=wid):
                 self._learn(lambda source: source.held_by(wid))
+            case _:
+                assert_never(effect)
 
     def _learn(self, read: Callable[[ReplicaSource], tuple[Replica, ...]]) -> None:
         if self._replicas is None:

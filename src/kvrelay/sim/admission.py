@@ -75,7 +75,7 @@ def plan_admission(
     the offer's own (routed) chain must be a prefix of it.
     """
     if chain[: len(offer.chain)] != offer.chain:
-        return AdmissionDecline("stale_route", "the offered chain is not the chain of this prompt")
+        return AdmissionDecline(DeclineReason.STALE_ROUTE, "the offered chain is not the chain of this prompt")
     usable = min(len(chain), cacheable_chunks(len(offer.prompt), cluster.chunk_tokens))
     planned: list[tuple[str, str]] = []
     for seg in offer.route:
@@ -83,7 +83,8 @@ def plan_admission(
             break
         planned.extend([(seg.tier, seg.source)] * seg.chunks)
     if len(planned) > usable:
-        return AdmissionDecline("stale_route", f"route covers {len(planned)} chunks but the chain has {usable}")
+        return AdmissionDecline(DeclineReason.STALE_ROUTE,
+                                f"route covers {len(planned)} chunks but the chain has {usable}")
     rates = _tier_rates(cluster)
     gpu_keys: list[bytes] = []
     restore: list[tuple[bytes, str]] = []
@@ -93,10 +94,10 @@ def plan_admission(
             gpu_keys.append(key)
             continue
         if tier == "gpu":
-            return AdmissionDecline("stale_route", f"gpu prefix chunk {i} is no longer resident")
+            return AdmissionDecline(DeclineReason.STALE_ROUTE, f"gpu prefix chunk {i} is no longer resident")
         found = _source_for(key, tier, source, caches, peers, rates)
         if found is None:
-            return AdmissionDecline("stale_route", f"chunk {i} is not available from {tier} or faster")
+            return AdmissionDecline(DeclineReason.STALE_ROUTE, f"chunk {i} is not available from {tier} or faster")
         restore.append((key, found))
     i = len(planned)
     while i < usable and chain[i] in caches.gpu and not restore:
@@ -110,7 +111,7 @@ def plan_admission(
     route_pages = sum(1 for k in set(gpu_keys) if caches.gpu.cache[k] == 0) * caches.gpu.chunk_pages
     room = caches.gpu.free_pages + caches.gpu.evictable_pages - route_pages
     if demand > room:
-        return AdmissionDecline("no_capacity", f"needs {demand} pages, {room} free or evictable")
+        return AdmissionDecline(DeclineReason.NO_CAPACITY, f"needs {demand} pages, {room} free or evictable")
     cached: dict[str, int] = {}
     restore_bytes: dict[str, int] = {}
     restore_s = 0.0

@@ -26,7 +26,7 @@ import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import assert_never
 
 from kvrelay.core.worker import machine
 from kvrelay.sim.cluster_config import ClusterConfig
@@ -35,21 +35,39 @@ from kvrelay.core.router.events import (
     ConsumerCancelled,
     DeliverDelta,
     DeliverResult,
+    Effect,
     LoadReplicas,
     MessageReceived,
     Outcome,
     Record,
     Request,
     RequestArrived,
+    RouterEvent,
     SendCancel,
     SendOffer,
     StartTimer,
     Tick,
     TimerFired,
+    TimerKey,
     WorkerUnavailable,
 )
 from kvrelay.core.router.machine import RouterConfig, new_router, step
 from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
+from kvrelay.sim.events import (
+    Arrival,
+    ConnectionLost,
+    ConsumerCancel,
+    Crash,
+    HeartbeatDue,
+    Restart,
+    RouterTick,
+    SimEvent,
+    TimerDue,
+    ToRouter,
+    ToWorker,
+    WorkerDue,
+    WorkerScheduled,
+)
 from kvrelay.sim.log import describe
 from kvrelay.sim.network import ROUTER, NetworkModel
 from kvrelay.sim.tokens import token_value
@@ -61,11 +79,12 @@ from kvrelay.protocol.messages import (
     Offer,
     Result,
     RouteSegment,
+    WireMessage,
 )
 
 
 @dataclass(slots=True)
-class Consumer:
+class SimConsumer:
     """What one request's consumer received (the request itself is not kept)."""
 
     request_id: str
@@ -109,11 +128,11 @@ class Simulation:
         self.network = NetworkModel(cluster.network, seed)
         self.detect_s, self.tick_s = detect_s, tick_s
         self.now = 0.0
-        self._heap: list[tuple[float, int, str, Any]] = []
+        self._heap: list[tuple[float, int, SimEvent]] = []
         self._seq = 0
-        self._timers: dict[tuple[str, str, int], int] = {}
+        self._timers: dict[TimerKey, int] = {}
         self.log: list[str] | None = [] if log else None
-        self.consumers: dict[str, Consumer] = {}
+        self.consumers: dict[str, SimConsumer] = {}
         self.offers: list[OfferSent] = []
         self.current: dict[str, Assignment] = {}
         self.cancelled: set[Assignment] = set()
@@ -130,13 +149,13 @@ class Simulation:
             self.workers[wid] = SimWorker(wid, cluster, self.shared, self.peers, self._schedule_worker,
                                           self._send_to_router, delta_tokens, self.known_chains, admission_s)
             self._start_worker(wid, 0.0, offset=cluster.heartbeat_interval_s * i / cluster.workers)
-        self._push(0.0, "tick", None)
+        self._push(0.0, RouterTick())
 
     # --- the heap ----------------------------------------------------------------
 
-    def _push(self, at: float, kind: str, payload: Any) -> None:
+    def _push(self, at: float, event: SimEvent) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (at, self._seq, kind, payload))
+        heapq.heappush(self._heap, (at, self._seq, event))
 
     def _note(self, text: str) -> None:
         if self.log is not None:
@@ -153,15 +172,15 @@ class Simulation:
 
     def submit_later(self, request_id: str, at: float, make: Callable[[], Request]) -> None:
         """Submit the request ``make()`` builds at time ``at`` (built only then, to bound memory)."""
-        self.consumers[request_id] = Consumer(request_id, at)
+        self.consumers[request_id] = SimConsumer(request_id, at)
         self._open += 1
-        self._push(at, "arrive", make)
+        self._push(at, Arrival(make))
 
     def cancel(self, request_id: str, at: float) -> None:
-        self._push(at, "consumer_cancel", request_id)
+        self._push(at, ConsumerCancel(request_id))
 
     def crash(self, worker_id: str, at: float, restart_after: float | None = None) -> None:
-        self._push(at, "crash", (worker_id, restart_after))
+        self._push(at, Crash(worker_id, restart_after))
 
     def partition(self, src: str, dst: str, start: float, end: float = math.inf) -> None:
         """Drop messages from ``src`` to ``dst`` (``"router"`` or a worker id) sent in ``[start, end)``."""
@@ -181,44 +200,76 @@ class Simulation:
                 return True
             if self._heap[0][0] > until:
                 return False
-            at, _, kind, payload = heapq.heappop(self._heap)
+            at, _, event = heapq.heappop(self._heap)
             self.now = at
-            getattr(self, f"_on_{kind}")(payload)
+            self._handle(event)
         return self.quiescent()
 
-    def _router(self, event: Any, cause: Assignment | None = None) -> None:
+    def _handle(self, event: SimEvent) -> None:
+        match event:
+            case Arrival(make=make):
+                self._on_arrive(make)
+            case ConsumerCancel(request_id=request_id):
+                self._router(ConsumerCancelled(self.now, request_id))
+            case RouterTick():
+                self._router(Tick(self.now))
+                self._push(self.now + self.tick_s, event)
+            case TimerDue(timer=timer):
+                self._on_timer(timer)
+            case ToRouter(message=message):
+                self._on_to_router(message)
+            case ToWorker(worker_id=worker_id, message=message):
+                self._on_to_worker(worker_id, message)
+            case WorkerScheduled(worker_id=worker_id, epoch=epoch, event=due):
+                w = self.workers[worker_id]
+                if w.alive and w.epoch == epoch:
+                    w.on_due(self.now, due)
+            case HeartbeatDue():
+                self._on_heartbeat(event)
+            case Crash(worker_id=worker_id, restart_after=restart_after):
+                self._on_crash(worker_id, restart_after)
+            case ConnectionLost(worker_id=worker_id, epoch=epoch):
+                self._router(WorkerUnavailable(self.now, worker_id, epoch))
+            case Restart(worker_id=worker_id):
+                if not self.workers[worker_id].alive:
+                    self._start_worker(worker_id, self.now)
+            case _:
+                assert_never(event)
+
+    def _router(self, event: RouterEvent, cause: Assignment | None = None) -> None:
         if self.log is not None:
             self._note(f"router <- {describe(event)}")
         self.router, effects = step(self.router, event)
         for effect in effects:
             self._carry(effect, cause)
 
-    def _carry(self, effect: Any, cause: Assignment | None) -> None:
-        if isinstance(effect, LoadReplicas):
-            return  # the simulated cluster has no fact store; its index follows residency events alone
-        if self.log is not None and not isinstance(effect, Record):
+    def _carry(self, effect: Effect, cause: Assignment | None) -> None:
+        if self.log is not None and not isinstance(effect, (LoadReplicas, Record)):
             self._note(f"router -> {describe(effect)}")
-        if isinstance(effect, SendOffer):
-            self.current[effect.offer.assignment.request_id] = effect.offer.assignment
-            o = effect.offer
-            self.offers.append(OfferSent(self.now, effect.worker_id, o.epoch, o.assignment, o.route,
-                                         len(o.prompt), o.generated_before, o.priority))
-            self._send_to_worker(effect.worker_id, effect.offer)
-        elif isinstance(effect, SendCancel):
-            self.cancelled.add(effect.cancel.assignment)
-            self._send_to_worker(effect.worker_id, effect.cancel)
-        elif isinstance(effect, StartTimer):
-            self._seq += 1
-            self._timers[effect.timer] = self._seq
-            heapq.heappush(self._heap, (effect.at, self._seq, "timer", effect.timer))
-        elif isinstance(effect, CancelTimer):
-            self._timers.pop(effect.timer, None)
-        elif isinstance(effect, DeliverDelta):
-            self._check_delta(effect, cause)
-        elif isinstance(effect, DeliverResult):
-            self._check_result(effect.outcome)
-        elif isinstance(effect, Record):
-            self.records[effect.kind] = self.records.get(effect.kind, 0) + 1
+        match effect:
+            case SendOffer(worker_id=worker_id, offer=o):
+                self.current[o.assignment.request_id] = o.assignment
+                self.offers.append(OfferSent(self.now, worker_id, o.epoch, o.assignment, o.route,
+                                             len(o.prompt), o.generated_before, o.priority))
+                self._send_to_worker(worker_id, o)
+            case SendCancel(worker_id=worker_id, cancel=cancel):
+                self.cancelled.add(cancel.assignment)
+                self._send_to_worker(worker_id, cancel)
+            case StartTimer(timer=timer, at=at):
+                self._push(at, TimerDue(timer))
+                self._timers[timer] = self._seq
+            case CancelTimer(timer=timer):
+                self._timers.pop(timer, None)
+            case DeliverDelta():
+                self._check_delta(effect, cause)
+            case DeliverResult(outcome=outcome):
+                self._check_result(outcome)
+            case Record(kind=kind):
+                self.records[kind] = self.records.get(kind, 0) + 1
+            case LoadReplicas():
+                pass  # the simulated cluster has no fact store; its index follows residency events alone
+            case _:
+                assert_never(effect)
 
     def _send_to_worker(self, worker_id: str, message: Offer | Cancel) -> None:
         arrival = self.network.transit(ROUTER, worker_id, self.now)
@@ -226,23 +277,23 @@ class Simulation:
             self._note(f"lost router -> {worker_id}: {describe(message)}")
             return
         self._to_workers += 1
-        self._push(arrival, "to_worker", (worker_id, message))
+        self._push(arrival, ToWorker(worker_id, message))
 
-    def _send_to_router(self, now: float, worker_id: str, message: Any) -> None:
+    def _send_to_router(self, now: float, worker_id: str, message: WireMessage) -> None:
         arrival = self.network.transit(worker_id, ROUTER, now)
         if arrival is None:
             self._note(f"lost {worker_id} -> router: {describe(message)}")
             return
-        self._push(arrival, "to_router", message)
+        self._push(arrival, ToRouter(message))
 
-    def _schedule_worker(self, at: float, kind: str, worker_id: str, epoch: int, payload: object) -> None:
-        self._push(at, "worker", (kind, worker_id, epoch, payload))
+    def _schedule_worker(self, at: float, worker_id: str, epoch: int, event: WorkerDue) -> None:
+        self._push(at, WorkerScheduled(worker_id, epoch, event))
 
     def _start_worker(self, worker_id: str, at: float, offset: float = 0.0) -> None:
         w = self.workers[worker_id]
         w.start(at)
         self._note(f"start {worker_id} epoch {w.epoch}")
-        self._push(at + offset, "heartbeat", (worker_id, w.epoch))
+        self._push(at + offset, HeartbeatDue(worker_id, w.epoch))
 
     # --- event handlers ------------------------------------------------------------------
 
@@ -254,68 +305,51 @@ class Simulation:
             self.known_chains[request.request_id] = request.chain
         self._router(RequestArrived(self.now, request))
 
-    def _on_consumer_cancel(self, request_id: str) -> None:
-        self._router(ConsumerCancelled(self.now, request_id))
-
-    def _on_tick(self, _: None) -> None:
-        self._router(Tick(self.now))
-        self._push(self.now + self.tick_s, "tick", None)
-
-    def _on_timer(self, timer: tuple[str, str, int]) -> None:
+    def _on_timer(self, timer: TimerKey) -> None:
         if self._timers.get(timer) is None:
             return
         del self._timers[timer]
         self._router(TimerFired(self.now, timer))
 
-    def _on_to_router(self, message: Any) -> None:
+    def _on_to_router(self, message: WireMessage) -> None:
         cause = message.assignment if isinstance(message, (Delta, Result)) else None
         self._router(MessageReceived(self.now, message), cause)
 
-    def _on_to_worker(self, item: tuple[str, Offer | Cancel]) -> None:
+    def _on_to_worker(self, worker_id: str, message: Offer | Cancel) -> None:
         self._to_workers -= 1
-        worker_id, message = item
         w = self.workers[worker_id]
         if not w.alive:
             self._note(f"dropped at dead {worker_id}: {describe(message)}")
             return
         self._note(f"{worker_id} <- {describe(message)}")
-        event = (machine.OfferReceived(self.now, message) if isinstance(message, Offer)
-                 else machine.CancelReceived(self.now, message))
+        event: machine.WorkerEvent
+        match message:
+            case Offer():
+                event = machine.OfferReceived(self.now, message)
+            case Cancel():
+                event = machine.CancelReceived(self.now, message)
+            case _:
+                assert_never(message)
         w.deliver(self.now, event)
 
-    def _on_worker(self, item: tuple[str, str, int, object]) -> None:
-        kind, worker_id, epoch, payload = item
-        w = self.workers[worker_id]
-        if w.alive and w.epoch == epoch:
-            getattr(w, f"on_{kind}")(self.now, payload)
-
-    def _on_heartbeat(self, item: tuple[str, int]) -> None:
-        worker_id, epoch = item
-        w = self.workers[worker_id]
-        if not (w.alive and w.epoch == epoch):
+    def _on_heartbeat(self, due: HeartbeatDue) -> None:
+        w = self.workers[due.worker_id]
+        if not (w.alive and w.epoch == due.epoch):
             return
-        self._send_to_router(self.now, worker_id, w.heartbeat(self.now))
+        self._send_to_router(self.now, due.worker_id, w.heartbeat(self.now))
         w.flush_residency(self.now)
-        self._push(self.now + self.cluster.heartbeat_interval_s, "heartbeat", item)
+        self._push(self.now + self.cluster.heartbeat_interval_s, due)
 
-    def _on_crash(self, item: tuple[str, float | None]) -> None:
-        worker_id, restart_after = item
+    def _on_crash(self, worker_id: str, restart_after: float | None) -> None:
         w = self.workers[worker_id]
         if not w.alive:
             return
         self._note(f"crash {worker_id} epoch {w.epoch}")
         w.crash()
         if self.detect_s is not None:
-            self._push(self.now + self.detect_s, "unavailable", (worker_id, w.epoch))
+            self._push(self.now + self.detect_s, ConnectionLost(worker_id, w.epoch))
         if restart_after is not None:
-            self._push(self.now + restart_after, "restart", worker_id)
-
-    def _on_unavailable(self, item: tuple[str, int]) -> None:
-        self._router(WorkerUnavailable(self.now, item[0], item[1]))
-
-    def _on_restart(self, worker_id: str) -> None:
-        if not self.workers[worker_id].alive:
-            self._start_worker(worker_id, self.now)
+            self._push(self.now + restart_after, Restart(worker_id))
 
     # --- the consumer's checks ----------------------------------------------------------
 

@@ -6,15 +6,20 @@ fixed precision, so the same run always writes the same bytes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import assert_never
 
 from kvrelay.core.router.events import (
     CancelTimer,
     ConsumerCancelled,
     DeliverDelta,
     DeliverResult,
+    Effect,
+    LoadReplicas,
     MessageReceived,
+    Record,
+    ReplicasKnown,
     RequestArrived,
+    RouterEvent,
     SendCancel,
     SendOffer,
     StartTimer,
@@ -31,6 +36,7 @@ from kvrelay.protocol.messages import (
     OfferResult,
     Residency,
     Result,
+    WireMessage,
 )
 
 
@@ -38,7 +44,7 @@ def _a(a: Assignment) -> str:
     return f"{a.request_id}#{a.attempt}"
 
 
-def describe(obj: Any) -> str:
+def describe(obj: RouterEvent | Effect | WireMessage) -> str:
     """A stable one-line description of ``obj``."""
     match obj:
         case Offer():
@@ -86,4 +92,7 @@ def describe(obj: Any) -> str:
         case DeliverResult():
             o = obj.outcome
             return f"outcome {o.request_id} {o.finish_reason} n={len(o.tokens)} attempts={o.attempts} error={o.error}"
-    return type(obj).__name__
+        case ReplicasKnown() | Record() | LoadReplicas():
+            return type(obj).__name__
+        case _:
+            assert_never(obj)

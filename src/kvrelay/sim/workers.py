@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import assert_never
 
 from kvrelay.core.worker import machine
 from kvrelay.sim.calibration import CalibratedWorkerSpec
@@ -39,9 +40,11 @@ from kvrelay.sim.admission import (
     plan_admission,
 )
 from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
+from kvrelay.sim.events import AdmissionDue, IterationDone, RestoreDone, WorkerDue
 from kvrelay.sim.tokens import token_value
 from kvrelay.protocol.messages import (
     Assignment,
+    FinishReason,
     Heartbeat,
     Offer,
     Residency,
@@ -84,8 +87,9 @@ class WorkerStats:
     restored_bytes: dict[str, int] = field(default_factory=dict)
 
 
-Schedule = Callable[[float, str, str, int, object], None]
-"""``schedule(at, kind, worker_id, epoch, payload)``: run ``on_<kind>`` at ``at`` if the epoch still holds."""
+Schedule = Callable[[float, str, int, WorkerDue], None]
+"""``schedule(at, worker_id, epoch, event)``: hand ``event`` to ``SimWorker.on_due`` at ``at`` if the epoch still
+holds."""
 Send = Callable[[float, str, WireMessage], None]
 
 
@@ -207,19 +211,22 @@ class SimWorker:
                     queue.append(follow)
 
     def _carry(self, now: float, effect: machine.WorkerEffect) -> machine.WorkerEvent | None:
-        if isinstance(effect, machine.SendMessage):
-            self.send(now, self.worker_id, effect.message)
-        elif isinstance(effect, machine.RequestAdmission):
-            if self.admission_s > 0:
-                self.schedule(now + self.admission_s, "admission", self.worker_id, self.epoch, effect.offer)
-                return None
-            return self._admit(now, effect.offer)
-        elif isinstance(effect, machine.StartWork):
-            self._start_work(now, effect.offer)
-        elif isinstance(effect, machine.FenceWork):
-            return self._fence(now, effect.assignment)
-        elif isinstance(effect, machine.ReleaseReservation):
-            self._release(effect.assignment)
+        match effect:
+            case machine.SendMessage(message=message):
+                self.send(now, self.worker_id, message)
+            case machine.RequestAdmission(offer=offer):
+                if self.admission_s > 0:
+                    self.schedule(now + self.admission_s, self.worker_id, self.epoch, AdmissionDue(offer))
+                    return None
+                return self._admit(now, offer)
+            case machine.StartWork(offer=offer):
+                self._start_work(now, offer)
+            case machine.FenceWork(assignment=assignment):
+                return self._fence(now, assignment)
+            case machine.ReleaseReservation(assignment=assignment):
+                self._release(assignment)
+            case _:
+                assert_never(effect)
         return None
 
     def chain_of(self, offer: Offer) -> tuple[bytes, ...]:
@@ -253,7 +260,7 @@ class SimWorker:
             start = max(now, self.restore_free_at)
             work.restore_done_at = self.restore_free_at = start + plan.restore_s
             work.in_flight = True
-            self.schedule(work.restore_done_at, "restore_done", self.worker_id, self.epoch, offer.assignment)
+            self.schedule(work.restore_done_at, self.worker_id, self.epoch, RestoreDone(offer.assignment))
         else:
             self._enqueue(work)
 
@@ -297,11 +304,19 @@ class SimWorker:
 
     # --- scheduled events ---------------------------------------------------------
 
-    def on_admission(self, now: float, offer: Offer) -> None:
-        """A delayed admission decision (``admission_s`` after the offer arrived)."""
-        self.deliver(now, self._admit(now, offer))
+    def on_due(self, now: float, event: WorkerDue) -> None:
+        """Handle an event this worker scheduled (the caller checked that its epoch still holds)."""
+        match event:
+            case AdmissionDue(offer=offer):
+                self.deliver(now, self._admit(now, offer))
+            case RestoreDone(assignment=assignment):
+                self._restore_done(now, assignment)
+            case IterationDone(decode=decode, prefill=prefill):
+                self._iteration_done(now, decode, prefill)
+            case _:
+                assert_never(event)
 
-    def on_restore_done(self, now: float, assignment: Assignment) -> None:
+    def _restore_done(self, now: float, assignment: Assignment) -> None:
         work = self.works[assignment]
         work.in_flight = False
         self._fill_gpu(work, [k for k, _ in work.plan.restore], computed=False)
@@ -344,10 +359,9 @@ class SimWorker:
         self.busy = True
         self.stats.busy_s += duration
         self.stats.prefill_tokens += tokens
-        self.schedule(now + duration, "iteration_done", self.worker_id, self.epoch, (decode, prefill))
+        self.schedule(now + duration, self.worker_id, self.epoch, IterationDone(decode, prefill))
 
-    def on_iteration_done(self, now: float, batch: tuple[list[Work], list[tuple[Work, int]]]) -> None:
-        decode, prefill = batch
+    def _iteration_done(self, now: float, decode: list[Work], prefill: list[tuple[Work, int]]) -> None:
         self.busy = False
         events: list[machine.WorkerEvent] = []
         for work in decode:
@@ -391,7 +405,8 @@ class SimWorker:
             self.decoding.remove(work)
             self.stats.finished += 1
             self.stats.generated_tokens += work.generated
-            events.append(machine.WorkFinished(now, offer.assignment, "length", self._usage(work), self._timings(work)))
+            events.append(machine.WorkFinished(now, offer.assignment, FinishReason.LENGTH, self._usage(work),
+                                               self._timings(work)))
         return events
 
     def _usage(self, work: Work) -> Usage:

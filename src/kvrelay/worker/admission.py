@@ -60,31 +60,32 @@ def decline(reason: DeclineReason, detail: str) -> Admission:
 def admit(pool: PagePool, me: WorkerIdentity, offer: Offer, shutting_down: bool = False) -> Admission:
     """Admit ``offer`` into ``pool`` or decline it (see the module docstring)."""
     if offer.epoch != me.epoch or offer.worker_id != me.worker_id:
-        return decline("wrong_epoch", f"offer for {offer.worker_id} epoch {offer.epoch}; this is "
-                                      f"{me.worker_id} epoch {me.epoch}")
+        return decline(DeclineReason.WRONG_EPOCH, f"offer for {offer.worker_id} epoch {offer.epoch}; this is "
+                                                  f"{me.worker_id} epoch {me.epoch}")
     if offer.model != me.model:
-        return decline("wrong_model", f"model '{offer.model}' is not served here; served: {me.model}")
+        return decline(DeclineReason.WRONG_MODEL, f"model '{offer.model}' is not served here; served: {me.model}")
     if offer.model_fingerprint and offer.model_fingerprint != me.fingerprint.hex():
-        return decline("wrong_model", f"fingerprint {offer.model_fingerprint[:16]}... differs from "
-                                      f"{me.fingerprint.hex()[:16]}...")
+        return decline(DeclineReason.WRONG_MODEL, f"fingerprint {offer.model_fingerprint[:16]}... differs from "
+                                                  f"{me.fingerprint.hex()[:16]}...")
     if shutting_down:
-        return decline("shutting_down", "the worker is draining")
+        return decline(DeclineReason.SHUTTING_DOWN, "the worker is draining")
     total = len(offer.prompt) + offer.max_new_tokens
     if total > me.context_limit:
-        return decline("over_context_limit", f"{total} tokens exceed the context limit {me.context_limit}")
+        return decline(DeclineReason.OVER_CONTEXT_LIMIT, f"{total} tokens exceed the context limit {me.context_limit}")
     chain = prompt_chain(me.fingerprint, offer.prompt, me.chunk_tokens)
     if offer.chain and tuple(offer.chain) != chain[: len(offer.chain)]:
-        return decline("wrong_model", "the offer's chunk chain does not match this worker's")
+        return decline(DeclineReason.WRONG_MODEL, "the offer's chunk chain does not match this worker's")
     promised_gpu = offer.route[0].chunks if offer.route and offer.route[0].tier == "gpu" else 0
     prefix = pool.resident_prefix(chain)
     if len(prefix) < promised_gpu:
-        return decline("stale_route", f"{promised_gpu} gpu chunks promised, {len(prefix)} resident")
+        return decline(DeclineReason.STALE_ROUTE, f"{promised_gpu} gpu chunks promised, {len(prefix)} resident")
     shared_tokens = len(prefix) * me.chunk_tokens
     demand = page_demand(len(offer.prompt), offer.max_new_tokens, shared_tokens, pool.page_tokens)
     protected = [p for pages in prefix for p in pages]
     before = len(pool.evictions)
     reservation = pool.reserve(f"{offer.assignment.request_id}#{offer.assignment.attempt}", demand, protected)
     if reservation is None:
-        return decline("no_capacity", f"needs {demand} pages; free {pool.num_free}, evictable {pool.num_evictable}")
+        return decline(DeclineReason.NO_CAPACITY,
+                       f"needs {demand} pages; free {pool.num_free}, evictable {pool.num_evictable}")
     pool.acquire(prefix)
     return Admission(True, None, "", reservation, tuple(prefix), chain, demand, tuple(pool.evictions[before:]))

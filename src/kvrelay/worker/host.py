@@ -28,11 +28,13 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import assert_never
 
 from kvrelay.core.worker import machine
 from kvrelay.protocol.messages import (
     Assignment,
     Cancel,
+    FinishReason,
     Heartbeat,
     Offer,
     OfferResult,
@@ -188,6 +190,8 @@ class WorkerController:
                     self._fence(a)
                 case machine.ReleaseReservation(assignment=a):
                     self._release(a)
+                case _:
+                    assert_never(effect)
         if not machine.holds_reservations(self.state):
             if not self.quiesced.is_set():
                 counters = self.state.counters
@@ -265,23 +269,31 @@ class WorkerController:
             run.handle.cancel()
 
     def _on_runtime_event(self, run: Run, event: RuntimeEvent) -> None:
+        match event:
+            case TokenEvent():
+                self._on_token(run, event)
+            case JobResult():
+                self._on_job_result(run, event)
+            case _:
+                assert_never(event)
+
+    def _on_token(self, run: Run, event: TokenEvent) -> None:
+        now = self.clock()
+        if not run.generated:
+            self._pending_prefill_tokens -= len(run.offer.prompt) - run.registered * self.me.chunk_tokens
+            self._register_through(run, len(run.offer.prompt) // self.me.chunk_tokens, run.offer.prompt)
+        run.token_times.append(now)
+        run.generated.append(event.token)
+        self._take(run, event.position // self.pool.page_tokens + 1)
+        self._step(machine.TokensProduced(now, run.offer.assignment, (event.token,)))
+
+    def _on_job_result(self, run: Run, event: JobResult) -> None:
         a = run.offer.assignment
-        if isinstance(event, TokenEvent):
-            now = self.clock()
-            if not run.generated:
-                self._pending_prefill_tokens -= len(run.offer.prompt) - run.registered * self.me.chunk_tokens
-                self._register_through(run, len(run.offer.prompt) // self.me.chunk_tokens, run.offer.prompt)
-            run.token_times.append(now)
-            run.generated.append(event.token)
-            self._take(run, event.position // self.pool.page_tokens + 1)
-            self._step(machine.TokensProduced(now, a, (event.token,)))
-            return
-        assert isinstance(event, JobResult)
         if not run.generated:
             self._pending_prefill_tokens -= len(run.offer.prompt) - run.registered * self.me.chunk_tokens
         run.kv_end = event.kv_end
         self._learn_speeds(run, event)
-        if event.finish_reason == "cancelled" and run.fenced:
+        if event.finish_reason == FinishReason.CANCELLED and run.fenced:
             self._step(machine.WorkQuiesced(self.clock(), a))
             return
         self._step(machine.WorkFinished(self.clock(), a, event.finish_reason, self._usage(run), self._timings(run),

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvrelay.core.planning import exclusions
+from kvrelay.core.planning.exclusions import Exclusion
 from kvrelay.core.planning.index import GPU, LOCAL_MASK, RAM, SSD, ResidencyIndex
 from kvrelay.core.planning.predicted_ttft import (
     PREDICTED_TTFT,
@@ -32,11 +34,9 @@ from kvrelay.core.planning.routes import Boundary, Run, boundaries_of, walk_rout
 from kvrelay.protocol.messages import Heartbeat, RouteSegment
 
 __all__ = [
-    "EXCLUDED_AFTER_FAILURE", "BestInputs", "Plan", "SharedRoute", "WorkerRoute", "alternatives", "intrinsic_cost", "plan",
-    "route_for", "shared_route",
+    "BestInputs", "Plan", "SharedRoute", "WorkerRoute", "alternatives", "intrinsic_cost", "plan", "route_for",
+    "shared_route",
 ]
-
-EXCLUDED_AFTER_FAILURE = "excluded after an earlier failure of this request"
 
 BestInputs = tuple[Heartbeat, float, float, tuple[RouteSegment, ...], Boundary, int, int, Scoring]
 """``make_candidate``'s arguments: heartbeat, base queue, lower-tier load, segments, boundary, prompt length,
@@ -122,7 +122,7 @@ class WorkerRoute:
 @dataclass(slots=True)
 class Plan:
     routes: list[WorkerRoute] = field(default_factory=list)
-    excluded: dict[str, str] = field(default_factory=dict)
+    excluded: dict[str, Exclusion] = field(default_factory=dict)
     pruned: Mapping[str, float] = field(default_factory=dict)
     """Workers skipped because a lower bound on their score exceeded the best found (``roster.plan_pruned``)."""
 
@@ -301,16 +301,16 @@ def plan(
         hb = worker.heartbeat
         wid = hb.worker_id
         if wid in excluded_workers:
-            result.excluded[wid] = EXCLUDED_AFTER_FAILURE
+            result.excluded[wid] = exclusions.FAILED_BEFORE
         elif request_model not in hb.models:
-            result.excluded[wid] = f"model '{request_model}' not served"
+            result.excluded[wid] = exclusions.model_not_served(request_model)
         elif need > hb.context_limit:
-            result.excluded[wid] = f"context limit {hb.context_limit} < {need}"
+            result.excluded[wid] = exclusions.context_limit(hb.context_limit, need)
         else:
             route = route_for(request_model, prompt_len, max_new, runs, chain_fingerprint, chunk_tokens, worker,
                               index, excluded_pairs, shared, present, now, scoring)
             if route is None:
-                result.excluded[wid] = "capacity"
+                result.excluded[wid] = exclusions.CAPACITY
             else:
                 result.routes.append(route)
     return result

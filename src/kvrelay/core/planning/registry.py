@@ -15,6 +15,7 @@ Contract:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import NamedTuple
 
 from kvrelay.protocol.messages import Heartbeat
@@ -45,29 +46,44 @@ class Registry:
         return entry if entry is not None and entry.live else None
 
 
+class HeartbeatReason(Enum):
+    """Why ``accept_heartbeat`` accepted or rejected a heartbeat."""
+
+    NEW_WORKER = "new_worker"
+    NEWER = "newer"
+    """Accepted: its ``(epoch, seq)`` is newer than the last accepted one."""
+    EPOCH_FENCED = "epoch_fenced"
+    """Rejected: its epoch (or a newer one) of the worker is fenced."""
+    NOT_NEWER = "not_newer"
+    """Rejected: its ``(epoch, seq)`` is not newer than the last accepted one."""
+
+
 class HeartbeatVerdict(NamedTuple):
-    accepted: bool
-    replaced_epoch: int | None
+    reason: HeartbeatReason
+    replaced_epoch: int | None = None
     """The older live epoch this heartbeat replaced, if any."""
-    reason: str
+
+    @property
+    def accepted(self) -> bool:
+        return self.reason in (HeartbeatReason.NEW_WORKER, HeartbeatReason.NEWER)
 
 
 def accept_heartbeat(registry: Registry, hb: Heartbeat, now: float) -> HeartbeatVerdict:
     """Accept ``hb`` if it is newer than anything seen from its worker."""
     if hb.epoch <= registry.fenced.get(hb.worker_id, -1):
-        return HeartbeatVerdict(False, None, f"epoch {hb.epoch} of {hb.worker_id} is fenced")
+        return HeartbeatVerdict(HeartbeatReason.EPOCH_FENCED)
     entry = registry.workers.get(hb.worker_id)
     if entry is None:
         registry.workers[hb.worker_id] = WorkerEntry(hb, now)
-        return HeartbeatVerdict(True, None, "new worker")
+        return HeartbeatVerdict(HeartbeatReason.NEW_WORKER)
     old = entry.heartbeat
     if (hb.epoch, hb.seq) <= (old.epoch, old.seq):
-        return HeartbeatVerdict(False, None, f"(epoch, seq) {(hb.epoch, hb.seq)} not newer than {(old.epoch, old.seq)}")
+        return HeartbeatVerdict(HeartbeatReason.NOT_NEWER)
     replaced = old.epoch if hb.epoch > old.epoch and entry.live else None
     entry.heartbeat = hb
     entry.last_seen = now
     entry.live = True
-    return HeartbeatVerdict(True, replaced, "newer")
+    return HeartbeatVerdict(HeartbeatReason.NEWER, replaced)
 
 
 def fence(registry: Registry, worker_id: str, epoch: int) -> bool:

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvrelay.core.planning import candidates as cand
+from kvrelay.core.planning import exclusions
 from kvrelay.core.planning import predicted_ttft
 from kvrelay.core.planning.index import ResidencyIndex
 
@@ -199,12 +200,12 @@ def plan_pruned(
         nonlocal best, best_id
         wid = view.heartbeat.worker_id
         if wid in excluded_workers:
-            result.excluded[wid] = cand.EXCLUDED_AFTER_FAILURE
+            result.excluded[wid] = exclusions.FAILED_BEFORE
             return
         route = cand.route_for(request_model, prompt_len, max_new, runs, chain_fingerprint, chunk_tokens, view,
                                index, excluded_pairs, shared, present, now, scoring)
         if route is None:
-            result.excluded[wid] = "capacity"
+            result.excluded[wid] = exclusions.CAPACITY
             return
         result.routes.append(route)
         if (route.best_score, wid) < (best, best_id):
@@ -219,10 +220,10 @@ def plan_pruned(
     for group in roster.groups.values():
         models, context_limit, _, group_chunk_tokens, fingerprints = group.key
         if request_model not in models:
-            result.excluded.update(dict.fromkeys(group.views, f"model '{request_model}' not served"))
+            result.excluded.update(dict.fromkeys(group.views, exclusions.model_not_served(request_model)))
             continue
         if need > context_limit:
-            result.excluded.update(dict.fromkeys(group.views, f"context limit {context_limit} < {need}"))
+            result.excluded.update(dict.fromkeys(group.views, exclusions.context_limit(context_limit, need)))
             continue
         first = group.views[group.order[0][1]]
         exact = dict(fingerprints).get(request_model) == chain_fingerprint and group_chunk_tokens == chunk_tokens

@@ -10,20 +10,24 @@ it with one ``DeliverResult`` through ``finish``.
 from __future__ import annotations
 
 from kvrelay.core.planning import candidates as cand
-from kvrelay.core.planning import predicted_ttft
+from kvrelay.core.planning import exclusions, predicted_ttft
+from kvrelay.core.planning.exclusions import ExclusionKind
 from kvrelay.core.router.events import (
     CancelTimer,
     DeliverResult,
     Effect,
+    OfferOutcome,
     Outcome,
     Record,
+    RecordKind,
     SendCancel,
     SendOffer,
     StartTimer,
+    TimerKind,
 )
 from kvrelay.core.policies.base import RoutingContext
 from kvrelay.core.planning.roster import plan_pruned
-from kvrelay.core.router.state import RequestState, RouterState, usage_of
+from kvrelay.core.router.state import Phase, RequestState, RouterState, usage_of
 from kvrelay.protocol.messages import (
     Assignment,
     Cancel,
@@ -41,10 +45,11 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
     request, config = rs.request, state.config
     remaining = request.max_new_tokens - len(rs.delivered)
     if remaining <= 0:
-        finish(state, rs, "length", now, fx)
+        finish(state, rs, FinishReason.LENGTH, now, fx)
         return
     if rs.attempt >= config.max_attempts:
-        finish(state, rs, "error", now, fx, f"gave up after {rs.attempt} attempts: {'; '.join(rs.reasons[-3:])}")
+        finish(state, rs, FinishReason.ERROR, now, fx,
+               f"gave up after {rs.attempt} attempts: {'; '.join(rs.reasons[-3:])}")
         return
     prompt = request.prompt + tuple(rs.delivered) if rs.delivered else request.prompt
     if request.chain is not None:
@@ -71,7 +76,7 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
     chosen_route = next(r for r in plan.routes if r.worker_id == chosen.worker_id)
     alternatives = cand.alternative_routes(chosen_route, view, len(prompt), remaining, now)
     rs.attempt += 1
-    rs.phase, rs.worker_id, rs.epoch, rs.candidate = "offered", chosen.worker_id, chosen.epoch, chosen
+    rs.phase, rs.worker_id, rs.epoch, rs.candidate = Phase.OFFERED, chosen.worker_id, chosen.epoch, chosen
     rs.attempt_start, rs.next_seq, rs.pending = len(rs.delivered), 0, {}
     rs.last_progress = now
     if rs.parked_since is not None:
@@ -98,11 +103,11 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         generated_before=len(rs.delivered), sampling=request.sampling, route=_peer_urls(state, chosen.route),
         chain=chain[: sum(s.chunks for s in chosen.route)], priority=state.policy.priority(ctx, chosen),
     )))
-    fx.append(StartTimer(("offer", request.request_id, rs.attempt), now + config.offer_timeout_s))
-    fx.append(Record("decision", request.request_id, rs.attempt, now, {
+    fx.append(StartTimer((TimerKind.OFFER, request.request_id, rs.attempt), now + config.offer_timeout_s))
+    fx.append(Record(RecordKind.DECISION, request.request_id, rs.attempt, now, {
         "policy": state.policy.name, "model": request.model, "chosen": chosen,
         "candidates": (*plan.routes, *alternatives[1:]),
-        "excluded": plan.excluded, "pruned": plan.pruned,
+        "excluded": exclusions.texts(plan.excluded), "pruned": plan.pruned,
     }))
     state.count("offers")
     if rs.attempt > 1:
@@ -110,18 +115,18 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
 
 
 def no_candidate(state: RouterState, rs: RequestState, plan: cand.Plan, now: float, fx: Effects) -> None:
+    """No candidate for the request: end it (model not served, context too long, waited too long) or park it."""
     model = rs.request.model
     serving = [w for w, v in state.views.items() if model in v.heartbeat.models]
     if not serving:
         served = sorted({m for v in state.views.values() for m in v.heartbeat.models})
-        finish(state, rs, "error", now, fx,
-                f"no_worker: model '{model}' is not served; served models: {', '.join(served) or 'none'}")
+        finish(state, rs, FinishReason.ERROR, now, fx,
+               f"no_worker: model '{model}' is not served; served models: {', '.join(served) or 'none'}")
         return
-    reasons = [plan.excluded.get(w, "") for w in serving]
-    if all(r.startswith("context limit") for r in reasons):
-        finish(state, rs, "error", now, fx, f"over_context_limit: {reasons[0]}")
+    if _all_excluded(plan, serving, ExclusionKind.CONTEXT_LIMIT):
+        finish(state, rs, FinishReason.ERROR, now, fx, f"over_context_limit: {plan.excluded[serving[0]].text}")
         return
-    if all(r.startswith("excluded") for r in reasons):
+    if _all_excluded(plan, serving, ExclusionKind.FAILED_BEFORE):
         # Every server of the model failed this request once: forget the exclusions
         # and wait for fresh heartbeats rather than fail while attempts remain.
         rs.excluded_workers.clear()
@@ -131,16 +136,22 @@ def no_candidate(state: RouterState, rs: RequestState, plan: cand.Plan, now: flo
         state.count("parked")
     elif now - rs.parked_since > state.config.max_queue_wait_s:
         state.parked.pop(rs.request.request_id, None)
-        finish(state, rs, "error", now, fx, f"no_capacity: waited {now - rs.parked_since:.1f} s for a worker")
+        finish(state, rs, FinishReason.ERROR, now, fx,
+               f"no_capacity: waited {now - rs.parked_since:.1f} s for a worker")
         return
-    rs.phase = "parked"
+    rs.phase = Phase.PARKED
     state.parked[rs.request.request_id] = None
+
+
+def _all_excluded(plan: cand.Plan, workers: list[str], kind: ExclusionKind) -> bool:
+    """Whether planning excluded every one of ``workers`` for ``kind``."""
+    return all((e := plan.excluded.get(w)) is not None and e.kind is kind for w in workers)
 
 
 def retry_parked(state: RouterState, now: float, fx: Effects) -> None:
     for rid in list(state.parked):
         rs = state.requests.get(rid)
-        if rs is None or rs.phase != "parked":
+        if rs is None or rs.phase != Phase.PARKED:
             state.parked.pop(rid, None)
             continue
         route(state, rs, now, fx)
@@ -165,16 +176,16 @@ def release(state: RouterState, rs: RequestState) -> None:
     rs.worker_id = None
 
 
-def abandon(state: RouterState, rs: RequestState, now: float, fx: Effects, outcome: str, reason: str,
+def abandon(state: RouterState, rs: RequestState, now: float, fx: Effects, outcome: OfferOutcome, reason: str,
              send_cancel: bool, exclude: tuple[str, str] | None = None) -> None:
     """End the current attempt (cancel it at the worker if asked) and route the next one."""
     wid = rs.worker_id
     assert wid is not None
-    fx.append(CancelTimer(("offer", rs.request.request_id, rs.attempt)))
+    fx.append(CancelTimer((TimerKind.OFFER, rs.request.request_id, rs.attempt)))
     if send_cancel:
         fx.append(SendCancel(wid, Cancel(assignment=Assignment(rs.request.request_id, rs.attempt),
                                          worker_id=wid, reason=reason[:200])))
-    fx.append(Record("offer_outcome", rs.request.request_id, rs.attempt, now,
+    fx.append(Record(RecordKind.OFFER_OUTCOME, rs.request.request_id, rs.attempt, now,
                      {"worker_id": wid, "outcome": outcome, "reason": reason}))
     if exclude is not None:
         rs.excluded_pairs.add(exclude)
@@ -182,7 +193,7 @@ def abandon(state: RouterState, rs: RequestState, now: float, fx: Effects, outco
         rs.excluded_workers.add(wid)
     rs.reasons.append(f"{wid}: {reason}")
     release(state, rs)
-    rs.phase = "new"
+    rs.phase = Phase.NEW
     route(state, rs, now, fx)
 
 
@@ -190,15 +201,15 @@ def finish(state: RouterState, rs: RequestState, reason: FinishReason, now: floa
             error: str | None = None) -> None:
     rid = rs.request.request_id
     if rs.worker_id is not None:
-        fx.append(CancelTimer(("offer", rid, rs.attempt)))
+        fx.append(CancelTimer((TimerKind.OFFER, rid, rs.attempt)))
         release(state, rs)
-    rs.phase = "done"
+    rs.phase = Phase.DONE
     state.requests.pop(rid, None)
     state.parked.pop(rid, None)
     ttft = None if rs.first_token_at is None else rs.first_token_at - rs.arrived
     usage = usage_of(rs)
     fx.append(DeliverResult(rid, Outcome(rid, reason, tuple(rs.delivered), rs.attempt, usage, ttft, error)))
-    fx.append(Record("outcome", rid, rs.attempt, now, {
+    fx.append(Record(RecordKind.OUTCOME, rid, rs.attempt, now, {
         "finish_reason": reason, "ttft_s": ttft, "inter_token_s": [], "cached_tokens": usage.cached_tokens,
         "recomputed_tokens": usage.recomputed_tokens, "generated_tokens": usage.generated_tokens,
         "bytes_by_tier": {}, "attempts": rs.attempt, "error": error,

@@ -8,6 +8,7 @@ router reads no clock. Effects are plain data that an interpreter (``sim``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from kvrelay.protocol.messages import (
@@ -36,8 +37,13 @@ class Request:
     chain: tuple[bytes, ...] | None = None
 
 
-TimerKey = tuple[str, str, int]
-"""``(kind, request_id, attempt)``; kind ``"offer"`` is the offer timeout."""
+class TimerKind(StrEnum):
+    OFFER = "offer"
+    """The offer timeout, then (once accepted) the progress timeout of one attempt."""
+
+
+TimerKey = tuple[TimerKind, str, int]
+"""``(kind, request_id, attempt)``."""
 
 
 Replica = tuple[bytes, str, str]
@@ -97,7 +103,9 @@ class Tick:
     now: float
 
 
-RouterEvent = RequestArrived | ReplicasKnown | MessageReceived | TimerFired | WorkerUnavailable | ConsumerCancelled | Tick
+RouterEvent = (
+    RequestArrived | ReplicasKnown | MessageReceived | TimerFired | WorkerUnavailable | ConsumerCancelled | Tick
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,11 +163,31 @@ class DeliverResult:
     outcome: Outcome
 
 
+class RecordKind(StrEnum):
+    """What a ``Record`` holds; the value names it in the fact store."""
+
+    DECISION = "decision"
+    OFFER_OUTCOME = "offer_outcome"
+    OUTCOME = "outcome"
+    REPLICA = "replica"
+    """A durable tier's residency change (the fact store's replica facts)."""
+
+
+class OfferOutcome(StrEnum):
+    """How one offer ended, as an ``offer_outcome`` record stores it."""
+
+    ACCEPTED = "accepted"
+    DECLINED = "declined"
+    TIMED_OUT = "timed_out"
+    WORKER_LOST = "worker_lost"
+    CANCELLED = "cancelled"
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
     """A decision-grade fact for the fact store (never high-rate samples)."""
 
-    kind: str
+    kind: RecordKind
     request_id: str
     attempt: int
     now: float

@@ -14,6 +14,8 @@ sees one gapless, duplicate-free stream. Each request gets exactly one
 
 from __future__ import annotations
 
+from typing import assert_never
+
 from kvrelay.core.planning import predicted_ttft
 from kvrelay.core.router.events import (
     CancelTimer,
@@ -23,8 +25,10 @@ from kvrelay.core.router.events import (
     Effect,
     LoadReplicas,
     MessageReceived,
+    OfferOutcome,
     Outcome,
     Record,
+    RecordKind,
     ReplicasKnown,
     Request,
     RequestArrived,
@@ -33,6 +37,8 @@ from kvrelay.core.router.events import (
     StartTimer,
     Tick,
     TimerFired,
+    TimerKey,
+    TimerKind,
     WorkerUnavailable,
 )
 from kvrelay.core.planning.registry import accept_heartbeat, expire, fence
@@ -43,6 +49,7 @@ from kvrelay.core.router.attempts import (
     route,
 )
 from kvrelay.core.router.state import (
+    Phase,
     RequestState,
     RouterConfig,
     RouterState,
@@ -51,11 +58,15 @@ from kvrelay.core.router.state import (
 from kvrelay.protocol.messages import (
     Assignment,
     Cancel,
+    DeclineReason,
     Delta,
+    FinishReason,
     Heartbeat,
+    Offer,
     OfferResult,
     Residency,
     Result,
+    WireMessage,
 )
 from kvrelay.protocol.chunk_keys import prompt_chain
 
@@ -86,6 +97,8 @@ def step(state: RouterState, event: RouterEvent) -> tuple[RouterState, Effects]:
                 state.count("workers_expired")
                 _worker_lost(state, wid, epoch, now, fx, "heartbeats stopped")
             retry_parked(state, now, fx)
+        case _:
+            assert_never(event)
     return state, fx
 
 
@@ -113,8 +126,9 @@ def request_chain(state: RouterState, request: Request) -> tuple[bytes, ...]:
 def _on_request(state: RouterState, request: Request, now: float, fx: Effects) -> None:
     if request.request_id in state.requests:
         state.count("duplicate_request")
-        fx.append(DeliverResult(request.request_id, Outcome(
-            request.request_id, "error", (), 0, error=f"request id '{request.request_id}' is already in flight")))
+        rid = request.request_id
+        error = f"request id '{rid}' is already in flight"
+        fx.append(DeliverResult(rid, Outcome(rid, FinishReason.ERROR, (), 0, error=error)))
         return
     fp = state.fingerprints.get(request.model) or request.model.encode()
     rs = RequestState(request=request, arrived=now, fingerprint=fp)
@@ -131,32 +145,32 @@ def _on_consumer_cancel(state: RouterState, rid: str, now: float, fx: Effects) -
     if rs.worker_id is not None:
         wid = rs.worker_id
         fx.append(SendCancel(wid, Cancel(assignment=Assignment(rid, rs.attempt), worker_id=wid, reason="consumer")))
-        fx.append(Record("offer_outcome", rid, rs.attempt, now,
-                         {"worker_id": wid, "outcome": "cancelled", "reason": "consumer"}))
-    finish(state, rs, "cancelled", now, fx)
+        fx.append(Record(RecordKind.OFFER_OUTCOME, rid, rs.attempt, now,
+                         {"worker_id": wid, "outcome": OfferOutcome.CANCELLED, "reason": "consumer"}))
+    finish(state, rs, FinishReason.CANCELLED, now, fx)
 
 
 # --- timers and workers ---------------------------------------------------------
 
 
-def _on_timer(state: RouterState, timer: tuple[str, str, int], now: float, fx: Effects) -> None:
-    kind, rid, attempt = timer
+def _on_timer(state: RouterState, timer: TimerKey, now: float, fx: Effects) -> None:
+    _, rid, attempt = timer
     rs = state.requests.get(rid)
     if rs is None or rs.attempt != attempt or rs.worker_id is None:
         return
-    if rs.phase == "offered":
+    if rs.phase == Phase.OFFERED:
         state.count("offer_timeouts")
-        abandon(state, rs, now, fx, "timed_out", "offer timed out", send_cancel=True)
-    elif rs.phase == "running":
+        abandon(state, rs, now, fx, OfferOutcome.TIMED_OUT, "offer timed out", send_cancel=True)
+    elif rs.phase == Phase.RUNNING:
         grace = state.config.progress_timeout_s
         if rs.first_token_at is None and rs.candidate is not None:
             grace += 2 * rs.candidate.predicted_ttft_s
         deadline = rs.last_progress + grace
         if now >= deadline:
             state.count("progress_timeouts")
-            abandon(state, rs, now, fx, "timed_out", "no progress after acceptance", send_cancel=True)
+            abandon(state, rs, now, fx, OfferOutcome.TIMED_OUT, "no progress after acceptance", send_cancel=True)
         else:
-            fx.append(StartTimer(("offer", rid, attempt), deadline))
+            fx.append(StartTimer((TimerKind.OFFER, rid, attempt), deadline))
 
 
 def _worker_lost(state: RouterState, wid: str, epoch: int, now: float, fx: Effects, reason: str) -> None:
@@ -171,35 +185,45 @@ def _worker_lost(state: RouterState, wid: str, epoch: int, now: float, fx: Effec
         rs = state.requests.get(rid)
         if rs is not None and rs.worker_id == wid and rs.epoch <= epoch:
             state.count("worker_lost_assignments")
-            abandon(state, rs, now, fx, "worker_lost", f"{reason} (epoch {epoch})", send_cancel=False)
+            abandon(state, rs, now, fx, OfferOutcome.WORKER_LOST, f"{reason} (epoch {epoch})", send_cancel=False)
 
 
 # --- worker messages ------------------------------------------------------------
 
 
-def _on_message(state: RouterState, msg, now: float, fx: Effects) -> None:
+def _on_message(state: RouterState, msg: WireMessage, now: float, fx: Effects) -> None:
     match msg:
         case Heartbeat():
             _on_heartbeat(state, msg, now, fx)
         case Residency():
             _on_residency(state, msg, now, fx)
         case OfferResult() | Delta() | Result():
-            rs = state.requests.get(msg.assignment.request_id)
-            if rs is None or rs.attempt != msg.assignment.attempt or rs.worker_id != msg.worker_id:
-                state.count("stale_dropped")
-                if isinstance(msg, OfferResult) and msg.accepted:
-                    state.count("stale_accept_cancelled")
-                    fx.append(SendCancel(msg.worker_id, Cancel(assignment=msg.assignment, worker_id=msg.worker_id,
-                                                               reason="stale assignment")))
-                return
-            if isinstance(msg, OfferResult):
-                _on_offer_result(state, rs, msg, now, fx)
-            elif isinstance(msg, Delta):
-                _on_delta(state, rs, msg, now, fx)
-            else:
-                _on_result(state, rs, msg, now, fx)
-        case _:
+            _on_assignment_message(state, msg, now, fx)
+        case Offer() | Cancel():
             state.count("unexpected_message")
+        case _:
+            assert_never(msg)
+
+
+def _on_assignment_message(state: RouterState, msg: OfferResult | Delta | Result, now: float, fx: Effects) -> None:
+    """A message about one attempt: handled if it is the request's current one, else dropped as stale."""
+    rs = state.requests.get(msg.assignment.request_id)
+    if rs is None or rs.attempt != msg.assignment.attempt or rs.worker_id != msg.worker_id:
+        state.count("stale_dropped")
+        if isinstance(msg, OfferResult) and msg.accepted:
+            state.count("stale_accept_cancelled")
+            fx.append(SendCancel(msg.worker_id, Cancel(assignment=msg.assignment, worker_id=msg.worker_id,
+                                                       reason="stale assignment")))
+        return
+    match msg:
+        case OfferResult():
+            _on_offer_result(state, rs, msg, now, fx)
+        case Delta():
+            _on_delta(state, rs, msg, now, fx)
+        case Result():
+            _on_result(state, rs, msg, now, fx)
+        case _:
+            assert_never(msg)
 
 
 def _on_heartbeat(state: RouterState, hb: Heartbeat, now: float, fx: Effects) -> None:
@@ -238,12 +262,12 @@ def _on_residency(state: RouterState, msg: Residency, now: float, fx: Effects) -
     if msg.removed:
         state.index.remove(msg.worker_id, msg.tier, msg.removed)
     if msg.tier in ("ssd", "object"):
-        fx.append(Record("replica", "", 0, now, {"worker_id": msg.worker_id, "tier": msg.tier,
+        fx.append(Record(RecordKind.REPLICA, "", 0, now, {"worker_id": msg.worker_id, "tier": msg.tier,
                                                   "stored": msg.stored, "removed": msg.removed}))
 
 
 def _on_offer_result(state: RouterState, rs: RequestState, msg: OfferResult, now: float, fx: Effects) -> None:
-    if rs.phase != "offered":
+    if rs.phase != Phase.OFFERED:
         state.count("duplicate_offer_result")
         return
     view = state.views.get(msg.worker_id)
@@ -254,20 +278,21 @@ def _on_offer_result(state: RouterState, rs: RequestState, msg: OfferResult, now
     rs.holds_inflight = False
     if msg.accepted:
         state.count("accepted")
-        rs.phase = "running"
-        fx.append(CancelTimer(("offer", rs.request.request_id, rs.attempt)))
-        fx.append(StartTimer(("offer", rs.request.request_id, rs.attempt), now + state.config.progress_timeout_s))
-        fx.append(Record("offer_outcome", rs.request.request_id, rs.attempt, now,
-                         {"worker_id": msg.worker_id, "outcome": "accepted", "reason": None}))
+        rs.phase = Phase.RUNNING
+        fx.append(CancelTimer((TimerKind.OFFER, rs.request.request_id, rs.attempt)))
+        fx.append(StartTimer((TimerKind.OFFER, rs.request.request_id, rs.attempt),
+                             now + state.config.progress_timeout_s))
+        fx.append(Record(RecordKind.OFFER_OUTCOME, rs.request.request_id, rs.attempt, now,
+                         {"worker_id": msg.worker_id, "outcome": OfferOutcome.ACCEPTED, "reason": None}))
         return
     state.count("declines")
     state.count(f"declined_{msg.reason}")
     route_tiers = rs.candidate.tiers if rs.candidate is not None else frozenset()
     exclude = None
-    if msg.reason in ("stale_route", "no_capacity") and "gpu" in route_tiers:
+    if msg.reason in (DeclineReason.STALE_ROUTE, DeclineReason.NO_CAPACITY) and "gpu" in route_tiers:
         exclude = (msg.worker_id, "gpu")
     reason = f"declined: {msg.reason}" + (f" ({msg.detail})" if msg.detail else "")
-    abandon(state, rs, now, fx, "declined", reason, send_cancel=False, exclude=exclude)
+    abandon(state, rs, now, fx, OfferOutcome.DECLINED, reason, send_cancel=False, exclude=exclude)
 
 
 def _deliver(state: RouterState, rs: RequestState, tokens: tuple[int, ...], now: float, fx: Effects) -> None:
@@ -291,8 +316,8 @@ def _first_progress(state: RouterState, rs: RequestState) -> None:
 
 
 def _on_delta(state: RouterState, rs: RequestState, msg: Delta, now: float, fx: Effects) -> None:
-    if rs.phase == "offered":  # the acceptance was lost or overtaken; the delta proves it
-        rs.phase = "running"
+    if rs.phase == Phase.OFFERED:  # the acceptance was lost or overtaken; the delta proves it
+        rs.phase = Phase.RUNNING
         _mark_accepted_implicitly(state, rs, msg.worker_id, now, fx)
     rs.last_progress = now
     _first_progress(state, rs)
@@ -310,12 +335,12 @@ def _mark_accepted_implicitly(state: RouterState, rs: RequestState, wid: str, no
     if rs.holds_inflight and view is not None:
         view.load.inflight_pages = max(0, view.load.inflight_pages - rs.demand_pages)
     rs.holds_inflight = False
-    fx.append(CancelTimer(("offer", rs.request.request_id, rs.attempt)))
-    fx.append(StartTimer(("offer", rs.request.request_id, rs.attempt), now + state.config.progress_timeout_s))
+    fx.append(CancelTimer((TimerKind.OFFER, rs.request.request_id, rs.attempt)))
+    fx.append(StartTimer((TimerKind.OFFER, rs.request.request_id, rs.attempt), now + state.config.progress_timeout_s))
 
 
 def _on_result(state: RouterState, rs: RequestState, msg: Result, now: float, fx: Effects) -> None:
-    if rs.phase == "offered":
+    if rs.phase == Phase.OFFERED:
         _mark_accepted_implicitly(state, rs, msg.worker_id, now, fx)
     _first_progress(state, rs)
     already = len(rs.delivered) - rs.attempt_start
@@ -325,9 +350,9 @@ def _on_result(state: RouterState, rs: RequestState, msg: Result, now: float, fx
     for tier, n in msg.usage.cached_tokens.items():
         rs.cached_tokens[tier] = rs.cached_tokens.get(tier, 0) + n
     rs.recomputed_tokens += msg.usage.recomputed_tokens
-    if msg.finish_reason in ("stop", "length"):
+    if msg.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
         finish(state, rs, msg.finish_reason, now, fx)
         return
     state.count(f"worker_{msg.finish_reason}")
-    abandon(state, rs, now, fx, "worker_lost", f"worker ended the attempt: {msg.finish_reason} {msg.error or ''}",
-             send_cancel=False)
+    abandon(state, rs, now, fx, OfferOutcome.WORKER_LOST,
+             f"worker ended the attempt: {msg.finish_reason} {msg.error or ''}", send_cancel=False)

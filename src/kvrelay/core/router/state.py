@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from kvrelay.core.router.events import Request
 from kvrelay.core.planning.index import ResidencyIndex
@@ -38,6 +39,16 @@ class RouterConfig:
     """Fingerprints to chain keys with; others are learned from heartbeats."""
 
 
+class Phase(StrEnum):
+    """Where a request stands: new -> offered -> running -> done; parked while waiting for capacity."""
+
+    NEW = "new"
+    OFFERED = "offered"
+    RUNNING = "running"
+    PARKED = "parked"
+    DONE = "done"
+
+
 @dataclass(slots=True)
 class RequestState:
     """One request at the router, across its attempts."""
@@ -46,8 +57,7 @@ class RequestState:
     arrived: float
     fingerprint: bytes
     attempt: int = 0
-    phase: str = "new"
-    """new -> offered -> running -> done; ``parked`` while waiting for capacity."""
+    phase: Phase = Phase.NEW
     worker_id: str | None = None
     epoch: int = -1
     candidate: Candidate | None = None

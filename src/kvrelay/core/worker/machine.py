@@ -31,6 +31,8 @@ leaves a tombstone so the late offer is dropped, never run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import assert_never
 
 from kvrelay.protocol.messages import (
     Assignment,
@@ -43,7 +45,6 @@ from kvrelay.protocol.messages import (
     Result,
     Timings,
     Usage,
-    WireMessage,
 )
 
 DEFAULT_FENCE_MEMORY = 65536
@@ -145,17 +146,23 @@ class ReleaseReservation:
 
 @dataclass(frozen=True, slots=True)
 class SendMessage:
-    """Send a wire message to the router."""
+    """Send a wire message about one assignment to the router."""
 
-    message: WireMessage
+    message: OfferResult | Delta | Result
 
 
 WorkerEffect = RequestAdmission | StartWork | FenceWork | ReleaseReservation | SendMessage
 
-ADMITTING = "admitting"
-ADMITTING_FENCED = "admitting_fenced"
-RUNNING = "running"
-FENCED = "fenced"
+
+class SlotPhase(Enum):
+    """Where an assignment stands on this worker (see the module docstring)."""
+
+    ADMITTING = "admitting"
+    ADMITTING_FENCED = "admitting_fenced"
+    """Cancelled or superseded while its admission was being decided."""
+    RUNNING = "running"
+    FENCED = "fenced"
+    """Cancelled or superseded while running; its reservation waits for the operation in flight."""
 
 
 @dataclass(slots=True)
@@ -163,7 +170,7 @@ class Slot:
     """One assignment this worker knows: its offer, phase, next delta seq and tokens so far."""
 
     offer: Offer
-    phase: str
+    phase: SlotPhase
     seq: int = 0
     tokens: list[int] = field(default_factory=list)
 
@@ -198,22 +205,24 @@ def holds_reservations(state: WorkerState) -> bool:
 
 def step(state: WorkerState, event: WorkerEvent) -> tuple[WorkerState, list[WorkerEffect]]:
     """Apply one event; return the (same, mutated) state and the effects to carry out."""
-    if isinstance(event, OfferReceived):
-        return state, _on_offer(state, event.offer)
-    if isinstance(event, AdmissionDecided):
-        return state, _on_admission(state, event)
-    if isinstance(event, CancelReceived):
-        return state, _on_cancel(state, event.cancel)
-    if isinstance(event, TokensProduced):
-        return state, _on_tokens(state, event)
-    if isinstance(event, WorkFinished):
-        return state, _on_finished(state, event)
-    if isinstance(event, WorkQuiesced):
-        return state, _on_quiesced(state, event.assignment)
-    if isinstance(event, ShutdownRequested):
-        state.shutting_down = True
-        return state, []
-    raise TypeError(f"not a worker event: {type(event).__name__}")
+    match event:
+        case OfferReceived(offer=offer):
+            return state, _on_offer(state, offer)
+        case AdmissionDecided():
+            return state, _on_admission(state, event)
+        case CancelReceived(cancel=cancel):
+            return state, _on_cancel(state, cancel)
+        case TokensProduced():
+            return state, _on_tokens(state, event)
+        case WorkFinished():
+            return state, _on_finished(state, event)
+        case WorkQuiesced(assignment=assignment):
+            return state, _on_quiesced(state, assignment)
+        case ShutdownRequested():
+            state.shutting_down = True
+            return state, []
+        case _:
+            assert_never(event)
 
 
 def _count(state: WorkerState, name: str) -> None:
@@ -241,13 +250,17 @@ def _decline(state: WorkerState, offer: Offer, reason: DeclineReason, detail: st
 
 def _fence(state: WorkerState, assignment: Assignment) -> list[WorkerEffect]:
     slot = state.slots[assignment]
-    if slot.phase == ADMITTING:
-        slot.phase = ADMITTING_FENCED
-        return []
-    if slot.phase == RUNNING:
-        slot.phase = FENCED
-        return [FenceWork(assignment)]
-    return []
+    match slot.phase:
+        case SlotPhase.ADMITTING:
+            slot.phase = SlotPhase.ADMITTING_FENCED
+            return []
+        case SlotPhase.RUNNING:
+            slot.phase = SlotPhase.FENCED
+            return [FenceWork(assignment)]
+        case SlotPhase.ADMITTING_FENCED | SlotPhase.FENCED:
+            return []
+        case _:
+            assert_never(slot.phase)
 
 
 def _on_offer(state: WorkerState, offer: Offer) -> list[WorkerEffect]:
@@ -265,35 +278,37 @@ def _on_offer(state: WorkerState, offer: Offer) -> list[WorkerEffect]:
     _remember_attempt(state, a)
     if offer.worker_id != state.worker_id or offer.epoch != state.epoch:
         return effects + _decline(
-            state, offer, "wrong_epoch",
+            state, offer, DeclineReason.WRONG_EPOCH,
             f"offer for {offer.worker_id} epoch {offer.epoch}; this is {state.worker_id} epoch {state.epoch}",
         )
     if state.shutting_down:
-        return effects + _decline(state, offer, "shutting_down", f"{state.worker_id} is shutting down")
+        return effects + _decline(state, offer, DeclineReason.SHUTTING_DOWN, f"{state.worker_id} is shutting down")
     if offer.model not in state.models:
         return effects + _decline(
-            state, offer, "wrong_model", f"model {offer.model!r} is not served; served: {', '.join(state.models)}",
+            state, offer, DeclineReason.WRONG_MODEL,
+            f"model {offer.model!r} is not served; served: {', '.join(state.models)}",
         )
     needed = len(offer.prompt) + offer.max_new_tokens
     if needed > state.context_limit:
         return effects + _decline(
-            state, offer, "over_context_limit", f"{needed} tokens exceed the context limit {state.context_limit}",
+            state, offer, DeclineReason.OVER_CONTEXT_LIMIT,
+            f"{needed} tokens exceed the context limit {state.context_limit}",
         )
-    state.slots[a] = Slot(offer, ADMITTING)
+    state.slots[a] = Slot(offer, SlotPhase.ADMITTING)
     return effects + [RequestAdmission(offer)]
 
 
 def _on_admission(state: WorkerState, event: AdmissionDecided) -> list[WorkerEffect]:
     slot = state.slots.get(event.assignment)
-    if slot is None or slot.phase not in (ADMITTING, ADMITTING_FENCED):
+    if slot is None or slot.phase not in (SlotPhase.ADMITTING, SlotPhase.ADMITTING_FENCED):
         raise ValueError(f"admission decided for {event.assignment} which is not awaiting admission")
-    if slot.phase == ADMITTING_FENCED:
+    if slot.phase is SlotPhase.ADMITTING_FENCED:
         del state.slots[event.assignment]
         return [ReleaseReservation(event.assignment)] if event.accepted else []
     if not event.accepted:
         del state.slots[event.assignment]
-        return _decline(state, slot.offer, event.reason or "no_capacity", event.detail)
-    slot.phase = RUNNING
+        return _decline(state, slot.offer, event.reason or DeclineReason.NO_CAPACITY, event.detail)
+    slot.phase = SlotPhase.RUNNING
     _count(state, "accepted")
     return [
         SendMessage(OfferResult(
@@ -318,7 +333,7 @@ def _on_cancel(state: WorkerState, cancel: Cancel) -> list[WorkerEffect]:
 
 def _on_tokens(state: WorkerState, event: TokensProduced) -> list[WorkerEffect]:
     slot = state.slots.get(event.assignment)
-    if slot is None or slot.phase != RUNNING:
+    if slot is None or slot.phase is not SlotPhase.RUNNING:
         _count(state, "fenced_tokens_dropped")
         return []
     seq = slot.seq
@@ -334,7 +349,7 @@ def _on_finished(state: WorkerState, event: WorkFinished) -> list[WorkerEffect]:
     if slot is None:
         raise ValueError(f"work finished for {event.assignment} which holds no slot")
     del state.slots[event.assignment]
-    if slot.phase != RUNNING:
+    if slot.phase is not SlotPhase.RUNNING:
         return [ReleaseReservation(event.assignment)]
     _count(state, "finished")
     return [
@@ -348,7 +363,7 @@ def _on_finished(state: WorkerState, event: WorkFinished) -> list[WorkerEffect]:
 
 def _on_quiesced(state: WorkerState, assignment: Assignment) -> list[WorkerEffect]:
     slot = state.slots.get(assignment)
-    if slot is None or slot.phase != FENCED:
+    if slot is None or slot.phase is not SlotPhase.FENCED:
         raise ValueError(f"work quiesced for {assignment} which is not fenced")
     del state.slots[assignment]
     return [ReleaseReservation(assignment)]
