@@ -143,6 +143,27 @@ def test_unserved_model_fails_with_the_served_models_named() -> None:
     assert "model 'nope' is not served; served models: m" in (res.outcome.error or "")
 
 
+def test_a_prompt_over_every_context_limit_fails_with_the_first_servers_exclusion() -> None:
+    d = Driver()
+    d.message(heartbeat("w0", context_limit=100))
+    d.message(heartbeat("w1", context_limit=200))
+    d.request("r", PROMPT, max_new=4)
+    (res,) = d.results["r"]
+    assert res.outcome.finish_reason == "error"
+    assert res.outcome.error == f"over_context_limit: context limit 100 < {len(PROMPT) + 4}"
+
+
+def test_a_request_every_server_failed_forgets_the_failures_and_waits_for_a_heartbeat() -> None:
+    d = Driver()
+    d.message(heartbeat("w0"))
+    (offer,) = offers(d.request("r", PROMPT))
+    assert not offers(d.decline(offer, "wrong_epoch"))
+    rs = d.state.requests["r"]
+    assert rs.phase == "parked" and not rs.excluded_workers
+    (again,) = offers(d.message(heartbeat("w0", seq=2)))
+    assert again.worker_id == "w0" and again.offer.assignment.attempt == 2
+
+
 def test_capacity_shortage_parks_until_a_heartbeat_shows_room() -> None:
     d = Driver()
     d.message(heartbeat("w0", pages_free=3, pages_total=3))
