@@ -9,9 +9,7 @@ from pathlib import Path
 import torch
 
 from kvrelay.models.loading.fingerprint import model_fingerprint
-from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.models.loading.loader import load_artifacts
-from kvrelay.models.registry import build_model
 from kvrelay.protocol.messages import (
     Assignment,
     Cancel,
@@ -26,10 +24,8 @@ from kvrelay.protocol.messages import (
 from kvrelay.worker.admission import WorkerIdentity
 from kvrelay.worker.host import WorkerController
 from kvrelay.worker.handlers import RestoreHandler
-from kvrelay.worker.runtime.iteration import PolicyConfig
 from kvrelay.worker.runtime.jobs import Job
-from kvrelay.worker.page_pool import PagePool
-from kvrelay.worker.runtime.loop import PagedRuntime
+from kvrelay.worker.runtime.engine import Engine, EngineOptions
 
 
 @dataclass
@@ -81,13 +77,13 @@ class WorkerHarness:
                  epoch: int = 1, context_limit: int = 4096) -> None:
         self.artifacts = load_artifacts(model_dir, torch.float32)
         config = self.artifacts.config
-        self.model = build_model(config, self.artifacts.weights, torch.float32)
-        self.kv = KVPages.allocate(config, num_pages, 16, torch.float32)
-        self.runtime = PagedRuntime(self.model, self.kv, PolicyConfig(num_lanes=lanes, token_budget=256))
+        engine = Engine.from_artifacts(self.artifacts, torch.float32, EngineOptions(
+            kv_tokens=num_pages * 16, page_tokens=16, num_lanes=lanes, token_budget=256, chunk_tokens=64))
+        self.model, self.kv, self.runtime = engine.model, engine.runtime.kv, engine.runtime
         self.fingerprint = self.artifacts.fingerprint
         self.identity = WorkerIdentity("w0", epoch, "tiny", self.fingerprint, context_limit)
         self.published: list[WireMessage] = []
-        self.controller = WorkerController(self.identity, PagePool(num_pages, 16, 64), self.runtime,
+        self.controller = WorkerController(self.identity, engine.pool, self.runtime,
                                            config.kv_bytes_per_token(4), restore=restore,
                                            publish=self.published.append)
         self.controller.pool.on_residency = self.controller.publish_residency

@@ -1,11 +1,12 @@
 """One worker's parts, built from a model source: model, KV pages, runtime, page pool, controller, chunk store.
 
 Shared by ``kvrelay serve`` (one process) and ``kvrelay worker`` (its own
-process). ``build_worker`` loads the artifacts off the event loop, allocates
-``kv_tokens // page_tokens`` pages, starts the device thread and returns the
-wired parts; the pool's residency callback goes to the controller, whose
-``publish`` the caller sets (the in-process router, or the worker endpoint).
-With a ``StoreSpec`` the worker also gets its chunk tiers (ram, a local chunk
+process). ``build_worker`` loads the artifacts off the event loop, has
+``Engine.from_artifacts`` build the model, ``kv_tokens // page_tokens`` pages
+(at least one), the page pool and the device thread, and returns the wired
+parts; the pool's residency callback goes to the controller, whose ``publish``
+the caller sets (the in-process router, or the worker endpoint). With a
+``StoreSpec`` the worker also gets its chunk tiers (ram, a local chunk
 directory as ssd, an optional shared-directory object tier), restores from
 them and from peers, checkpoints full chunks into them, and serves its ram and
 ssd chunks to peers over HTTP; tier residency reaches the controller through
@@ -20,12 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from kvrelay.launch import defaults
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.models.loading.loader import LoadedArtifacts, load_artifacts
-from kvrelay.models.registry import build_model
+from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS, DEFAULT_PAGE_TOKENS
 from kvrelay.store.files import SharedDirTier, SsdTier
 from kvrelay.store.peer import PeerServer
 from kvrelay.store.ram import RamTier
@@ -33,29 +33,35 @@ from kvrelay.store.s3 import S3Tier
 from kvrelay.store.tier import ChunkTier, ResidencyEvent
 from kvrelay.store.tier_stack import TierStack
 from kvrelay.worker.admission import WorkerIdentity
-from kvrelay.worker.kv_capture import Checkpointer
 from kvrelay.worker.host import WorkerController
-from kvrelay.worker.runtime.iteration import PolicyConfig
+from kvrelay.worker.kv_capture import Checkpointer
 from kvrelay.worker.page_pool import PagePool
 from kvrelay.worker.restore import StoreRestore
+from kvrelay.worker.runtime.engine import Engine, EngineOptions, parse_dtype
 from kvrelay.worker.runtime.loop import PagedRuntime
 from kvrelay.worker.runtime.torch_threads import confine_threads
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 @dataclass(frozen=True, slots=True)
-class WorkerSpec:
+class WorkerSettings:
+    """How to build one real worker: its id, model, dtype, sizes and chunk tiers (``store`` None: none)."""
+
     worker_id: str
     model: str | None = None
     """A model directory or GGUF file; None: the default Gemma 3 270M."""
-    dtype: str = "bfloat16"
-    kv_tokens: int = 65536
-    page_tokens: int = 16
-    chunk_tokens: int = 64
-    lanes: int = 16
-    token_budget: int = 512
+    dtype: str = defaults.DTYPE
+    kv_tokens: int = defaults.KV_TOKENS
+    page_tokens: int = DEFAULT_PAGE_TOKENS
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    lanes: int = defaults.LANES
+    token_budget: int = defaults.TOKEN_BUDGET
     store: StoreSpec | None = None
+
+    def engine_options(self) -> EngineOptions:
+        """The worker's engine: ``kv_tokens`` rounded down to whole pages (at least one), chunks of ``chunk_tokens``."""
+        pages = max(1, self.kv_tokens // self.page_tokens)
+        return EngineOptions(kv_tokens=pages * self.page_tokens, page_tokens=self.page_tokens, num_lanes=self.lanes,
+                             token_budget=self.token_budget, chunk_tokens=self.chunk_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,13 +69,13 @@ class StoreSpec:
     """The worker's chunk tiers (docs/design.md section 5)."""
 
     ssd_dir: str
-    ram_bytes: int = 1 << 30
-    ssd_bytes: int = 16 << 30
+    ram_bytes: int = defaults.RAM_BYTES
+    ssd_bytes: int = defaults.SSD_BYTES
     object_dir: str | None = None
     staging_bytes: int = 64 << 20
     s3_endpoint: str | None = None
     s3_bucket: str | None = None
-    s3_prefix: str = "kvrelay/"
+    s3_prefix: str = defaults.S3_PREFIX
 
     def object_tier(self, on_residency: Callable[[ResidencyEvent], None]) -> ChunkTier | None:
         """The object tier: S3 when an endpoint and bucket are given, else a shared directory, else none."""
@@ -109,25 +115,21 @@ def new_epoch(after: int = -1) -> int:
     return max(after + 1, time.time_ns() // 1_000_000)
 
 
-async def build_worker(spec: WorkerSpec) -> WorkerParts:
-    """Load ``spec.model`` and wire one worker's parts on the running loop."""
-    if spec.dtype not in DTYPES:
-        raise ValueError(f"dtype {spec.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
-    dtype = DTYPES[spec.dtype]
+async def build_worker(settings: WorkerSettings) -> WorkerParts:
+    """Load ``settings.model`` and wire one worker's parts on the running loop."""
+    dtype = parse_dtype(settings.dtype)
     confine_threads()  # before any torch work: the device thread alone runs torch ops in parallel
-    artifacts = await asyncio.to_thread(load_artifacts, spec.model, dtype)
+    artifacts = await asyncio.to_thread(load_artifacts, settings.model, dtype)
     config = artifacts.config
-    model = build_model(config, artifacts.weights, dtype)
-    pages = max(1, spec.kv_tokens // spec.page_tokens)
-    kv = KVPages.allocate(config, pages, spec.page_tokens, dtype)
-    runtime = PagedRuntime(model, kv, PolicyConfig(num_lanes=spec.lanes, token_budget=spec.token_budget))
-    context_limit = min(config.max_position_embeddings, spec.kv_tokens)
-    identity = WorkerIdentity(spec.worker_id, new_epoch(), artifacts.name, artifacts.fingerprint, context_limit,
-                              spec.chunk_tokens)
-    pool = PagePool(pages, spec.page_tokens, spec.chunk_tokens)
+    engine = Engine.from_artifacts(artifacts, dtype, settings.engine_options())
+    runtime, pool, kv = engine.runtime, engine.pool, engine.runtime.kv
+    context_limit = min(config.max_position_embeddings, settings.kv_tokens)
+    identity = WorkerIdentity(settings.worker_id, new_epoch(), artifacts.name, artifacts.fingerprint, context_limit,
+                              settings.chunk_tokens)
     controller = WorkerController(identity, pool, runtime, config.kv_bytes_per_token(kv.k.element_size()))
     pool.on_residency = controller.publish_residency
-    peer = attach_store(spec.store, controller, kv, artifacts.fingerprint) if spec.store is not None else None
+    peer = (attach_store(settings.store, controller, kv, artifacts.fingerprint) if settings.store is not None
+            else None)
     return WorkerParts(artifacts, config, runtime, pool, controller, context_limit, peer)
 
 

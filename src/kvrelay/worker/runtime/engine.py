@@ -1,8 +1,10 @@
 """One model served by one paged runtime: artifacts + model + KV pages + page pool + device loop.
 
 ``Engine.open(source, dtype, ...)`` loads the artifacts (``None``: the default
-Gemma 3 270M), builds the paged model, allocates ``KVPages`` big enough for
-``kv_tokens`` tokens, and starts a ``PagedRuntime``. ``engine.generate(prompt_ids,
+Gemma 3 270M) and hands them to ``Engine.from_artifacts``, the one place that
+builds the paged model, allocates ``KVPages`` big enough for ``kv_tokens``
+tokens, makes the page pool and starts a ``PagedRuntime`` (a served worker,
+``launch.worker_assembly.build_worker``, is built on it too). ``engine.generate(prompt_ids,
 ...)`` is the one-call path used by ``kvrelay generate`` and the bench: it takes
 pages from the pool, runs the job, and returns the pages when the job has
 finished (quiesced). The pool is guarded by a lock so several threads may call
@@ -19,17 +21,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvrelay.core.planning.predicted_ttft import pages_needed as pages_for
+from kvrelay.models.dtypes import DTYPE_NAMES
+from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS, DEFAULT_PAGE_TOKENS
 from kvrelay.protocol.messages import Sampling
+from kvrelay.worker.page_pool import PagePool
 from kvrelay.worker.runtime.iteration import PolicyConfig
 from kvrelay.worker.runtime.jobs import EventCallback, Job, JobResult
-from kvrelay.worker.page_pool import PagePool
 from kvrelay.worker.runtime.loop import PagedRuntime, StepModel
 from kvrelay.worker.runtime.torch_threads import confine_threads
 
 if TYPE_CHECKING:
     from kvrelay.models.loading.loader import LoadedArtifacts
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
+"""Each dtype name of ``DTYPE_NAMES`` as its torch dtype (``"bfloat16"``: ``torch.bfloat16``)."""
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -41,14 +46,24 @@ def parse_dtype(name: str) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
-    """Sizes of one engine: KV capacity in tokens, page size, lanes, tokens per forward, queue bound."""
+    """Sizes of one engine: KV capacity in tokens (rounded up to whole pages), page size, lanes, tokens per
+    forward, queue bound, device, and the page pool's chunk size (``None``: the most whole pages within
+    ``DEFAULT_CHUNK_TOKENS``, at least one)."""
 
     kv_tokens: int = 16_384
-    page_tokens: int = 16
+    page_tokens: int = DEFAULT_PAGE_TOKENS
     num_lanes: int = 32
     token_budget: int = 512
     queue_capacity: int = 64
     device: str = "cpu"
+    chunk_tokens: int | None = None
+
+    @property
+    def pool_chunk_tokens(self) -> int:
+        """The page pool's chunk size (see the class docstring)."""
+        if self.chunk_tokens is not None:
+            return self.chunk_tokens
+        return self.page_tokens * max(1, DEFAULT_CHUNK_TOKENS // self.page_tokens)
 
 
 class Engine:
@@ -82,8 +97,7 @@ class Engine:
         kv = KVPages.allocate(artifacts.config, num_pages, options.page_tokens, dtype, options.device)
         policy = PolicyConfig(num_lanes=options.num_lanes, token_budget=options.token_budget)
         runtime = PagedRuntime(model, kv, policy, options.queue_capacity)
-        return cls(artifacts, model, runtime, PagePool(num_pages, options.page_tokens,
-                                                       options.page_tokens * max(1, 64 // options.page_tokens)))
+        return cls(artifacts, model, runtime, PagePool(num_pages, options.page_tokens, options.pool_chunk_tokens))
 
     @property
     def page_tokens(self) -> int:
