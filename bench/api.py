@@ -135,15 +135,14 @@ async def serve_kvrelay(model_dir: Path, max_tokens: int, lanes: int, port: int,
     indices, all at once) and ``/bench/router_rate`` (an open-loop step); both answer the TTFTs measured inside."""
     import uvicorn
 
-    from kvrelay.api.app import create_app
-    from kvrelay.launch.worker_assembly import WorkerSpec
     from kvrelay.launch.serve import ServeOptions, embedded
+    from kvrelay.launch.worker_assembly import WorkerSettings
 
-    worker = WorkerSpec("local-0", model=str(model_dir), dtype="float32", kv_tokens=32768, lanes=lanes,
-                        token_budget=2048)
+    worker = WorkerSettings("local-0", model=str(model_dir), dtype="float32", kv_tokens=32768, lanes=lanes,
+                            token_budget=2048)
     options = ServeOptions(port=port, db_url=db_url, worker=worker)
     async with embedded(options) as parts:
-        app = create_app(parts.ingress)
+        app = parts.app
         one = router_ttft(parts, max_tokens)
 
         @app.post("/bench/router")

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import uvicorn
 
-from kvrelay.api.app import create_app
-from kvrelay.launch.worker_assembly import WorkerSpec
 from kvrelay.launch.serve import Embedded, ServeOptions, embedded
+from kvrelay.launch.worker_assembly import WorkerSettings
 from kvrelay.testing.ports import free_port
 
 
@@ -19,7 +18,7 @@ class ServerThread:
     """``with ServerThread(model_dir) as server: server.base_url ...``; stops and joins on exit."""
 
     def __init__(self, model_dir: Path, db_url: str) -> None:
-        worker = WorkerSpec("local-0", model=str(model_dir), dtype="float32", kv_tokens=8192, lanes=8)
+        worker = WorkerSettings("local-0", model=str(model_dir), dtype="float32", kv_tokens=8192, lanes=8)
         self.options = ServeOptions(port=free_port(), db_url=db_url, worker=worker)
         self.base_url = f"http://127.0.0.1:{self.options.port}"
         self.ready = threading.Event()
@@ -40,8 +39,7 @@ class ServerThread:
         self.loop = asyncio.get_running_loop()
         async with embedded(self.options) as parts:
             self.parts = parts
-            config = uvicorn.Config(create_app(parts.ingress), host="127.0.0.1", port=self.options.port,
-                                    log_level="warning")
+            config = uvicorn.Config(parts.app, host="127.0.0.1", port=self.options.port, log_level="warning")
             self._server = uvicorn.Server(config)
             serving = asyncio.ensure_future(self._server.serve())
             while not self._server.started and not serving.done():

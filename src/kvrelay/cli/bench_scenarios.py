@@ -15,20 +15,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvrelay.launch import defaults
+from kvrelay.models.dtypes import DTYPE_NAMES
+
 DEFAULT_OUT = "bench/results"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", default=None, help="model directory or .gguf file (default: Gemma 3 270M)")
-    add("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="weights and KV dtype (default bfloat16)")
+    add("--dtype", default=defaults.DTYPE, choices=DTYPE_NAMES, help=f"weights and KV dtype (default {defaults.DTYPE})")
     add("--requests", type=int, default=8, help="requests per case (default 8)")
     add("--concurrency", type=int, default=4, help="streams in flight at once in the cold to object cases (default 4)")
     add("--prefix-tokens", type=int, default=1536, help="tokens of each prefix (default 1536)")
     add("--suffix-tokens", type=int, default=64, help="tokens after the prefix (default 64)")
     add("--new-tokens", type=int, default=32, help="tokens generated per request (default 32)")
     add("--kv-tokens", type=int, default=8192, help="KV capacity per worker in tokens (default 8192)")
-    add("--lanes", type=int, default=16, help="concurrent sequences per worker (default 16)")
+    add("--lanes", type=int, default=defaults.LANES, help=f"concurrent sequences per worker (default {defaults.LANES})")
     add("--ram-bytes", type=int, default=32 << 20, help="bytes of each worker's ram tier (default 32 MiB)")
     add("--flood-factor", type=float, default=1.5,
         help="the flood before the ssd case sends this many times every worker's KV capacity (default 1.5)")

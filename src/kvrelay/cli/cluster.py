@@ -5,20 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvrelay.launch import defaults
 from kvrelay.launch.config import ConfigError, Option, add_options, resolve
+from kvrelay.models.dtypes import DTYPE_NAMES
 
 COMMAND = "cluster"
 OPTIONS = (
     Option("workers", int, 2, "number of worker processes"),
-    Option("host", str, "127.0.0.1", "address for HTTP and the worker WebSocket"),
-    Option("port", int, 8000, "HTTP port of the OpenAI-compatible API"),
+    Option("host", str, defaults.HOST, "address for HTTP and the worker WebSocket"),
+    Option("port", int, defaults.HTTP_PORT, "HTTP port of the OpenAI-compatible API"),
     Option("worker_port", int, 0, "port where the workers connect (0: any free port)"),
     Option("model", str, None, "model directory or .gguf file every worker serves; none: Gemma 3 270M"),
-    Option("dtype", str, "bfloat16", "weights and KV dtype of the workers", choices=("float32", "bfloat16")),
-    Option("kv_tokens", int, 65536, "KV cache capacity in tokens per worker"),
-    Option("lanes", int, 16, "concurrent sequences per worker"),
+    Option("dtype", str, defaults.DTYPE, "weights and KV dtype of the workers", choices=DTYPE_NAMES),
+    Option("kv_tokens", int, defaults.KV_TOKENS, "KV cache capacity in tokens per worker"),
+    Option("lanes", int, defaults.LANES, "concurrent sequences per worker"),
     Option("db", str, None, "fact store URL of the router (none: SQLite under the data directory)"),
-    Option("grace_s", float, 10.0, "on shutdown, seconds running requests may take before they are handed over"),
+    Option("grace_s", float, defaults.GRACE_S, "on shutdown, seconds running requests may take before they are "
+                                               "handed over"),
 )
 
 

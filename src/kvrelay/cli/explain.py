@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvrelay.paths import DATA_ENV
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("request_id", metavar="REQUEST_ID", help="the request to explain")
@@ -18,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--db",
         metavar="URL",
         default=None,
-        help="fact store URL (default: sqlite:///<data dir>/facts.sqlite3; data dir from KVRELAY_DATA_DIR "
+        help=f"fact store URL (default: sqlite:///<data dir>/facts.sqlite3; data dir from {DATA_ENV} "
         "or ~/.local/share/kvrelay), e.g. postgresql+psycopg://user@host:5432/kvrelay",
     )
 
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     shown = engine.url.render_as_string(hide_password=True)
     path = sqlite_path(engine)
     if path is not None and not path.is_file():
-        print(f"kvrelay explain: no fact store at {path}; pass --db URL or set KVRELAY_DATA_DIR", file=sys.stderr)
+        print(f"kvrelay explain: no fact store at {path}; pass --db URL or set {DATA_ENV}", file=sys.stderr)
         return 1
     try:
         history = FactReader(engine).request_history(args.request_id)

@@ -11,11 +11,13 @@ import argparse
 import queue
 import sys
 
+from kvrelay.models.dtypes import DTYPE_NAMES
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", metavar="PROMPT", help="the text to continue")
     parser.add_argument("--model", default=None, help="model directory or GGUF file (default: Gemma 3 270M)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and KV dtype")
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weights and KV dtype")
     parser.add_argument("--max-tokens", type=int, required=True, help="maximum number of new tokens")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
@@ -28,8 +30,8 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
     import torch
 
-    from kvrelay.models.loading.weight_layout import ModelLoadError
     from kvrelay.models.loading.loader import load_artifacts
+    from kvrelay.models.loading.weight_layout import ModelLoadError
     from kvrelay.protocol.messages import Sampling
     from kvrelay.worker.runtime.engine import Engine, EngineOptions, parse_dtype
     from kvrelay.worker.runtime.jobs import Job, JobResult, RuntimeEvent, TokenEvent

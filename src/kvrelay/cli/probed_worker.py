@@ -13,17 +13,17 @@ import sys
 from kvrelay.bench.worker_probe import WorkerProbe
 from kvrelay.cli.main import main as kvrelay_main
 from kvrelay.launch import worker as worker_process
-from kvrelay.launch.worker_assembly import WorkerParts, WorkerSpec
+from kvrelay.launch.worker_assembly import WorkerParts, WorkerSettings
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``kvrelay worker`` with a probe attached to the parts it builds."""
     build = worker_process.build_worker
 
-    async def build_and_probe(spec: WorkerSpec) -> WorkerParts:
-        parts = await build(spec)
+    async def build_and_probe(settings: WorkerSettings) -> WorkerParts:
+        parts = await build(settings)
         url = WorkerProbe(parts, asyncio.get_running_loop()).start()
-        print(f"kvrelay probe ready id={spec.worker_id} url={url}", flush=True)
+        print(f"kvrelay probe ready id={settings.worker_id} url={url}", flush=True)
         return parts
 
     worker_process.build_worker = build_and_probe

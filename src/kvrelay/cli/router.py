@@ -6,23 +6,32 @@ import argparse
 import asyncio
 import sys
 
+from kvrelay.core.router.state import RouterConfig
+from kvrelay.launch import defaults
 from kvrelay.launch.config import ConfigError, Option, add_options, resolve
+from kvrelay.transport.auth import SECRET_ENV_VAR
 
 COMMAND = "router"
+ROUTER_DEFAULTS = RouterConfig()
+"""The pure router's defaults: chunk size and timeouts have their one home there."""
 OPTIONS = (
-    Option("host", str, "127.0.0.1", "address for HTTP and the worker WebSocket"),
-    Option("port", int, 8000, "HTTP port of the OpenAI-compatible API (0: any free port)"),
-    Option("worker_port", int, 8001, "port where workers connect, at path /workers (0: any free port)"),
+    Option("host", str, defaults.HOST, "address for HTTP and the worker WebSocket"),
+    Option("port", int, defaults.HTTP_PORT, "HTTP port of the OpenAI-compatible API (0: any free port)"),
+    Option("worker_port", int, defaults.WORKER_PORT, "port where workers connect, at path /workers (0: any free "
+                                                      "port)"),
     Option("model", str, [], "model source (directory or .gguf) whose tokenizer the router loads; repeat for "
                              "several; none: the default Gemma 3 270M", repeated=True),
     Option("db", str, None, "fact store URL (none: SQLite under the data directory)"),
     Option("secret_file", str, None, "file holding the shared secret workers must present "
-                                     "(else $KVRELAY_SECRET)"),
-    Option("policy", str, "kvrelay", "routing policy"),
-    Option("chunk_tokens", int, 64, "tokens per routed KV chunk"),
-    Option("offer_timeout_s", float, 2.0, "seconds an offer may go unanswered before it is re-routed"),
-    Option("progress_timeout_s", float, 30.0, "seconds an accepted request may go silent before it is re-routed"),
-    Option("worker_expiry_s", float, 3.0, "seconds without heartbeats after which a worker is fenced"),
+                                     f"(else ${SECRET_ENV_VAR})"),
+    Option("policy", str, defaults.POLICY, "routing policy"),
+    Option("chunk_tokens", int, ROUTER_DEFAULTS.chunk_tokens, "tokens per routed KV chunk"),
+    Option("offer_timeout_s", float, ROUTER_DEFAULTS.offer_timeout_s,
+           "seconds an offer may go unanswered before it is re-routed"),
+    Option("progress_timeout_s", float, ROUTER_DEFAULTS.progress_timeout_s,
+           "seconds an accepted request may go silent before it is re-routed"),
+    Option("worker_expiry_s", float, ROUTER_DEFAULTS.worker_expiry_s,
+           "seconds without heartbeats after which a worker is fenced"),
 )
 
 
@@ -31,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrelay.models.loading.weight_layout import ModelLoadError
     from kvrelay.launch.router import RouterOptions, run_router
+    from kvrelay.models.loading.weight_layout import ModelLoadError
     from kvrelay.transport.auth import SecretError, load_secret
 
     try:
@@ -41,11 +50,11 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, SecretError) as exc:
         print(f"kvrelay router: {exc}", file=sys.stderr)
         return 2
+    config = RouterConfig(offer_timeout_s=values["offer_timeout_s"], progress_timeout_s=values["progress_timeout_s"],
+                          worker_expiry_s=values["worker_expiry_s"], chunk_tokens=values["chunk_tokens"])
     options = RouterOptions(
         secret=secret, host=values["host"], port=values["port"], worker_port=values["worker_port"],
-        model_sources=tuple(values["model"]) or (None,), db_url=values["db"], policy=values["policy"],
-        chunk_tokens=values["chunk_tokens"], offer_timeout_s=values["offer_timeout_s"],
-        progress_timeout_s=values["progress_timeout_s"], worker_expiry_s=values["worker_expiry_s"],
+        model_sources=tuple(values["model"]) or (None,), db_url=values["db"], policy=values["policy"], config=config,
     )
 
     def ready(http_url: str, workers_url: str) -> None:

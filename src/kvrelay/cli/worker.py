@@ -7,32 +7,37 @@ import asyncio
 import socket
 import sys
 
+from kvrelay.launch import defaults
 from kvrelay.launch.config import ConfigError, Option, add_options, resolve
+from kvrelay.models.dtypes import DTYPE_NAMES
+from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS, DEFAULT_PAGE_TOKENS
+from kvrelay.transport.auth import SECRET_ENV_VAR
 
 COMMAND = "worker"
+ROUTER = Option("router", str, [], "router WebSocket URL, e.g. ws://127.0.0.1:8001/workers; repeat for several",
+                repeated=True)
 OPTIONS = (
-    Option("router", str, [], "router WebSocket URL, e.g. ws://127.0.0.1:8001/workers; repeat for several",
-           repeated=True),
+    ROUTER,
     Option("worker_id", str, socket.gethostname(), "stable id of this worker (give each worker on a host its own)"),
     Option("model", str, None, "model directory (config.json + safetensors) or .gguf file; none: Gemma 3 270M"),
-    Option("dtype", str, "bfloat16", "weights and KV dtype", choices=("float32", "bfloat16")),
-    Option("kv_tokens", int, 65536, "KV cache capacity in tokens"),
-    Option("page_tokens", int, 16, "tokens per KV page"),
-    Option("chunk_tokens", int, 64, "tokens per routed KV chunk"),
-    Option("lanes", int, 16, "concurrent sequences on the device"),
-    Option("token_budget", int, 512, "tokens per device iteration (chunked prefill budget)"),
+    Option("dtype", str, defaults.DTYPE, "weights and KV dtype", choices=DTYPE_NAMES),
+    Option("kv_tokens", int, defaults.KV_TOKENS, "KV cache capacity in tokens"),
+    Option("page_tokens", int, DEFAULT_PAGE_TOKENS, "tokens per KV page"),
+    Option("chunk_tokens", int, DEFAULT_CHUNK_TOKENS, "tokens per routed KV chunk"),
+    Option("lanes", int, defaults.LANES, "concurrent sequences on the device"),
+    Option("token_budget", int, defaults.TOKEN_BUDGET, "tokens per device iteration (chunked prefill budget)"),
     Option("chunk_dir", str, None, "local chunk directory, the ssd tier (default: chunks/<worker id> under the "
            "data directory)"),
-    Option("ram_bytes", int, 1 << 30, "bytes of host RAM for the ram chunk tier"),
-    Option("ssd_bytes", int, 16 << 30, "bytes of the local chunk directory"),
+    Option("ram_bytes", int, defaults.RAM_BYTES, "bytes of host RAM for the ram chunk tier"),
+    Option("ssd_bytes", int, defaults.SSD_BYTES, "bytes of the local chunk directory"),
     Option("object_dir", str, None, "a directory shared by all workers, used as the object tier"),
     Option("s3_endpoint", str, None, "S3 endpoint URL of the object tier (instead of --object-dir)"),
     Option("s3_bucket", str, None, "S3 bucket of the object tier"),
-    Option("s3_prefix", str, "kvrelay/", "key prefix of chunks in the S3 bucket"),
-    Option("heartbeat_s", float, 0.5, "seconds between heartbeats"),
-    Option("grace_s", float, 10.0, "on SIGTERM, seconds running requests may take to finish before they are "
-                                   "handed over to other workers"),
-    Option("secret_file", str, None, "file holding the shared secret (else $KVRELAY_SECRET)"),
+    Option("s3_prefix", str, defaults.S3_PREFIX, "key prefix of chunks in the S3 bucket"),
+    Option("heartbeat_s", float, defaults.HEARTBEAT_S, "seconds between heartbeats"),
+    Option("grace_s", float, defaults.GRACE_S, "on SIGTERM, seconds running requests may take to finish before "
+                                               "they are handed over to other workers"),
+    Option("secret_file", str, None, f"file holding the shared secret (else ${SECRET_ENV_VAR})"),
 )
 
 
@@ -47,24 +52,24 @@ def run(args: argparse.Namespace) -> int:
         values = resolve(args, COMMAND, OPTIONS)
         secret = load_secret(values["secret_file"])
         if not values["router"]:
-            raise ConfigError("no router URL: pass --router ws://HOST:PORT/workers (or set $KVRELAY_ROUTER)")
+            raise ConfigError(f"no router URL: pass {ROUTER.flag} ws://HOST:PORT/workers (or set ${ROUTER.env})")
         for url in values["router"]:
             _check_url(url)
     except (ConfigError, SecretError) as exc:
         print(f"kvrelay worker: {exc}", file=sys.stderr)
         return 2
+    from kvrelay.launch.worker import WorkerOptions, run_worker
+    from kvrelay.launch.worker_assembly import StoreSpec, WorkerSettings
     from kvrelay.models.loading.weight_layout import ModelLoadError
     from kvrelay.paths import data_dir
-    from kvrelay.launch.worker_assembly import StoreSpec, WorkerSpec
-    from kvrelay.launch.worker import WorkerOptions, run_worker
 
-    spec = WorkerSpec(values["worker_id"], values["model"], values["dtype"], values["kv_tokens"],
-                      values["page_tokens"], values["chunk_tokens"], values["lanes"], values["token_budget"],
-                      StoreSpec(values["chunk_dir"] or str(data_dir() / "chunks" / values["worker_id"]),
-                                values["ram_bytes"], values["ssd_bytes"], values["object_dir"],
-                                s3_endpoint=values["s3_endpoint"], s3_bucket=values["s3_bucket"],
-                                s3_prefix=values["s3_prefix"]))
-    options = WorkerOptions(spec, tuple(values["router"]), secret, values["heartbeat_s"], values["grace_s"])
+    settings = WorkerSettings(values["worker_id"], values["model"], values["dtype"], values["kv_tokens"],
+                              values["page_tokens"], values["chunk_tokens"], values["lanes"], values["token_budget"],
+                              StoreSpec(values["chunk_dir"] or str(data_dir() / "chunks" / values["worker_id"]),
+                                        values["ram_bytes"], values["ssd_bytes"], values["object_dir"],
+                                        s3_endpoint=values["s3_endpoint"], s3_bucket=values["s3_bucket"],
+                                        s3_prefix=values["s3_prefix"]))
+    options = WorkerOptions(settings, tuple(values["router"]), secret, values["heartbeat_s"], values["grace_s"])
 
     def ready(worker_id: str, epoch: int, model: str) -> None:
         print(f"kvrelay worker ready id={worker_id} epoch={epoch} model={model}", flush=True)

@@ -24,12 +24,12 @@ from pathlib import Path
 
 from kvrelay import paths
 from kvrelay.api.ingress import ServedModel
-from kvrelay.models.loading.weight_layout import ModelLoadError
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.loading.default_model import DEFAULT_MODEL_NAME, default_gguf_path
 from kvrelay.models.loading.fingerprint import weights_digest
 from kvrelay.models.loading.loader import MANIFEST, load_artifacts
 from kvrelay.models.loading.tokenizer import load_tokenizer
+from kvrelay.models.loading.weight_layout import ModelLoadError
 from kvrelay.protocol.messages import Heartbeat
 
 log = logging.getLogger(__name__)

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvrelay.launch import defaults
 from kvrelay.launch.child import ChildProcess, ChildTimeout
 from kvrelay.transport.auth import SECRET_ENV_VAR, SecretError, load_secret
 
@@ -43,14 +44,14 @@ WORKER_READY = re.compile(r"kvrelay worker ready id=(\S+)")
 @dataclass(frozen=True, slots=True)
 class ClusterOptions:
     workers: int = 2
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = defaults.HOST
+    port: int = defaults.HTTP_PORT
     worker_port: int = 0
     router_args: tuple[str, ...] = ()
     """Further flags for the router child (model, db, timeouts, config file)."""
     worker_args: tuple[str, ...] = ()
     """Further flags for every worker child (model, dtype, sizes, config file)."""
-    grace_s: float = 10.0
+    grace_s: float = defaults.GRACE_S
 
 
 def child_argv(command: str, args: Sequence[str]) -> list[str]:

@@ -21,22 +21,17 @@ import logging
 import signal
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
 
-from kvrelay.api.app import create_app
-from kvrelay.api.ingress import Ingress
-from kvrelay.api.metrics import Metrics
-from kvrelay.api.router_metrics import add_router_metrics
-from kvrelay.router.cluster_router import ClusterRouter
-from kvrelay.core.router.machine import RouterConfig, new_router
-from kvrelay.facts.replica_map import ReplicaMap
-from kvrelay.facts.sink import record_sink
-from kvrelay.facts.store import FactStore
+from kvrelay.core.router.machine import RouterConfig
+from kvrelay.launch import defaults
 from kvrelay.launch.catalog import ModelCatalog, load_served_model
 from kvrelay.protocol.messages import Heartbeat, WireMessage
+from kvrelay.router.cluster_router import ClusterRouter
+from kvrelay.router.stack import build_router_stack
 from kvrelay.transport.router_endpoint import RouterEndpoint, registry_liveness
 
 log = logging.getLogger(__name__)
@@ -44,17 +39,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RouterOptions:
+    """One router process: its secret, where it listens, the models whose tokenizers it loads, its fact store,
+    policy, and the pure router's configuration (chunk size and timeouts)."""
+
     secret: bytes
-    host: str = "127.0.0.1"
-    port: int = 8000
-    worker_port: int = 8001
+    host: str = defaults.HOST
+    port: int = defaults.HTTP_PORT
+    worker_port: int = defaults.WORKER_PORT
     model_sources: tuple[str | None, ...] = (None,)
     db_url: str | None = None
-    policy: str = "kvrelay"
-    chunk_tokens: int = 64
-    offer_timeout_s: float = 2.0
-    progress_timeout_s: float = 30.0
-    worker_expiry_s: float = 3.0
+    policy: str = defaults.POLICY
+    config: RouterConfig = field(default_factory=RouterConfig)
 
 
 class _HeartbeatTap:
@@ -109,16 +104,14 @@ async def run_router(options: RouterOptions, on_ready: Callable[[str, str], None
         served = await asyncio.to_thread(load_served_model, source)
         loaded[served.name] = served
     catalog = ModelCatalog(loaded)
-    facts = FactStore(options.db_url)
-    replica_map = ReplicaMap.load(facts.engine)
     endpoint = RouterEndpoint(options.secret, host=options.host, port=options.worker_port)
-    config = RouterConfig(offer_timeout_s=options.offer_timeout_s, progress_timeout_s=options.progress_timeout_s,
-                          worker_expiry_s=options.worker_expiry_s, chunk_tokens=options.chunk_tokens)
-    router = ClusterRouter(new_router(config, options.policy), endpoint.send, record_sink(facts, replica_map),
-                           replicas=replica_map)
-    ingress = Ingress(router, catalog.served, _metrics(router, endpoint),
-                      lambda name: any(name in v.heartbeat.models for v in router.state.views.values()))
-    app = create_app(ingress)
+    stack = build_router_stack(config=options.config, policy=options.policy, db_url=options.db_url,
+                               send=endpoint.send, models=catalog.served)
+    router = stack.router
+    stack.metrics.gauge("kvrelay_endpoint_events",
+                        lambda: {(("counter", k),): v for k, v in endpoint.counters.items()},
+                        "worker endpoint counters (connections, refused handshakes, dropped frames by reason, ...)")
+    app = stack.app
     app.add_api_route("/cluster", lambda: cluster_snapshot(router, endpoint), methods=["GET"])
     router.start()
     sock: socket.socket | None = None
@@ -141,18 +134,7 @@ async def run_router(options: RouterOptions, on_ready: Callable[[str, str], None
         await serving
     finally:
         await endpoint.close()
-        await router.close()
-        facts.close()
+        await stack.close()
         if sock is not None:
             sock.close()
         log.info("router stopped")
-
-
-def _metrics(router: ClusterRouter, endpoint: RouterEndpoint) -> Metrics:
-    metrics = Metrics()
-    add_router_metrics(metrics, router)
-    metrics.gauge("kvrelay_router_events", lambda: {(("counter", k),): v for k, v in router.state.counters.items()},
-                  "every router counter")
-    metrics.gauge("kvrelay_endpoint_events", lambda: {(("counter", k),): v for k, v in endpoint.counters.items()},
-                  "worker endpoint counters (connections, refused handshakes, dropped frames by reason, ...)")
-    return metrics

@@ -26,7 +26,8 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvrelay.launch.worker_assembly import WorkerParts, WorkerSpec, build_worker
+from kvrelay.launch import defaults
+from kvrelay.launch.worker_assembly import WorkerParts, WorkerSettings, build_worker
 from kvrelay.transport.worker_endpoint import WorkerEndpoint
 from kvrelay.worker.host import WorkerController
 
@@ -38,11 +39,13 @@ QUIESCE_S = 10.0
 
 @dataclass(frozen=True, slots=True)
 class WorkerOptions:
-    spec: WorkerSpec
+    """One worker process: what it builds, the routers it links to, their secret, heartbeat and drain periods."""
+
+    settings: WorkerSettings
     router_urls: tuple[str, ...]
     secret: bytes
-    heartbeat_s: float = 0.5
-    grace_s: float = 10.0
+    heartbeat_s: float = defaults.HEARTBEAT_S
+    grace_s: float = defaults.GRACE_S
 
 
 async def run_worker(options: WorkerOptions, on_ready: Callable[[str, int, str], None] = lambda w, e, m: None) -> None:
@@ -51,7 +54,7 @@ async def run_worker(options: WorkerOptions, on_ready: Callable[[str, int, str],
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    parts = await build_worker(options.spec)
+    parts = await build_worker(options.settings)
     controller = parts.controller
     endpoint = WorkerEndpoint(controller, options.router_urls, options.secret,
                               heartbeat_interval_s=options.heartbeat_s)

@@ -1,0 +1,40 @@
+"""The one home of the process faces' defaults: the launch options and the ``kvrelay`` flags both read these.
+
+Torch-free and import-light, so every command can show its defaults in ``--help``
+without loading a model. Chunk and page sizes live in ``kvrelay.protocol.chunk_keys``
+(every layer shares them); the router's timeouts are ``RouterConfig``'s; the
+dtype names are ``kvrelay.models.dtypes``'.
+"""
+
+from __future__ import annotations
+
+HOST = "127.0.0.1"
+"""The address HTTP and the worker WebSocket listen on."""
+HTTP_PORT = 8000
+"""The OpenAI-compatible API's port."""
+WORKER_PORT = 8001
+"""The router's worker WebSocket port (``kvrelay cluster`` picks a free one instead)."""
+POLICY = "kvrelay"
+"""The routing policy."""
+
+DTYPE = "bfloat16"
+"""The weights and KV dtype of a served worker (``kvrelay generate`` and the engine default to float32)."""
+KV_TOKENS = 65536
+"""A worker's KV cache capacity in tokens."""
+LANES = 16
+"""Concurrent sequences on a worker's device."""
+TOKEN_BUDGET = 512
+"""Tokens per device iteration (the chunked prefill budget)."""
+RAM_BYTES = 1 << 30
+"""Bytes of a worker's ram chunk tier."""
+SSD_BYTES = 16 << 30
+"""Bytes of a worker's local chunk directory (the ssd tier)."""
+S3_PREFIX = "kvrelay/"
+"""Key prefix of chunks in the S3 bucket of the object tier."""
+
+HEARTBEAT_S = 0.5
+"""Seconds between a worker's heartbeats."""
+GRACE_S = 10.0
+"""On shutdown, seconds a worker's running requests may take before they are handed over."""
+SERVE_WORKER_ID = "local-0"
+"""The id of ``kvrelay serve``'s one worker."""

@@ -1,0 +1,76 @@
+"""The live router stack, wired in one place for ``kvrelay serve`` and ``kvrelay router``.
+
+Contract:
+- ``build_router_stack`` opens the fact store (``db_url``; None: SQLite under
+  the data directory), loads the durable replica map from it, and makes the
+  ``ClusterRouter`` (the pure router of ``config`` and ``policy``; its records go
+  to the store, its replicas start from the map; its messages to workers go to
+  ``send``), the ``Metrics`` (the router's series, with the per-worker page
+  gauges when ``worker_pages``, and ``kvrelay_router_events``: every router
+  counter), the ``Ingress`` over ``models`` and the FastAPI app.
+- ``models`` is the ingress's model table, read at each request, so a caller
+  may keep adding to it (the router process learns models from heartbeats).
+  A model is served while at least one live worker's last heartbeat names it.
+- Nothing is started: the caller adds its own gauges and routes, wires its
+  workers, then calls ``router.start()``. ``close`` stops the router's timers,
+  then closes the fact store (flushing it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+
+from kvrelay.api.app import create_app
+from kvrelay.api.ingress import Ingress, ServedModel
+from kvrelay.api.metrics import Metrics
+from kvrelay.api.router_metrics import add_router_metrics
+from kvrelay.core.router.machine import RouterConfig, new_router
+from kvrelay.facts.replica_map import ReplicaMap
+from kvrelay.facts.sink import record_sink
+from kvrelay.facts.store import FactStore
+from kvrelay.protocol.messages import WireMessage
+from kvrelay.router.cluster_router import ClusterRouter
+
+
+@dataclass
+class RouterStack:
+    """One router with its fact store, replica map, metrics, ingress and HTTP app (see the module contract)."""
+
+    router: ClusterRouter
+    facts: FactStore
+    replicas: ReplicaMap
+    metrics: Metrics
+    ingress: Ingress
+    app: FastAPI
+
+    async def close(self) -> None:
+        await self.router.close()
+        self.facts.close()
+
+
+def build_router_stack(
+    *,
+    config: RouterConfig,
+    policy: str,
+    db_url: str | None,
+    send: Callable[[str, WireMessage], None],
+    models: dict[str, ServedModel],
+    worker_pages: bool = True,
+) -> RouterStack:
+    """Open the fact store and wire router, metrics, ingress and app (see the module contract)."""
+    facts = FactStore(db_url)
+    replicas = ReplicaMap.load(facts.engine)
+    router = ClusterRouter(new_router(config, policy), send, record_sink(facts, replicas), replicas=replicas)
+
+    def serving(name: str) -> bool:
+        return any(name in v.heartbeat.models for v in router.state.views.values())
+
+    metrics = Metrics()
+    add_router_metrics(metrics, router, worker_pages=worker_pages)
+    metrics.gauge("kvrelay_router_events", lambda: {(("counter", k),): v for k, v in router.state.counters.items()},
+                  "every router counter")
+    ingress = Ingress(router, models, metrics, serving)
+    return RouterStack(router, facts, replicas, metrics, ingress, create_app(ingress))
