@@ -21,7 +21,7 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from itertools import groupby, takewhile
+from itertools import groupby, repeat, takewhile
 
 GPU, RAM, SSD, OBJECT = 1, 2, 4, 8
 TIER_BITS: dict[str, int] = {"gpu": GPU, "ram": RAM, "ssd": SSD, "object": OBJECT}
@@ -132,7 +132,8 @@ class ResidencyIndex:
 
     def runs(self, chain: Sequence[bytes]) -> list[tuple[int, int]]:
         """``lookup(chain)`` run-length encoded: ``(packed value, consecutive keys with it)``, in chain order."""
-        return [(value, len(list(group))) for value, group in groupby(takewhile(bool, map(self._entries.get, chain)))]
+        values = takewhile(bool, map(self._entries.get, chain, repeat(0)))
+        return [(value, len(list(group))) for value, group in groupby(values)]
 
     def lookup(self, chain: Sequence[bytes]) -> list[int]:
         """Packed values of the chain's leading keys, stopping at the first key nobody holds."""

@@ -42,7 +42,7 @@ from typing import NamedTuple
 import msgspec
 
 from kvrelay.core.planning.routes import Boundary
-from kvrelay.protocol.messages import Heartbeat, RouteSegment
+from kvrelay.protocol.messages import Heartbeat, RouteSegment, Tier
 
 
 class Scoring(NamedTuple):
@@ -61,7 +61,7 @@ class Terms(msgspec.Struct, frozen=True):
     """The predicted TTFT of a candidate, term by term (seconds; see the module docstring)."""
 
     queue_s: float
-    restore_s: dict[str, float]
+    restore_s: dict[Tier, float]
     prefill_s: float
     decode_s: float
     """The first decode step, plus the decode steps interleaved with the prefill when counted."""

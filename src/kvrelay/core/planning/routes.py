@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvrelay.core.planning.index import GPU, LOCAL_MASK, OBJECT, RAM, SSD, ResidencyIndex
-from kvrelay.protocol.messages import RouteSegment
+from kvrelay.protocol.messages import RouteSegment, Tier
 
 Run = tuple[int, int]
 """``(packed index value, consecutive chunks with it)``: chains are mostly long runs of equal values."""
@@ -36,9 +36,13 @@ def walk_route(
     if shift is not None:
         peer_bits &= ~(LOCAL_MASK << shift)
     object_bit = OBJECT if allow_object else 0
-    segments: list[list] = []
+    tiers: list[Tier] = []
+    counts: list[int] = []
+    lasts: list[int] = []
+    """Per segment: its tier, its chunks and the packed index value of its last chunk."""
     for value, count in runs:
         local = (value >> shift) & allowed_local if shift is not None else 0
+        tier: Tier
         if local & GPU:
             tier = "gpu"
         elif local & RAM:
@@ -51,17 +55,20 @@ def walk_route(
             tier = "object"
         else:
             break
-        if segments and segments[-1][0] == tier:
-            segments[-1][1] += count
-            segments[-1][2] = value
+        if tiers and tiers[-1] == tier:
+            counts[-1] += count
+            lasts[-1] = value
         else:
-            segments.append([tier, count, value])
+            tiers.append(tier)
+            counts.append(count)
+            lasts.append(value)
     return tuple(
-        RouteSegment(t, n, index.first_peer(v, peer_bits) if t == "peer" else "") for t, n, v in segments
+        RouteSegment(t, n, index.first_peer(v, peer_bits) if t == "peer" else "")
+        for t, n, v in zip(tiers, counts, lasts, strict=True)
     )
 
 
-Boundary = tuple[int, int, tuple[tuple[str, int], ...], int]
+Boundary = tuple[int, int, tuple[tuple[Tier, int], ...], int]
 """``(cached tokens, gpu prefix tokens, chunks restored per lower tier, segments used)``."""
 
 
@@ -69,7 +76,7 @@ def boundaries_of(segments: tuple[RouteSegment, ...], chunk_tokens: int) -> list
     """Recompute-everything, then the end of every segment of a route."""
     out: list[Boundary] = [(0, 0, (), 0)]
     cached = gpu = 0
-    restored: dict[str, int] = {}
+    restored: dict[Tier, int] = {}
     for i, seg in enumerate(segments, 1):
         if seg.tier == "gpu":
             if cached == gpu:

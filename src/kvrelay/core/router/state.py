@@ -19,7 +19,7 @@ from kvrelay.core.planning.predicted_ttft import Candidate, WorkerView
 from kvrelay.core.planning.registry import Registry
 from kvrelay.core.planning.roster import Roster
 from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS
-from kvrelay.protocol.messages import Usage
+from kvrelay.protocol.messages import Tier, Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +75,7 @@ class RequestState:
     first_token_at: float | None = None
     last_progress: float = 0.0
     parked_since: float | None = None
-    cached_tokens: dict[str, int] = field(default_factory=dict)
+    cached_tokens: dict[Tier, int] = field(default_factory=dict)
     recomputed_tokens: int = 0
     prompt_tokens: int = 0
 
