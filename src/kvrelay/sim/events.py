@@ -121,6 +121,15 @@ class Restart:
 
 
 SimEvent = (
-    Arrival | ConsumerCancel | RouterTick | TimerDue | ToRouter | ToWorker | WorkerScheduled | HeartbeatDue | Crash
-    | ConnectionLost | Restart
+    Arrival
+    | ConsumerCancel
+    | RouterTick
+    | TimerDue
+    | ToRouter
+    | ToWorker
+    | WorkerScheduled
+    | HeartbeatDue
+    | Crash
+    | ConnectionLost
+    | Restart
 )
