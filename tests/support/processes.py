@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import httpx
 
 from kvrelay.launch.child import ChildProcess
+from kvrelay.launch.cluster import ROUTER_READY
 
 SECRET = "kvrelay-test-secret-0123456789abcdef"
 T = TypeVar("T")
@@ -58,7 +59,7 @@ class Router:
         self.child = kvrelay("router", "router", [
             "--port", str(port), "--worker-port", str(worker_port), "--model", str(model_dir),
             "--db", f"sqlite:///{home / 'facts.sqlite3'}", *flags], child_env(home))
-        ready = self.child.wait_for(r"kvrelay router ready http=(\S+) workers=(\S+)", 60)
+        ready = self.child.wait_for(ROUTER_READY, 60)
         self.http_url, self.workers_url = ready.group(1), ready.group(2)
         self.port = int(self.http_url.rsplit(":", 1)[1])
         self.worker_port = int(self.workers_url.rsplit(":", 1)[1].split("/")[0])

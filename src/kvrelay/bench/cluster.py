@@ -10,7 +10,8 @@ Contract of ``BenchCluster``:
   tier and the S3 object tier; ``start_worker`` of an id that ran before
   reuses its chunk directory (a restart), a new id starts empty (a fresh worker).
 - ``stop_workers`` sends SIGTERM and waits (the workers drain); ``kill_worker``
-  sends SIGKILL. A worker's probe is listed in ``probes`` only while it is live. ``close`` stops every child it started, workers first.
+  sends SIGKILL. A worker's probe is listed in ``probes`` only while it is
+  live. ``close`` stops every child it started, workers first.
 - Children log to ``log_path``; their stdout is read for ready lines only.
 A child that fails to start raises ``ClusterError`` with its log's tail.
 """
@@ -20,9 +21,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import shutil
 import signal
-import socket
 import sys
 import threading
 import time
@@ -32,9 +31,13 @@ from typing import Any
 
 import httpx
 
+from kvrelay.launch import defaults
 from kvrelay.launch.child import ChildProcess, ChildTimeout
+from kvrelay.launch.cluster import ROUTER_READY, WORKER_READY
+from kvrelay.paths import CACHE_ENV, DATA_ENV
 from kvrelay.testing.moto import moto_server_command
 from kvrelay.testing.ports import free_port
+from kvrelay.transport.auth import SECRET_ENV_VAR
 
 READY_TIMEOUT_S = 180.0
 BUCKET = "kvrelay-bench"
@@ -49,9 +52,9 @@ class ClusterSpec:
     work_dir: Path
     model: str | None = None
     """A model directory or .gguf file; None: the default Gemma 3 270M."""
-    dtype: str = "bfloat16"
+    dtype: str = defaults.DTYPE
     kv_tokens: int = 8192
-    lanes: int = 16
+    lanes: int = defaults.LANES
     ram_bytes: int = 32 << 20
     heartbeat_s: float = 0.25
 
@@ -60,7 +63,7 @@ class ClusterSpec:
         return self.work_dir / "cluster.log"
 
 
-def _wait_line(child: ChildProcess, pattern: str, log_path: Path) -> re.Match[str]:
+def _wait_line(child: ChildProcess, pattern: str | re.Pattern[str], log_path: Path) -> re.Match[str]:
     """``child``'s first line matching ``pattern``; ``ClusterError`` with the cluster log's tail if none comes."""
     try:
         return child.wait_for(pattern, READY_TIMEOUT_S)
@@ -87,8 +90,8 @@ class BenchCluster:
         self.spec = spec
         spec.work_dir.mkdir(parents=True, exist_ok=True)
         self._log = spec.log_path.open("a")
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_") or k == "KVRELAY_CACHE_DIR"}
-        self.env.update(KVRELAY_SECRET=secrets.token_urlsafe(32), KVRELAY_DATA_DIR=str(spec.work_dir / "data"),
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_") or k == CACHE_ENV}
+        self.env.update({SECRET_ENV_VAR: secrets.token_urlsafe(32), DATA_ENV: str(spec.work_dir / "data")},
                         PYTHONUNBUFFERED="1", AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                         AWS_DEFAULT_REGION="us-east-1")
         self.env.pop("AWS_PROFILE", None)
@@ -112,7 +115,7 @@ class BenchCluster:
         self._others.append(router)
         for wid in worker_ids:  # workers start loading at once and connect when the router listens
             self.launch_worker(wid)
-        ready = _wait_line(router, r"kvrelay router ready http=(\S+) workers=(\S+)", self.spec.log_path)
+        ready = _wait_line(router, ROUTER_READY, self.spec.log_path)
         self.http_url = ready.group(1)
         for wid in worker_ids:
             self.await_worker(wid)
@@ -163,7 +166,7 @@ class BenchCluster:
         """Wait until ``worker_id``'s probe and worker are ready and the router lists it."""
         child = self.workers[worker_id]
         probe = _wait_line(child, r"kvrelay probe ready id=\S+ url=(\S+)", self.spec.log_path)
-        _wait_line(child, r"kvrelay worker ready id=", self.spec.log_path)
+        _wait_line(child, WORKER_READY, self.spec.log_path)
         self.wait_until(lambda: worker_id in self.live_workers(), READY_TIMEOUT_S, f"worker {worker_id} to be live")
         self.probes[worker_id] = probe.group(1)
 

@@ -61,11 +61,10 @@ def run(args: argparse.Namespace) -> int:
     from kvrelay.launch.worker import WorkerOptions, run_worker
     from kvrelay.launch.worker_assembly import StoreSpec, WorkerSettings
     from kvrelay.models.loading.weight_layout import ModelLoadError
-    from kvrelay.paths import data_dir
 
     settings = WorkerSettings(values["worker_id"], values["model"], values["dtype"], values["kv_tokens"],
                               values["page_tokens"], values["chunk_tokens"], values["lanes"], values["token_budget"],
-                              StoreSpec(values["chunk_dir"] or str(data_dir() / "chunks" / values["worker_id"]),
+                              StoreSpec(values["chunk_dir"] or defaults.chunk_dir(values["worker_id"]),
                                         values["ram_bytes"], values["ssd_bytes"], values["object_dir"],
                                         s3_endpoint=values["s3_endpoint"], s3_bucket=values["s3_bucket"],
                                         s3_prefix=values["s3_prefix"]))

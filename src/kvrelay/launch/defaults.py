@@ -8,6 +8,8 @@ dtype names are ``kvrelay.models.dtypes``'.
 
 from __future__ import annotations
 
+from kvrelay.paths import data_dir
+
 HOST = "127.0.0.1"
 """The address HTTP and the worker WebSocket listen on."""
 HTTP_PORT = 8000
@@ -38,3 +40,9 @@ GRACE_S = 10.0
 """On shutdown, seconds a worker's running requests may take before they are handed over."""
 SERVE_WORKER_ID = "local-0"
 """The id of ``kvrelay serve``'s one worker."""
+
+
+def chunk_dir(worker_id: str) -> str:
+    """A worker's local chunk directory (its ssd tier) when none is given: ``chunks/<worker id>`` under the data
+    directory (read now, so ``$KVRELAY_DATA_DIR`` counts)."""
+    return str(data_dir() / "chunks" / worker_id)

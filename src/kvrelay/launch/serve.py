@@ -24,7 +24,6 @@ from kvrelay.core.router.machine import RouterConfig
 from kvrelay.facts.store import FactStore
 from kvrelay.launch import defaults
 from kvrelay.launch.worker_assembly import StoreSpec, WorkerParts, WorkerSettings, build_worker
-from kvrelay.paths import data_dir
 from kvrelay.protocol.messages import Cancel, Offer, WireMessage
 from kvrelay.router.cluster_router import ClusterRouter
 from kvrelay.router.stack import RouterStack, build_router_stack
@@ -89,7 +88,7 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
     """Load the model and wire the router stack, worker and ingress on the running loop."""
     settings = options.worker
     if settings.store is None:
-        settings = replace(settings, store=StoreSpec(str(data_dir() / "chunks" / settings.worker_id)))
+        settings = replace(settings, store=StoreSpec(defaults.chunk_dir(settings.worker_id)))
     worker = await build_worker(settings)
     artifacts, config, pool, controller = worker.artifacts, worker.config, worker.pool, worker.controller
     identity = controller.me

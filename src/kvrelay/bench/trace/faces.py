@@ -20,11 +20,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvrelay.launch import defaults
 from kvrelay.testing.ports import free_port
 
 CLUSTER_READY = "kvrelay cluster ready"
@@ -35,9 +36,9 @@ SGLANG_CANDIDATES = ("sglang-router", "/tmp/sgr-venv/bin/sglang-router")
 class FaceOptions:
     model: str | None = None
     """Model directory or GGUF file; None: the default Gemma 3 270M."""
-    dtype: str = "bfloat16"
-    kv_tokens: int = 65536
-    lanes: int = 16
+    dtype: str = defaults.DTYPE
+    kv_tokens: int = defaults.KV_TOKENS
+    lanes: int = defaults.LANES
     threads: int = 1
     """Torch threads per worker process (``OMP_NUM_THREADS``)."""
     workers: int = 2
