@@ -17,7 +17,8 @@ from kvrelay.protocol.messages import Offer, Tier, WireMessage
 from kvrelay.worker.admission import Admission
 from kvrelay.worker.runtime.jobs import JobHandle
 
-Reply = Callable[[WireMessage], None]
+Reply = Callable[[WireMessage], object]
+"""Sends one message to the router that made the offer; what it returns is ignored."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,7 @@ class Run:
     """Full chunks of the sequence already in the pool's index."""
     parent_key: bytes
     """The key of the last registered chunk (the chain's root before any)."""
-    cached_tokens: dict[str, int] = field(default_factory=dict)
+    cached_tokens: dict[Tier, int] = field(default_factory=dict)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
     handle: JobHandle | None = None
     restoring: bool = False

@@ -65,7 +65,7 @@ class WorkerController:
         kv_bytes_per_token: int,
         restore: RestoreHandler | None = None,
         checkpointer: Checkpointer | None = None,
-        publish: Callable[[WireMessage], None] = lambda m: None,
+        publish: Callable[[WireMessage], object] = lambda m: None,
         prefill_s_per_token: float = 1e-3,
         decode_s_per_token: float = 0.05,
         restore_bytes_per_s: dict[str, float] | None = None,
