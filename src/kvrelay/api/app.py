@@ -20,10 +20,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import (
     JSONResponse,
-    PlainTextResponse,
     Response,
     StreamingResponse,
 )
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvrelay.api.errors import APIError
 from kvrelay.api.ingress import Final, Ingress, Prepared, TextDelta
@@ -56,8 +56,8 @@ def create_app(ingress: Ingress) -> FastAPI:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(ingress.metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        return Response(generate_latest(ingress.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -19,12 +19,12 @@ from typing import Any
 
 from kvrelay.api.detokenize import IncrementalText
 from kvrelay.api.errors import APIError, from_outcome_error, invalid
-from kvrelay.api.metrics import Metrics
+from kvrelay.api.metrics import IngressSeries, Metrics
 from kvrelay.api.schema import ChatRequest, CompletionRequest, SamplingFields
 from kvrelay.api.templates import render_chat
-from kvrelay.router.cluster_router import ClusterRouter, Consumer
 from kvrelay.core.router.events import Outcome, Request
 from kvrelay.protocol.messages import Sampling
+from kvrelay.router.cluster_router import ClusterRouter, Consumer
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +75,7 @@ class Ingress:
         self.metrics = metrics
         self.serving = serving
         """Whether at least one live worker serves a model now."""
-        for tier in ("gpu", "ram", "ssd", "peer", "object"):  # counters exist from the start, at zero
-            metrics.inc("kvrelay_cached_tokens_total", 0, "prompt tokens served from cache", tier=tier)
-        metrics.inc("kvrelay_recomputed_tokens_total", 0, "prompt tokens computed")
-        metrics.inc("kvrelay_client_disconnects_total", 0, "requests cancelled by their client")
+        self.series = IngressSeries.register(metrics.registry)
 
     def model(self, name: str) -> ServedModel:
         served = self.models.get(name)
@@ -149,7 +146,7 @@ class Ingress:
             Consumer(lambda index, tokens: queue.put_nowait(("delta", tokens)),
                      lambda outcome: queue.put_nowait(("done", outcome))),
         )
-        self.metrics.inc("kvrelay_requests_total", help_="requests submitted", model=p.model.name)
+        self.series.requests.labels(model=p.model.name).inc()
         detok = IncrementalText(p.model.tokenizer)
         emitted = ""
         held = ""
@@ -163,10 +160,9 @@ class Ingress:
                     now = time.monotonic()
                     if first_token_at is None:
                         first_token_at = now
-                        self.metrics.observe("kvrelay_ttft_seconds", now - started, "time to first token")
+                        self.series.ttft.observe(now - started)
                     elif last_token_at is not None:
-                        self.metrics.observe("kvrelay_inter_token_seconds", now - last_token_at,
-                                             "time between tokens")
+                        self.series.inter_token.observe(now - last_token_at)
                     last_token_at = now
                     held += detok.push(payload)
                     text, stop_hit, held = _cut_at_stop(emitted, held, p.stop_strings)
@@ -182,8 +178,7 @@ class Ingress:
                 outcome: Outcome = payload
                 finished = True
                 if outcome.error and not outcome.tokens:
-                    self.metrics.inc("kvrelay_request_errors_total", help_="requests that failed",
-                                     reason=outcome.error.split(":", 1)[0])
+                    self.series.errors.labels(reason=outcome.error.split(":", 1)[0]).inc()
                     raise from_outcome_error(outcome.error, p.model.name)
                 held += detok.flush()
                 text, hit, rest = _cut_at_stop(emitted, held, p.stop_strings)
@@ -193,9 +188,8 @@ class Ingress:
                     yield TextDelta(text, ())
                 cached = sum(outcome.usage.cached_tokens.values())
                 for tier, n in outcome.usage.cached_tokens.items():
-                    self.metrics.inc("kvrelay_cached_tokens_total", n, "prompt tokens served from cache", tier=tier)
-                self.metrics.inc("kvrelay_recomputed_tokens_total", outcome.usage.recomputed_tokens,
-                                 "prompt tokens computed")
+                    self.series.cached_tokens.labels(tier=tier).inc(n)
+                self.series.recomputed_tokens.inc(outcome.usage.recomputed_tokens)
                 reason = "stop" if outcome.finish_reason == "stop" else (
                     "length" if outcome.finish_reason == "length" else outcome.finish_reason)
                 yield Final(reason, len(p.prompt), len(outcome.tokens), cached, _since(started, first_token_at))
@@ -203,7 +197,7 @@ class Ingress:
         finally:
             if not finished:
                 self.router.cancel(rid)
-                self.metrics.inc("kvrelay_client_disconnects_total", help_="requests cancelled by their client")
+                self.series.disconnects.inc()
 
 
 def _since(started: float, at: float | None) -> float | None:

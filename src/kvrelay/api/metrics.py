@@ -1,84 +1,101 @@
-"""Prometheus text exposition of the ingress's counters and histograms (no client library needed).
+"""The ingress's Prometheus metrics: one ``prometheus_client`` registry per app.
 
-``Metrics`` keeps monotonically growing counters and fixed-bucket histograms,
-keyed by name and label set; gauges are read at render time from callables,
-so ``/metrics`` always shows the pool's current pages.
+``Metrics`` owns a ``CollectorRegistry`` of its own (never the process-wide
+default one: several apps may live in one process); ``/metrics`` renders it
+with ``generate_latest``. What the ingress counts itself are ``prometheus_client``
+counters and histograms (``IngressSeries``). Values kept elsewhere are read at
+scrape time: by collectors registered on ``Metrics.registry`` (the router's,
+in ``api.router_metrics``) or by callables registered with ``Metrics.gauge``,
+so a scrape always shows current values and nothing is counted twice.
+
+Expositions carry no ``_created`` series; that is a process-wide setting of
+``prometheus_client``, turned off when this module is imported.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TIERS = ("gpu", "ram", "ssd", "peer", "object")
+"""The tiers a prompt token can be served from; their ``kvrelay_cached_tokens_total`` series exist from the start."""
 Labels = tuple[tuple[str, str], ...]
+Read = Callable[[], dict[Labels, float]]
+"""Series read at scrape time: value by label pairs (the same label names in every key)."""
+
+disable_created_metrics()
 
 
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    n: int = 0
+@dataclass(frozen=True, slots=True)
+class ReadGauge:
+    name: str
+    help: str
+    read: Read
 
-    def observe(self, value: float) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.buckets) + 1)
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.n += 1
+    def family(self) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(self.name, self.help)
+        for labels, value in sorted(self.read().items()):
+            family.add_sample(self.name, dict(labels), value)
+        return family
+
+
+class ReadGauges:
+    """A collector of the gauges registered with ``Metrics.gauge``: one family per name, in name order."""
+
+    def __init__(self) -> None:
+        self.gauges: dict[str, ReadGauge] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        for name in sorted(self.gauges):
+            yield self.gauges[name].family()
 
 
 class Metrics:
+    """One app's registry: the ingress's own series plus whatever is registered to be read at scrape time."""
+
     def __init__(self) -> None:
-        self.counters: dict[str, dict[Labels, float]] = {}
-        self.histograms: dict[str, dict[Labels, Histogram]] = {}
-        self.gauges: dict[str, Callable[[], dict[Labels, float]]] = {}
-        self.kinds: dict[str, str] = {}
-        self.help: dict[str, str] = {}
+        self.registry = CollectorRegistry()
+        self._gauges = ReadGauges()
+        self.registry.register(self._gauges)
 
-    def inc(self, name: str, value: float = 1.0, help_: str = "", **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        series = self.counters.setdefault(name, {})
-        series[key] = series.get(key, 0.0) + value
-        self.help.setdefault(name, help_)
-
-    def observe(self, name: str, value: float, help_: str = "", **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        self.histograms.setdefault(name, {}).setdefault(key, Histogram(LATENCY_BUCKETS)).observe(value)
-        self.help.setdefault(name, help_)
-
-    def gauge(self, name: str, read: Callable[[], dict[Labels, float]], help_: str = "", kind: str = "gauge") -> None:
-        """A series read at render time; ``kind="counter"`` for a monotonic count kept elsewhere."""
-        self.gauges[name] = read
-        self.help[name] = help_
-        self.kinds[name] = kind
-
-    def render(self) -> str:
-        lines: list[str] = []
-        for name, series in sorted(self.counters.items()):
-            lines += [f"# HELP {name} {self.help.get(name, '')}", f"# TYPE {name} counter"]
-            lines += [f"{name}{_fmt(labels)} {value:g}" for labels, value in sorted(series.items())]
-        for name, read in sorted(self.gauges.items()):
-            lines += [f"# HELP {name} {self.help.get(name, '')}", f"# TYPE {name} {self.kinds.get(name, 'gauge')}"]
-            lines += [f"{name}{_fmt(labels)} {value:g}" for labels, value in sorted(read().items())]
-        for name, hists in sorted(self.histograms.items()):
-            lines += [f"# HELP {name} {self.help.get(name, '')}", f"# TYPE {name} histogram"]
-            for labels, h in sorted(hists.items()):
-                running = 0
-                for bound, count in zip((*h.buckets, float("inf")), h.counts):
-                    running += count
-                    le = "+Inf" if bound == float("inf") else f"{bound:g}"
-                    lines.append(f"{name}_bucket{_fmt((*labels, ('le', le)))} {running}")
-                lines.append(f"{name}_sum{_fmt(labels)} {h.total:g}")
-                lines.append(f"{name}_count{_fmt(labels)} {h.n}")
-        return "\n".join(lines) + "\n"
+    def gauge(self, name: str, read: Read, help_: str = "") -> None:
+        """A gauge whose series ``read`` returns at each scrape; registering a name again replaces it."""
+        self._gauges.gauges[name] = ReadGauge(name, help_, read)
 
 
-def _fmt(labels: Labels) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                     for k, v in labels)
-    return "{" + inner + "}"
+@dataclass(frozen=True, slots=True)
+class IngressSeries:
+    """The series the ingress counts itself, registered on one registry (once per registry)."""
+
+    requests: Counter
+    """Requests submitted, by ``model``."""
+    errors: Counter
+    """Requests that failed, by ``reason``."""
+    cached_tokens: Counter
+    """Prompt tokens served from cache, by ``tier``."""
+    recomputed_tokens: Counter
+    disconnects: Counter
+    ttft: Histogram
+    inter_token: Histogram
+
+    @classmethod
+    def register(cls, registry: CollectorRegistry) -> IngressSeries:
+        series = cls(
+            requests=Counter("kvrelay_requests_total", "requests submitted", ["model"], registry=registry),
+            errors=Counter("kvrelay_request_errors_total", "requests that failed", ["reason"], registry=registry),
+            cached_tokens=Counter("kvrelay_cached_tokens_total", "prompt tokens served from cache", ["tier"],
+                                  registry=registry),
+            recomputed_tokens=Counter("kvrelay_recomputed_tokens_total", "prompt tokens computed", registry=registry),
+            disconnects=Counter("kvrelay_client_disconnects_total", "requests cancelled by their client",
+                                registry=registry),
+            ttft=Histogram("kvrelay_ttft_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=registry),
+            inter_token=Histogram("kvrelay_inter_token_seconds", "time between tokens", buckets=LATENCY_BUCKETS,
+                                  registry=registry),
+        )
+        for tier in TIERS:
+            series.cached_tokens.labels(tier=tier)
+        return series

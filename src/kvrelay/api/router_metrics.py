@@ -3,53 +3,75 @@ what each live worker's last heartbeat says of its pages and chunk store.
 
 Counters come from ``RouterState.counters`` (the pure router counts; nothing
 here counts twice); per-worker gauges come from heartbeats, so they are as
-fresh as the last heartbeat (0.5 s by default).
+fresh as the last heartbeat (0.5 s by default). Both are read at scrape time
+by ``RouterCollector``.
 """
 
 from __future__ import annotations
 
-from kvrelay.api.metrics import Labels, Metrics
+from collections.abc import Iterator
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvrelay.api.metrics import Metrics
 from kvrelay.router.cluster_router import ClusterRouter
 
 OUTCOME_COUNTERS = {"accepted": "accepted", "declined": "declines", "timed_out": "offer_timeouts",
                     "worker_lost": "worker_lost_assignments", "no_progress": "progress_timeouts"}
+PAGE_STATES = ("free", "cached", "in_use", "reserved")
+
+
+class RouterCollector:
+    """Yields the router's series from ``router.state`` at each scrape (``worker_pages``: also the page gauges)."""
+
+    def __init__(self, router: ClusterRouter, worker_pages: bool) -> None:
+        self.router = router
+        self.worker_pages = worker_pages
+
+    def collect(self) -> Iterator[Metric]:
+        counters = self.router.state.counters
+        decisions = CounterMetricFamily("kvrelay_routing_decisions_total", "offers sent, and how they ended",
+                                        labels=["outcome"])
+        for outcome, counter in OUTCOME_COUNTERS.items():
+            decisions.add_metric([outcome], counters.get(counter, 0))
+        decisions.add_metric(["offered"], counters.get("offers", 0))
+        yield decisions
+        yield _by_prefix(counters, "kvrelay_declines_total", "declined offers by reason", "declined_", "reason")
+        yield CounterMetricFamily("kvrelay_retries_total", "attempts after the first", value=counters.get("retries", 0))
+        yield CounterMetricFamily("kvrelay_stale_messages_dropped_total", "messages of a stale attempt, dropped",
+                                  value=counters.get("stale_dropped", 0))
+        yield _by_prefix(counters, "kvrelay_requests_finished_total", "requests ended, by finish reason",
+                         "finished_", "reason")
+        views = self.router.state.views
+        yield GaugeMetricFamily("kvrelay_workers_live", "live workers", value=len(views))
+        if self.worker_pages:
+            pages = {state: GaugeMetricFamily(f"kvrelay_pages_{state}",
+                                              f"pages {state.replace('_', ' ')} per worker, from its last heartbeat",
+                                              labels=["worker"]) for state in PAGE_STATES}
+            for wid, view in sorted(views.items()):
+                hb = view.heartbeat
+                in_use = max(0, hb.pages_total - hb.pages_free - hb.pages_evictable - hb.pages_reserved)
+                for state, value in (("free", hb.pages_free), ("cached", hb.pages_evictable), ("in_use", in_use),
+                                     ("reserved", hb.pages_reserved)):
+                    pages[state].add_metric([wid], value)
+            yield from pages.values()
+        store = GaugeMetricFamily("kvrelay_chunk_store_bytes",
+                                  "bytes held per chunk tier per worker, from its last heartbeat",
+                                  labels=["worker", "tier"])
+        for wid, view in sorted(views.items()):
+            for tier, n in sorted(view.heartbeat.chunk_bytes_by_tier.items()):
+                store.add_metric([wid, tier], n)
+        yield store
+
+
+def _by_prefix(counters: dict[str, int], name: str, help_: str, prefix: str, label: str) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, help_, labels=[label])
+    for key, value in sorted(counters.items()):
+        if key.startswith(prefix):
+            family.add_metric([key[len(prefix):]], value)
+    return family
 
 
 def add_router_metrics(metrics: Metrics, router: ClusterRouter, worker_pages: bool = True) -> None:
-    """Register the router's gauges on ``metrics`` (``worker_pages``: also the per-worker page gauges)."""
-
-    def counters() -> dict[str, int]:
-        return router.state.counters
-
-    def by_prefix(prefix: str, label: str) -> dict[Labels, float]:
-        return {((label, k[len(prefix):]),): v for k, v in counters().items() if k.startswith(prefix)}
-
-    metrics.gauge("kvrelay_routing_decisions_total",
-                  lambda: {(("outcome", o),): counters().get(c, 0) for o, c in OUTCOME_COUNTERS.items()}
-                  | {(("outcome", "offered"),): counters().get("offers", 0)},
-                  "offers sent, and how they ended", "counter")
-    metrics.gauge("kvrelay_declines_total", lambda: by_prefix("declined_", "reason"), "declined offers by reason", "counter")
-    metrics.gauge("kvrelay_retries_total", lambda: {(): counters().get("retries", 0)}, "attempts after the first", "counter")
-    metrics.gauge("kvrelay_stale_messages_dropped_total", lambda: {(): counters().get("stale_dropped", 0)},
-                  "messages of a stale attempt, dropped", "counter")
-    metrics.gauge("kvrelay_requests_finished_total", lambda: by_prefix("finished_", "reason"),
-                  "requests ended, by finish reason", "counter")
-    metrics.gauge("kvrelay_workers_live", lambda: {(): len(router.state.views)}, "live workers")
-
-    def per_worker(read: str) -> dict[Labels, float]:
-        out: dict[Labels, float] = {}
-        for wid, view in router.state.views.items():
-            hb = view.heartbeat
-            values = {"free": hb.pages_free, "cached": hb.pages_evictable, "reserved": hb.pages_reserved,
-                      "in_use": max(0, hb.pages_total - hb.pages_free - hb.pages_evictable - hb.pages_reserved)}
-            out[(("worker", wid),)] = values[read]
-        return out
-
-    if worker_pages:
-        for state in ("free", "cached", "in_use", "reserved"):
-            metrics.gauge(f"kvrelay_pages_{state}", lambda s=state: per_worker(s),
-                          f"pages {state.replace('_', ' ')} per worker, from its last heartbeat")
-    metrics.gauge("kvrelay_chunk_store_bytes",
-                  lambda: {(("worker", w), ("tier", t)): n for w, v in router.state.views.items()
-                           for t, n in v.heartbeat.chunk_bytes_by_tier.items()},
-                  "bytes held per chunk tier per worker, from its last heartbeat")
+    """Register the router's series on ``metrics`` (``worker_pages``: also the per-worker page gauges)."""
+    metrics.registry.register(RouterCollector(router, worker_pages))
