@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
-import sys
 import time
 
-
 from kvrelay.bench.report import Figure, report  # noqa: E402
-
-from kvrelay.protocol.messages import Assignment, Offer, RouteSegment  # noqa: E402
 from kvrelay.protocol.chunk_keys import prompt_chain  # noqa: E402
+from kvrelay.protocol.messages import Assignment, Offer, RouteSegment  # noqa: E402
 from kvrelay.worker.admission import WorkerIdentity, admit  # noqa: E402
 from kvrelay.worker.page_pool import PagePool  # noqa: E402
 
@@ -32,11 +28,21 @@ def fill(pool: PagePool, rng: random.Random, prompts: list[tuple[int, ...]]) -> 
     """Write every prompt's chunks into the pool and leave them cached."""
     for i, prompt in enumerate(prompts):
         chain = prompt_chain(ME.fingerprint, prompt, 64)
-        result = admit(pool, ME, Offer(assignment=Assignment(f"fill{i}", 1), worker_id="w0", epoch=1, model="m",
-                                       prompt=prompt, max_new_tokens=1))
+        result = admit(
+            pool,
+            ME,
+            Offer(
+                assignment=Assignment(f"fill{i}", 1),
+                worker_id="w0",
+                epoch=1,
+                model="m",
+                prompt=prompt,
+                max_new_tokens=1,
+            ),
+        )
         if not result.accepted:
             continue
-        fresh = chain[len(result.prefix):]
+        fresh = chain[len(result.prefix) :]
         pages = pool.take(result.reservation, len(fresh) * 4)
         for j, key in enumerate(fresh):
             pool.register(key, pages[j * 4 : (j + 1) * 4])
@@ -54,8 +60,11 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     docs = [tuple(rng.randrange(1, 50_000) for _ in range(64 * 40 + 1)) for _ in range(1400)]
-    prompts = [doc[: 64 * rng.randrange(4, 40) + 1] + tuple(rng.randrange(1, 50_000) for _ in range(100))
-               for doc in docs for _ in range(2)]
+    prompts = [
+        doc[: 64 * rng.randrange(4, 40) + 1] + tuple(rng.randrange(1, 50_000) for _ in range(100))
+        for doc in docs
+        for _ in range(2)
+    ]
     pool = PagePool(PAGES)
     fill(pool, rng, prompts)
     # The prepared prompts are the benchmark's input: keep the cyclic GC from re-scanning them.
@@ -66,8 +75,15 @@ def main() -> None:
     for i in range(args.offers):
         prompt = prompts[rng.randrange(len(prompts))]
         resident = len(pool.resident_prefix(prompt_chain(ME.fingerprint, prompt, 64)))
-        offer = Offer(assignment=Assignment(f"r{i}", 1), worker_id="w0", epoch=1, model="m", prompt=prompt,
-                      max_new_tokens=256, route=(RouteSegment("gpu", resident),) if resident else ())
+        offer = Offer(
+            assignment=Assignment(f"r{i}", 1),
+            worker_id="w0",
+            epoch=1,
+            model="m",
+            prompt=prompt,
+            max_new_tokens=256,
+            route=(RouteSegment("gpu", resident),) if resident else (),
+        )
         t0 = time.perf_counter()
         result = admit(pool, ME, offer)
         lat.append(time.perf_counter() - t0)

@@ -37,10 +37,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,13 +49,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 import httpx
+
 from kvrelay.bench.report import Figure, report
 from kvrelay.testing.ports import free_port
 
-WORDS = ("paris", "rome", "cache", "page", "router", "worker", "token", "prefix", "chunk", "decode", "prefill",
-         "quick", "brown", "fox", "lazy", "dog", "hello", "world", "attention", "state", "fixed", "size")
+WORDS = (
+    "paris",
+    "rome",
+    "cache",
+    "page",
+    "router",
+    "worker",
+    "token",
+    "prefix",
+    "chunk",
+    "decode",
+    "prefill",
+    "quick",
+    "brown",
+    "fox",
+    "lazy",
+    "dog",
+    "hello",
+    "world",
+    "attention",
+    "state",
+    "fixed",
+    "size",
+)
 POOL = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=2.0)
 """Idle connections expire before uvicorn's 5 s keep-alive, so no request races a server-side close."""
 Ttft = Callable[[int], Awaitable[float]]
@@ -77,16 +97,16 @@ def pct(values: list[float], q: float) -> float:
 
 # --- the paths -----------------------------------------------------------------------------
 
+
 def router_ttft(parts: Any, max_tokens: int) -> Ttft:
     """Requests straight to the embedded ``ClusterRouter`` of ``parts``, shaped exactly as the ingress shapes them."""
     from kvrelay.api.detokenize import IncrementalText
     from kvrelay.api.schema import CompletionRequest
-    from kvrelay.router.cluster_router import Consumer
     from kvrelay.core.router.events import Outcome, Request
+    from kvrelay.router.cluster_router import Consumer
 
     async def one(index: int) -> float:
-        body = CompletionRequest(model=parts.served.name, prompt=prompt(index), max_tokens=max_tokens,
-                                 temperature=0.0)
+        body = CompletionRequest(model=parts.served.name, prompt=prompt(index), max_tokens=max_tokens, temperature=0.0)
         p = parts.ingress.prepare_completion(body)
         done: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         detok = IncrementalText(p.model.tokenizer)
@@ -101,8 +121,10 @@ def router_ttft(parts: Any, max_tokens: int) -> Ttft:
             done.set_result(outcome)
 
         started = time.perf_counter()
-        parts.router.submit(Request(f"bench-{index}-{started}", p.model.name, tuple(p.prompt), p.max_tokens,
-                                    p.sampling), Consumer(on_delta, on_result))
+        parts.router.submit(
+            Request(f"bench-{index}-{started}", p.model.name, tuple(p.prompt), p.max_tokens, p.sampling),
+            Consumer(on_delta, on_result),
+        )
         outcome = await done
         if outcome.error:
             raise RuntimeError(f"request {index} failed: {outcome.error}")
@@ -129,6 +151,7 @@ async def open_loop(one: Ttft, rate: float, step_s: float, first_index: int) -> 
 
 # --- subprocesses ---------------------------------------------------------------------------
 
+
 async def serve_kvrelay(model_dir: Path, max_tokens: int, lanes: int, port: int, db_url: str) -> None:
     """The app of ``kvrelay serve`` on uvicorn (access log off, as sglang-router logs warnings only), plus two
     bench-only routes that run the ``router`` path in this same process: ``/bench/router`` (a list of request
@@ -138,8 +161,9 @@ async def serve_kvrelay(model_dir: Path, max_tokens: int, lanes: int, port: int,
     from kvrelay.launch.serve import ServeOptions, embedded
     from kvrelay.launch.worker_assembly import WorkerSettings
 
-    worker = WorkerSettings("local-0", model=str(model_dir), dtype="float32", kv_tokens=32768, lanes=lanes,
-                            token_budget=2048)
+    worker = WorkerSettings(
+        "local-0", model=str(model_dir), dtype="float32", kv_tokens=32768, lanes=lanes, token_budget=2048
+    )
     options = ServeOptions(port=port, db_url=db_url, worker=worker)
     async with embedded(options) as parts:
         app = parts.app
@@ -175,12 +199,18 @@ def proxy_app(upstream: str) -> Callable[..., Awaitable[None]]:
             message = await receive()
             body, more = body + message.get("body", b""), message.get("more_body", False)
         target = scope["path"] + ("?" + scope["query_string"].decode() if scope["query_string"] else "")
-        request = client.build_request(scope["method"], target, content=body,
-                                       headers=[(k, v) for k, v in scope["headers"] if k.lower() not in hop])
+        request = client.build_request(
+            scope["method"], target, content=body, headers=[(k, v) for k, v in scope["headers"] if k.lower() not in hop]
+        )
         response = await client.send(request, stream=True)
         try:
-            await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in hop]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in hop],
+                }
+            )
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -223,6 +253,7 @@ async def until_ready(url: str, model: str, proc: subprocess.Popen[bytes], log: 
 
 # --- load shapes ----------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Route:
     """One path's three load shapes: one request, a burst of requests at once, an open-loop rate step."""
@@ -235,6 +266,7 @@ class Route:
 
 def http_route(name: str, base_url: str, model: str, max_tokens: int, client: httpx.AsyncClient) -> Route:
     """Streaming completions over HTTP; TTFT is the request sent to the first SSE chunk."""
+
     async def one(index: int) -> float:
         body = {"model": model, "prompt": prompt(index), "max_tokens": max_tokens, "temperature": 0, "stream": True}
         started = time.perf_counter()
@@ -260,6 +292,7 @@ def http_route(name: str, base_url: str, model: str, max_tokens: int, client: ht
 
 def router_route(base_url: str, client: httpx.AsyncClient) -> Route:
     """The ``router`` path, run inside the kvrelay server process through its bench-only routes."""
+
     async def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
         response = await client.post(base_url + path, json=body)
         response.raise_for_status()
@@ -324,9 +357,15 @@ async def measure(routes: list[Route], args: argparse.Namespace) -> dict[str, Pa
             else:
                 failing[r.name] = 0
                 res.max_rate = rate
-        print(f"ramp {rate:.3g} req/s: " + ", ".join(
-            f"{name} p99 {results[name].ramp[-1][1] * 1000:.3g} ms" for name in results  # type: ignore[index]
-            if results[name].ramp and results[name].ramp[-1][0] == rate), flush=True)
+        print(
+            f"ramp {rate:.3g} req/s: "
+            + ", ".join(
+                f"{name} p99 {results[name].ramp[-1][1] * 1000:.3g} ms"
+                for name in results  # type: ignore[index]
+                if results[name].ramp and results[name].ramp[-1][0] == rate
+            ),
+            flush=True,
+        )
         rate *= 1.5
     return results
 
@@ -339,13 +378,38 @@ async def run_bench(args: argparse.Namespace) -> list[Figure]:
     model = model_dir.name
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    server_argv = [sys.executable, __file__, "--serve-kvrelay", str(port), "--model-dir", str(model_dir),
-                   "--max-tokens", str(args.max_tokens), "--lanes", str(args.lanes),
-                   "--db-url", f"sqlite:///{work}/facts.sqlite3"]
+    server_argv = [
+        sys.executable,
+        __file__,
+        "--serve-kvrelay",
+        str(port),
+        "--model-dir",
+        str(model_dir),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--lanes",
+        str(args.lanes),
+        "--db-url",
+        f"sqlite:///{work}/facts.sqlite3",
+    ]
     sglang = args.sglang_router or shutil.which("sglang-router") or "/tmp/sgr-venv/bin/sglang-router"
-    fronts = {"sglang-router": [sglang, "launch", "--host", "127.0.0.1", "--port", "{port}", "--worker-urls", base,
-                                "--policy", "round_robin", "--log-level", "warn"],
-              "proxy": [sys.executable, __file__, "--serve-proxy", "{port}", "--upstream", base]}
+    fronts = {
+        "sglang-router": [
+            sglang,
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            "--worker-urls",
+            base,
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "warn",
+        ],
+        "proxy": [sys.executable, __file__, "--serve-proxy", "{port}", "--upstream", base],
+    }
     if not Path(sglang).exists():
         print(f"sglang-router not found at {sglang}: that baseline is left out", flush=True)
         del fronts["sglang-router"]
@@ -370,12 +434,16 @@ def figures(results: dict[str, PathResult], args: argparse.Namespace) -> list[Fi
     p50_1 = {k: statistics.median(r.c1) * ms for k, r in results.items()}
     p50_c = {k: statistics.median(r.burst) * ms for k, r in results.items()}
     c = f"c{args.concurrency}"
-    print(f"\n{'path':<14} {'ttft p50 c1':>12} {'p99 c1':>9} {'p50 ' + c:>9} {'p99 ' + c:>9} {'max rate':>9}  ramp "
-          "(req/s: p99 ms)")
+    print(
+        f"\n{'path':<14} {'ttft p50 c1':>12} {'p99 c1':>9} {'p50 ' + c:>9} {'p99 ' + c:>9} {'max rate':>9}  ramp "
+        "(req/s: p99 ms)"
+    )
     for k, r in results.items():
         ramp = ", ".join(f"{rate:.3g}: {p99 * ms:.3g}" for rate, p99 in r.ramp or [])
-        print(f"{k:<14} {p50_1[k]:>12.3f} {pct(r.c1, 0.99) * ms:>9.3f} {p50_c[k]:>9.3f} "
-              f"{pct(r.burst, 0.99) * ms:>9.3f} {r.max_rate:>9.3g}  {ramp}")
+        print(
+            f"{k:<14} {p50_1[k]:>12.3f} {pct(r.c1, 0.99) * ms:>9.3f} {p50_c[k]:>9.3f} "
+            f"{pct(r.burst, 0.99) * ms:>9.3f} {r.max_rate:>9.3g}  {ramp}"
+        )
     http = results["kvrelay-http"]
     out = [Figure(f"{k}_ttft_p50_c1_ms", p50_1[k], "ms") for k in results]
     out += [Figure(f"{k}_ttft_p50_c{args.concurrency}_ms", p50_c[k], "ms") for k in results]
@@ -387,15 +455,37 @@ def figures(results: dict[str, PathResult], args: argparse.Namespace) -> list[Fi
         suffix = "" if hop == "sglang-router" else "_vs_proxy"
         label = "sglang-router hop" if hop == "sglang-router" else "uvicorn pass-through proxy hop"
         out += [
-            Figure(f"http_added_ttft_p50_c1_ms{suffix}", added_1, "ms", f"{label} (added TTFT p50, c1)",
-                   p50_1[hop] - p50_1["kvrelay-http"]),
-            Figure(f"http_added_ttft_p50_c{args.concurrency}_ms{suffix}", added_c, "ms",
-                   f"{label} (added TTFT p50, c{args.concurrency})", p50_c[hop] - p50_c["kvrelay-http"]),
-            Figure(f"http_max_rate_p99x2_rps{suffix}", http.max_rate, "req/s",
-                   f"{hop} in front of kvrelay-http (max rate)", results[hop].max_rate),
+            Figure(
+                f"http_added_ttft_p50_c1_ms{suffix}",
+                added_1,
+                "ms",
+                f"{label} (added TTFT p50, c1)",
+                p50_1[hop] - p50_1["kvrelay-http"],
+            ),
+            Figure(
+                f"http_added_ttft_p50_c{args.concurrency}_ms{suffix}",
+                added_c,
+                "ms",
+                f"{label} (added TTFT p50, c{args.concurrency})",
+                p50_c[hop] - p50_c["kvrelay-http"],
+            ),
+            Figure(
+                f"http_max_rate_p99x2_rps{suffix}",
+                http.max_rate,
+                "req/s",
+                f"{hop} in front of kvrelay-http (max rate)",
+                results[hop].max_rate,
+            ),
         ]
-    out.append(Figure("http_max_rate_p99x2_rps_vs_router", http.max_rate, "req/s",
-                      "in-process router, no HTTP (max rate)", results["router"].max_rate))
+    out.append(
+        Figure(
+            "http_max_rate_p99x2_rps_vs_router",
+            http.max_rate,
+            "req/s",
+            "in-process router, no HTTP (max rate)",
+            results["router"].max_rate,
+        )
+    )
     return out
 
 
@@ -425,16 +515,20 @@ def main() -> int:
     if args.serve_proxy is not None:
         import uvicorn
 
-        uvicorn.run(proxy_app(args.upstream), host="127.0.0.1", port=args.serve_proxy, log_level="warning",
-                    access_log=False)
+        uvicorn.run(
+            proxy_app(args.upstream), host="127.0.0.1", port=args.serve_proxy, log_level="warning", access_log=False
+        )
         return 0
     if args.quick:
         args.sequential, args.bursts, args.warmup, args.step_s, args.max_rate = 10, 1, 2, 1.0, 40.0
         args.concurrency = min(args.concurrency, 16)
         args.max_tokens = min(args.max_tokens, 4)
     figs = asyncio.run(run_bench(args))
-    report(f"HTTP layer added latency (tiny gemma3, {args.max_tokens} new tokens, c1 and c{args.concurrency})",
-           figs, args.json)
+    report(
+        f"HTTP layer added latency (tiny gemma3, {args.max_tokens} new tokens, c1 and c{args.concurrency})",
+        figs,
+        args.json,
+    )
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,15 +24,13 @@ from pathlib import Path
 
 import torch
 
-
 from kvrelay.bench.report import Figure, report  # noqa: E402
-
 from kvrelay.models.kernels.kv_pages import KVPages  # noqa: E402
 from kvrelay.models.loading.loader import load_artifacts  # noqa: E402
 from kvrelay.models.registry import build_model  # noqa: E402
+from kvrelay.protocol.chunk_keys import chunk_chain  # noqa: E402
 from kvrelay.store.chunk_format import encode_chunk  # noqa: E402
 from kvrelay.store.files import SsdTier  # noqa: E402
-from kvrelay.protocol.chunk_keys import chunk_chain  # noqa: E402
 from kvrelay.store.ram import RamTier  # noqa: E402
 from kvrelay.store.tier import ChunkTier  # noqa: E402
 from kvrelay.worker.chunk_io import gather_chunk, scatter_chunk  # noqa: E402
@@ -120,8 +117,15 @@ def main() -> None:
         print(f"{p:>7} {c:>12.4f} " + " ".join(f"{warm_s[n]:>10.4f}" for n in tiers))
     for name in tiers:
         wins = [p for p, c, warm_s in rows if warm_s[name] < c]
-        figures.append(Figure(f"break_even_{name}_tokens", min(wins) if wins else float("inf"), "tokens",
-                              "measured lengths", lengths[-1]))
+        figures.append(
+            Figure(
+                f"break_even_{name}_tokens",
+                min(wins) if wins else float("inf"),
+                "tokens",
+                "measured lengths",
+                lengths[-1],
+            )
+        )
     runtime.close()
     stack.close()
     tmp.cleanup()

@@ -103,16 +103,21 @@ def background_load(args: argparse.Namespace) -> None:
     from kvrelay.worker.runtime.jobs import Job
 
     torch.set_num_threads(args.threads)
-    with Engine.open(args.model, args.dtype, EngineOptions(kv_tokens=16384, num_lanes=args.lanes,
-                                                           token_budget=args.token_budget)) as engine:
+    with Engine.open(
+        args.model, args.dtype, EngineOptions(kv_tokens=16384, num_lanes=args.lanes, token_budget=args.token_budget)
+    ) as engine:
         vocab = engine.artifacts.config.vocab_size
         print("background load ready", flush=True)
         salt = 0
         while True:
             started = time.perf_counter()
             pages = [engine.allocate_pages(512 + 16) for _ in range(4)]
-            handles = [engine.runtime.submit(Job(tuple(prompt(512, 10_000 + salt + i, vocab)), tuple(p),
-                                                 max_new_tokens=16, sampling=Sampling())) for i, p in enumerate(pages)]
+            handles = [
+                engine.runtime.submit(
+                    Job(tuple(prompt(512, 10_000 + salt + i, vocab)), tuple(p), max_new_tokens=16, sampling=Sampling())
+                )
+                for i, p in enumerate(pages)
+            ]
             for h, p in zip(handles, pages):
                 h.result(600)
                 engine.free_pages(p)
@@ -124,10 +129,22 @@ def background_load(args: argparse.Namespace) -> None:
 def start_co_runners(args: argparse.Namespace) -> list:
     import subprocess
 
-    argv = [sys.executable, __file__, "--background-load", "--threads", str(args.threads), "--dtype", args.dtype,
-            "--co-runner-duty", str(args.co_runner_duty),
-            "--lanes", str(args.lanes), "--token-budget", str(args.token_budget),
-            *(["--model", args.model] if args.model else [])]
+    argv = [
+        sys.executable,
+        __file__,
+        "--background-load",
+        "--threads",
+        str(args.threads),
+        "--dtype",
+        args.dtype,
+        "--co-runner-duty",
+        str(args.co_runner_duty),
+        "--lanes",
+        str(args.lanes),
+        "--token-budget",
+        str(args.token_budget),
+        *(["--model", args.model] if args.model else []),
+    ]
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(args.co_runners)]
     for p in procs:
         assert p.stdout is not None
@@ -175,8 +192,11 @@ def toml_text(values: dict, measured: dict) -> str:
             return "[" + ", ".join(fmt(x) for x in v) + "]"
         return str(v)
 
-    lines = ["# Measured costs of one kvrelay worker on this machine, for `kvrelay sim --calibration` (issue 9).",
-             "# Written by bench/calibrate.py; see its docstring for how each figure is measured.", ""]
+    lines = [
+        "# Measured costs of one kvrelay worker on this machine, for `kvrelay sim --calibration` (issue 9).",
+        "# Written by bench/calibrate.py; see its docstring for how each figure is measured.",
+        "",
+    ]
     lines += [f"{k} = {fmt(v)}" for k, v in values.items() if not isinstance(v, dict)]
     for section in ("worker", "network"):
         table = values.get(section, {})
@@ -212,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from kvrelay.models.loading.loader import load_artifacts
     from kvrelay.bench.trace.faces import sched_of
+    from kvrelay.models.loading.loader import load_artifacts
     from kvrelay.worker.runtime.engine import Engine, EngineOptions, parse_dtype
     from kvrelay.worker.runtime.torch_threads import confine_threads
 
@@ -223,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     artifacts = load_artifacts(args.model, dtype=dtype)
     cfg = artifacts.config
     vocab = cfg.vocab_size
-    options = EngineOptions(kv_tokens=max(args.kv_tokens // 4, 16384), num_lanes=args.lanes,
-                            token_budget=args.token_budget)
+    options = EngineOptions(
+        kv_tokens=max(args.kv_tokens // 4, 16384), num_lanes=args.lanes, token_budget=args.token_budget
+    )
     lengths = [n for n in (64, 128, 256, 384, 512) if n <= args.token_budget]
     co_runners = start_co_runners(args)
     sched_before = sched_of(os.getpid())
@@ -254,25 +275,40 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU availability while measuring: {run / (run + wait):.2f} (ran {run:.1f} s, waited {wait:.1f} s)")
     print("restore bytes/s:", {k: f"{v:.3g}" for k, v in rates.items()} or "none (no restore.json)")
     values: dict = {
-        "workers": args.workers, "model": artifacts.name,
+        "workers": args.workers,
+        "model": artifacts.name,
         "kv_bytes_per_token": cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8),
-        "page_tokens": 16, "chunk_tokens": 64, "heartbeat_interval_s": 0.5, "object_write_through": False,
+        "page_tokens": 16,
+        "chunk_tokens": 64,
+        "heartbeat_interval_s": 0.5,
+        "object_write_through": False,
         "worker": {
-            "gpu_kv_tokens": args.kv_tokens, "max_lanes": args.lanes, "prefill_s_per_token": slope,
+            "gpu_kv_tokens": args.kv_tokens,
+            "max_lanes": args.lanes,
+            "prefill_s_per_token": slope,
             "prefill_forward_s": max(0.0, intercept),
-            "prefill_chunk_tokens": args.token_budget, "decode_step_s": table[0], "decode_step_s_per_lane": 0.0,
-            "decode_step_table_s": table, "context_limit": cfg.max_position_embeddings,
+            "prefill_chunk_tokens": args.token_budget,
+            "decode_step_s": table[0],
+            "decode_step_s_per_lane": 0.0,
+            "decode_step_table_s": table,
+            "context_limit": cfg.max_position_embeddings,
             **({"restore_bytes_per_s": rates} if rates else {}),
         },
     }
     measured = {
         "command": ("bench/calibrate.py " + " ".join(argv if argv is not None else sys.argv[1:])).replace(
-            str(ROOT) + os.sep, ""),
+            str(ROOT) + os.sep, ""
+        ),
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus".strip(),
-        "torch": torch.__version__, "dtype": args.dtype, "threads": args.threads,
-        "prefill_ttft_s": [ttft[n] for n in lengths], "prefill_lengths": lengths,
-        "decode_batches": batches, "decode_context_tokens": args.decode_context, "co_runners": args.co_runners,
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "prefill_ttft_s": [ttft[n] for n in lengths],
+        "prefill_lengths": lengths,
+        "decode_batches": batches,
+        "decode_context_tokens": args.decode_context,
+        "co_runners": args.co_runners,
         "co_runner_duty": args.co_runner_duty,
         "cpu_availability": run / (run + wait) if run + wait > 0 else 1.0,
         "restore_source": str(args.restore_json.relative_to(ROOT)) if rates else "none",

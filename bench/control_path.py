@@ -41,12 +41,10 @@ import tempfile
 import time
 from pathlib import Path
 
-
-from kvrelay.bench.report import Figure, report
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve
 
-from kvrelay.router.cluster_router import ClusterRouter, Consumer
+from kvrelay.bench.report import Figure, report
 from kvrelay.core.router.events import Outcome, Request
 from kvrelay.core.router.machine import RouterConfig, new_router
 from kvrelay.protocol.messages import (
@@ -57,6 +55,7 @@ from kvrelay.protocol.messages import (
     OfferResult,
     Result,
 )
+from kvrelay.router.cluster_router import ClusterRouter, Consumer
 from kvrelay.transport.auth import load_secret
 from kvrelay.transport.router_endpoint import RouterEndpoint
 from kvrelay.transport.worker_endpoint import Reply, WorkerEndpoint
@@ -81,9 +80,18 @@ class ImmediateHost:
 
     def heartbeat(self) -> Heartbeat:
         self.seq += 1
-        return Heartbeat(worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, models=("m",),
-                         pages_total=100_000, pages_free=100_000, max_lanes=64, prefill_s_per_token=1e-5,
-                         decode_s_per_token=1e-3, context_limit=100_000)
+        return Heartbeat(
+            worker_id=self.worker_id,
+            epoch=self.epoch,
+            seq=self.seq,
+            models=("m",),
+            pages_total=100_000,
+            pages_free=100_000,
+            max_lanes=64,
+            prefill_s_per_token=1e-5,
+            decode_s_per_token=1e-3,
+            context_limit=100_000,
+        )
 
     def on_offer(self, offer: Offer, reply: Reply) -> None:
         offer_at = time.monotonic()
@@ -125,6 +133,7 @@ async def worker_process(url: str, worker_id: str, deltas: int, interval_s: floa
 
 async def echo_process() -> None:
     """A bare websockets echo: answers each stamp with (receive time, send time)."""
+
     async def echo(connection) -> None:  # type: ignore[no-untyped-def]
         async for frame in connection:
             received = time.monotonic()
@@ -160,8 +169,9 @@ async def measure_echo(port: int, count: int, rate: float) -> tuple[list[float],
     return out, back
 
 
-async def drive(router: ClusterRouter, count: int, rate: float, prefix: str, deltas: int
-                ) -> tuple[dict[str, float], dict[str, list[float]], list[Outcome]]:
+async def drive(
+    router: ClusterRouter, count: int, rate: float, prefix: str, deltas: int
+) -> tuple[dict[str, float], dict[str, list[float]], list[Outcome]]:
     """Submit ``count`` requests open-loop at ``rate``; arrival and per-delta receive stamps, outcomes."""
     arrivals: dict[str, float] = {}
     received: dict[str, list[float]] = {}
@@ -203,9 +213,18 @@ async def router_process(args: argparse.Namespace) -> list[Figure]:
     await endpoint.start(router)
     router.start()
     tmp = Path(tempfile.mkdtemp(prefix="kvrelay-control-path-"))
-    children = [spawn("--worker-process", endpoint.url, f"w{i}", str(tmp / f"w{i}.json"), str(args.deltas),
-                      str(args.delta_interval_ms / 1e3), env=env)
-                for i in range(args.workers)]
+    children = [
+        spawn(
+            "--worker-process",
+            endpoint.url,
+            f"w{i}",
+            str(tmp / f"w{i}.json"),
+            str(args.deltas),
+            str(args.delta_interval_ms / 1e3),
+            env=env,
+        )
+        for i in range(args.workers)
+    ]
     echo = spawn("--echo-process", env=env)
     try:
         await endpoint.wait_until(lambda: len(endpoint.table.routes) == args.workers, 60)
@@ -214,8 +233,8 @@ async def router_process(args: argparse.Namespace) -> list[Figure]:
         await drive(router, args.warmup, args.rate, "warm", args.deltas)
         # The baseline runs alongside, at the same rate, so both see the same machine load.
         (arrivals, received, outcomes), (echo_out, echo_back) = await asyncio.gather(
-            drive(router, args.requests, args.rate, "r", args.deltas),
-            measure_echo(echo_port, args.requests, args.rate))
+            drive(router, args.requests, args.rate, "r", args.deltas), measure_echo(echo_port, args.requests, args.rate)
+        )
     finally:
         for child in [*children, echo]:
             child.send_signal(signal.SIGTERM)
@@ -226,20 +245,22 @@ async def router_process(args: argparse.Namespace) -> list[Figure]:
     by_worker = [json.loads((tmp / f"w{i}.json").read_text()) for i in range(args.workers)]
     stamps: dict[str, dict[str, object]] = {rid: s for worker in by_worker for rid, s in worker.items()}
     offer_s = [float(stamps[rid]["offer_at"]) - arrivals[rid] for rid in arrivals]  # type: ignore[arg-type]
-    delta_s = [got - sent for rid in arrivals
-               for got, sent in zip(received[rid], stamps[rid]["delta_sent"])]  # type: ignore[arg-type]
+    delta_s = [got - sent for rid in arrivals for got, sent in zip(received[rid], stamps[rid]["delta_sent"])]  # type: ignore[arg-type]
     failed = sum(1 for o in outcomes if o.finish_reason != "length")
     per_worker = [sum(1 for rid in arrivals if rid in worker) for worker in by_worker]
-    print(f"{len(outcomes)} requests, {failed} failed, {len(delta_s)} deltas; requests per worker {per_worker}; "
-          f"{os.cpu_count()} CPUs; router counters {endpoint.counters}")
+    print(
+        f"{len(outcomes)} requests, {failed} failed, {len(delta_s)} deltas; requests per worker {per_worker}; "
+        f"{os.cpu_count()} CPUs; router counters {endpoint.counters}"
+    )
     ms = 1e3
     base_out, base_back = statistics.median(echo_out) * ms, statistics.median(echo_back) * ms
     base_out99, base_back99 = pct(echo_out, 0.99) * ms, pct(echo_back, 0.99) * ms
     return [
         Figure("offer_delivery_median", statistics.median(offer_s) * ms, "ms", "ws_echo_one_way_out_median", base_out),
         Figure("offer_delivery_p99", pct(offer_s, 0.99) * ms, "ms", "ws_echo_one_way_out_p99", base_out99),
-        Figure("delta_to_consumer_median", statistics.median(delta_s) * ms, "ms", "ws_echo_one_way_back_median",
-               base_back),
+        Figure(
+            "delta_to_consumer_median", statistics.median(delta_s) * ms, "ms", "ws_echo_one_way_back_median", base_back
+        ),
         Figure("delta_to_consumer_p99", pct(delta_s, 0.99) * ms, "ms", "ws_echo_one_way_back_p99", base_back99),
         Figure("failed_requests", failed, "requests", "requests_submitted", len(arrivals)),
     ]
@@ -263,8 +284,12 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the figures as JSON to this path")
     args = parser.parse_args()
     figures = asyncio.run(router_process(args))
-    report(f"control path over loopback: {args.workers} worker processes, {args.rate:g} requests/s, "
-           f"{args.requests} requests", figures, args.json)
+    report(
+        f"control path over loopback: {args.workers} worker processes, {args.rate:g} requests/s, "
+        f"{args.requests} requests",
+        figures,
+        args.json,
+    )
 
 
 if __name__ == "__main__":

@@ -27,10 +27,8 @@ Run: ``.venv/bin/python bench/facts.py --json bench-facts.json`` (``--quick`` fo
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -38,9 +36,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-
 from kvrelay.bench.report import Figure, report  # noqa: E402
-
 from kvrelay.core.router.events import Record  # noqa: E402
 from kvrelay.facts.cache import ChainFactsCache  # noqa: E402
 from kvrelay.facts.store import FactStore, WriterSettings  # noqa: E402
@@ -113,14 +109,17 @@ def read_figures(db: str, url: str, keys: int, reads: int, rng: random.Random) -
                 cache.chain_facts(chain)
             cached = timed_us(cache.chain_facts, inputs)
             base = statistics.median(two)
-            one_cpu, two_cpu = cpu_us(reader.chain_facts, inputs), cpu_us(
-                lambda c: (reader.catalog_for_chain(c), reader.replicas_for_chain(c)), inputs)
+            one_cpu, two_cpu = (
+                cpu_us(reader.chain_facts, inputs),
+                cpu_us(lambda c: (reader.catalog_for_chain(c), reader.replicas_for_chain(c)), inputs),
+            )
             figures += [
                 Figure(f"{db}_chain_facts_L{length}_cpu_us", one_cpu, "us", "two_queries_cpu", two_cpu),
                 Figure(f"{db}_chain_facts_L{length}_us", statistics.median(one), "us", "two_queries", base),
                 Figure(f"{db}_chain_facts_L{length}_p99_us", p99(one), "us", "two_queries_p99", p99(two)),
-                Figure(f"{db}_cached_L{length}_us", statistics.median(cached), "us", "uncached",
-                       statistics.median(one)),
+                Figure(
+                    f"{db}_cached_L{length}_us", statistics.median(cached), "us", "uncached", statistics.median(one)
+                ),
             ]
     return figures
 
@@ -128,19 +127,52 @@ def read_figures(db: str, url: str, keys: int, reads: int, rng: random.Random) -
 def decision_records(n: int, candidates: int) -> Iterator[Record]:
     for i in range(n):
         cands = [
-            {"worker_id": f"w{c}", "route": [["gpu", 3], ["ssd", 2]], "cached_tokens": 320,
-             "predicted_ttft_s": 0.05 + c * 1e-3,
-             "terms": {"queue_s": 0.01, "restore_s": {"ssd": 0.004}, "prefill_s": 0.01 + c * 1e-3, "decode_s": 0.025}}
+            {
+                "worker_id": f"w{c}",
+                "route": [["gpu", 3], ["ssd", 2]],
+                "cached_tokens": 320,
+                "predicted_ttft_s": 0.05 + c * 1e-3,
+                "terms": {
+                    "queue_s": 0.01,
+                    "restore_s": {"ssd": 0.004},
+                    "prefill_s": 0.01 + c * 1e-3,
+                    "decode_s": 0.025,
+                },
+            }
             for c in range(candidates)
         ]
         rid = f"req-{i}"
-        yield Record("decision", rid, 1, float(i), {"policy": "kvrelay", "model": "m", "chosen": cands[0],
-                                                    "candidates": cands, "excluded": {"w99": "no_capacity"}})
+        yield Record(
+            "decision",
+            rid,
+            1,
+            float(i),
+            {
+                "policy": "kvrelay",
+                "model": "m",
+                "chosen": cands[0],
+                "candidates": cands,
+                "excluded": {"w99": "no_capacity"},
+            },
+        )
         yield Record("offer_outcome", rid, 1, float(i), {"worker_id": "w0", "outcome": "accepted", "reason": None})
-        yield Record("outcome", rid, 1, float(i) + 1, {
-            "finish_reason": "stop", "ttft_s": 0.06, "inter_token_s": [0.025] * 16,
-            "cached_tokens": {"gpu": 192, "ssd": 128}, "recomputed_tokens": 40, "generated_tokens": 16,
-            "bytes_by_tier": {"ssd": 1 << 22}, "attempts": 1, "error": None})
+        yield Record(
+            "outcome",
+            rid,
+            1,
+            float(i) + 1,
+            {
+                "finish_reason": "stop",
+                "ttft_s": 0.06,
+                "inter_token_s": [0.025] * 16,
+                "cached_tokens": {"gpu": 192, "ssd": 128},
+                "recomputed_tokens": 40,
+                "generated_tokens": 16,
+                "bytes_by_tier": {"ssd": 1 << 22},
+                "attempts": 1,
+                "error": None,
+            },
+        )
 
 
 def write_rate(url: str, records: list[Record], batch_size: int) -> tuple[float, list[float]]:
@@ -164,8 +196,15 @@ def write_rate(url: str, records: list[Record], batch_size: int) -> tuple[float,
 
 def write_figures(db: str, url: str, decisions: int, candidates: int) -> list[Figure]:
     batched, submit_us = write_rate(url, list(decision_records(decisions, candidates)), 500)
-    single, _ = write_rate(url, [r for r in decision_records(decisions, candidates)
-                                 for r in [Record(r.kind, "one-" + r.request_id, r.attempt, r.now, r.data)]], 1)
+    single, _ = write_rate(
+        url,
+        [
+            r
+            for r in decision_records(decisions, candidates)
+            for r in [Record(r.kind, "one-" + r.request_id, r.attempt, r.now, r.data)]
+        ],
+        1,
+    )
     return [
         Figure(f"{db}_decision_writes_per_s", batched, "records/s", "one_per_txn", single),
         Figure(f"{db}_submit_p99_us", p99(submit_us), "us", "submit_median", statistics.median(submit_us)),
@@ -196,12 +235,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.keys, args.reads, args.decisions = 2000, 50, 100
-    print(f"seed {args.seed}; keys {args.keys}; reads {args.reads}; "
-          f"decisions {args.decisions} x {args.candidates} candidates")
+    print(
+        f"seed {args.seed}; keys {args.keys}; reads {args.reads}; "
+        f"decisions {args.decisions} x {args.candidates} candidates"
+    )
     backends = ["sqlite"] + (["postgresql"] if args.pg_url else [])
     if not args.pg_url:
-        print("PostgreSQL skipped: pass --pg-url or set KVRELAY_TEST_PG_URL "
-              "(bash scripts/start_postgres.sh prints one)")
+        print(
+            "PostgreSQL skipped: pass --pg-url or set KVRELAY_TEST_PG_URL (bash scripts/start_postgres.sh prints one)"
+        )
     figures: list[Figure] = []
     for db in backends:
         with ExitStack() as stack:

@@ -16,19 +16,17 @@ Run: ``.venv/bin/python bench/greedy_head.py --json bench/results/greedy_head.js
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
-
 import torch
-from kvrelay.bench.report import Figure, report
 
+from kvrelay.bench.report import Figure, report
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.kernels.kv_pages import KVPages
-from kvrelay.models.loading.loader import load_artifacts
 from kvrelay.models.kernels.native.linear_row import linear_row_native
+from kvrelay.models.loading.loader import load_artifacts
 from kvrelay.models.registry import build_model
 from kvrelay.models.sampling import greedy_tokens
 

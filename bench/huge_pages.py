@@ -18,17 +18,15 @@ Run: ``.venv/bin/python bench/huge_pages.py --json bench-huge-pages.json``.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-
 import torch
-from kvrelay.bench.report import Figure, report
 
+from kvrelay.bench.report import Figure, report
 from kvrelay.models.kernels.huge_pages import huge_page_empty
 from kvrelay.models.mlp import PackedLinear
 

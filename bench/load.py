@@ -34,7 +34,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from kvrelay.bench.report import Figure, report
 
 SECOND_LOAD_GOAL_S = 5.0
@@ -58,7 +57,10 @@ def second_load_in_fresh_process(source: str | None, cache_dir: Path) -> tuple[f
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, source or "-", str(cache_dir)],
-        check=True, capture_output=True, text=True, env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     process_s = time.perf_counter() - started
     child = json.loads(out.stdout.strip().splitlines()[-1])
@@ -81,7 +83,9 @@ def transformers_gguf_load_s(gguf_path: Path) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default=None, help="model directory or .gguf file (default: Gemma 3 270M)")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="cache to use and keep (default: a fresh temp dir)")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=None, help="cache to use and keep (default: a fresh temp dir)"
+    )
     parser.add_argument("--skip-transformers", action="store_true", help="skip the transformers baseline (~40 s)")
     parser.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = parser.parse_args()
@@ -117,7 +121,9 @@ def main() -> int:
     ]
     report(f"model load: {first.name} ({first.source})", figures, args.json)
     verdict = "met" if second_s < SECOND_LOAD_GOAL_S else "MISSED"
-    print(f"goal: second load < {SECOND_LOAD_GOAL_S:.0f} s: {verdict} ({second_s:.2f} s wall, {second_cpu_s:.2f} s CPU)")
+    print(
+        f"goal: second load < {SECOND_LOAD_GOAL_S:.0f} s: {verdict} ({second_s:.2f} s wall, {second_cpu_s:.2f} s CPU)"
+    )
     print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     return 0
 

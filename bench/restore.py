@@ -42,12 +42,10 @@ from pathlib import Path
 
 import torch
 
-
 from kvrelay.bench.report import Figure, report  # noqa: E402
-
+from kvrelay.protocol.chunk_keys import chunk_chain  # noqa: E402
 from kvrelay.store.chunk_format import digest, encode_chunk  # noqa: E402
 from kvrelay.store.files import SsdTier  # noqa: E402
-from kvrelay.protocol.chunk_keys import chunk_chain  # noqa: E402
 from kvrelay.store.ram import RamTier  # noqa: E402
 from kvrelay.store.tier import ChunkSource, ChunkTier  # noqa: E402
 from kvrelay.store.tier_stack import TierStack  # noqa: E402
@@ -65,7 +63,10 @@ def make_chunks(count: int, dtype: torch.dtype, seed: int = 0) -> tuple[list[byt
 
 
 def paired_seconds(
-    subject: Callable[[], None], baseline: Callable[[], None], repeats: int, before_subject: Callable[[], None] | None = None
+    subject: Callable[[], None],
+    baseline: Callable[[], None],
+    repeats: int,
+    before_subject: Callable[[], None] | None = None,
 ) -> tuple[float, float]:
     """Fastest-pass seconds of ``subject`` and of ``baseline``, passes alternated so both see the same load.
 
@@ -74,7 +75,7 @@ def paired_seconds(
     untimed before every subject pass.
     """
     subject_times, baseline_times = [], []
-    for i in range(repeats + 1):
+    for _ in range(repeats + 1):
         start = time.perf_counter()
         baseline()
         baseline_times.append(time.perf_counter() - start)
@@ -133,7 +134,9 @@ def measure_restore(
     indices = range(len(keys))
     nbytes = pages.numel() * pages.element_size()
     with ThreadPoolExecutor(max(threads, 1)) as pool:
-        one_pass = (lambda: list(pool.map(restore, indices))) if threads > 1 else (lambda: [restore(i) for i in indices])
+        one_pass = (
+            (lambda: list(pool.map(restore, indices))) if threads > 1 else (lambda: [restore(i) for i in indices])
+        )
         subject, baseline = paired_seconds(one_pass, memcpy_pass(pages), repeats, before_pass)
     return gbps(nbytes, subject), gbps(nbytes, baseline)
 
@@ -151,7 +154,9 @@ def measure_ram(
     return measure_restore(tier, keys, pages, repeats, threads)
 
 
-def measure_ssd_cached(tier: SsdTier, keys: Sequence[bytes], pages: torch.Tensor, repeats: int, threads: int = 1) -> tuple[float, float]:
+def measure_ssd_cached(
+    tier: SsdTier, keys: Sequence[bytes], pages: torch.Tensor, repeats: int, threads: int = 1
+) -> tuple[float, float]:
     return measure_restore(tier, keys, pages, repeats, threads)
 
 
@@ -165,7 +170,9 @@ def drop_from_page_cache(paths: Sequence[Path]) -> None:
             os.close(fd)
 
 
-def measure_ssd_dropped(tier: SsdTier, keys: Sequence[bytes], pages: torch.Tensor, repeats: int, threads: int = 1) -> tuple[float, float]:
+def measure_ssd_dropped(
+    tier: SsdTier, keys: Sequence[bytes], pages: torch.Tensor, repeats: int, threads: int = 1
+) -> tuple[float, float]:
     paths = [tier.path_for(k) for k in keys]
     return measure_restore(tier, keys, pages, repeats, threads, before_pass=lambda: drop_from_page_cache(paths))
 
@@ -241,12 +248,19 @@ def run_all(args: argparse.Namespace) -> list[Figure]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--chunks", type=int, default=64, help="distinct chunks restored per pass (default 64: 75 MB in bf16)")
+    parser.add_argument(
+        "--chunks", type=int, default=64, help="distinct chunks restored per pass (default 64: 75 MB in bf16)"
+    )
     parser.add_argument("--s3-chunks", type=int, default=16, help="chunks per S3 pass (0 skips S3)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed passes per figure (the fastest counts); one warm-up pass first")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed passes per figure (the fastest counts); one warm-up pass first"
+    )
     parser.add_argument("--threads", type=int, default=1, help="also measure verified restores on this many threads")
     parser.add_argument(
-        "--torch-threads", type=int, default=1, help="torch intra-op threads for the copies (default 1, as on one restore thread)"
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for the copies (default 1, as on one restore thread)",
     )
     parser.add_argument("--dir", default=None, help="directory for the ssd files (default: the system temp dir)")
     parser.add_argument("--json", default=None, help="write the figures as JSON to this path")

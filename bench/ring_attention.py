@@ -20,16 +20,14 @@ Run: ``.venv/bin/python bench/ring_attention.py --json bench-ring.json``.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
-
 import torch
-from kvrelay.bench.report import Figure, report
 
+from kvrelay.bench.report import Figure, report
 from kvrelay.models.kernels.attention import decode_attention
 from kvrelay.models.kernels.native.attention import decode_attention_native
 

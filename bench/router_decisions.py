@@ -27,19 +27,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-
 from kvrelay.bench.report import Figure, report  # noqa: E402
-
+from kvrelay.core.planning.index import ResidencyIndex  # noqa: E402
 from kvrelay.core.router.events import (  # noqa: E402
     MessageReceived,
     Record,
@@ -48,7 +45,6 @@ from kvrelay.core.router.events import (  # noqa: E402
     RequestArrived,
     SendOffer,
 )
-from kvrelay.core.planning.index import ResidencyIndex  # noqa: E402
 from kvrelay.core.router.machine import RouterConfig, new_router, step  # noqa: E402
 from kvrelay.facts.replica_map import ReplicaMap  # noqa: E402
 from kvrelay.facts.sink import record_sink  # noqa: E402
@@ -62,10 +58,19 @@ DOC_CHUNKS = 250
 
 def heartbeat(i: int, seq: int = 1) -> Heartbeat:
     return Heartbeat(
-        worker_id=f"w{i:02d}", epoch=1, seq=seq, models=("m",), pages_total=25_000, pages_free=20_000,
-        pages_evictable=5_000, queue_delay_s=0.01 * (i % 7), prefill_s_per_token=1e-4, decode_s_per_token=0.025,
+        worker_id=f"w{i:02d}",
+        epoch=1,
+        seq=seq,
+        models=("m",),
+        pages_total=25_000,
+        pages_free=20_000,
+        pages_evictable=5_000,
+        queue_delay_s=0.01 * (i % 7),
+        prefill_s_per_token=1e-4,
+        decode_s_per_token=0.025,
         restore_bytes_per_s={"ram": 2e10, "ssd": 5e9, "peer": 1e10, "object": 2e9},
-        kv_bytes_per_token=131072, context_limit=131072,
+        kv_bytes_per_token=131072,
+        context_limit=131072,
     )
 
 
@@ -84,8 +89,14 @@ def build(seed: int, policy: str, sink: Callable[[Record], None] | None = None) 
         for tier in ("gpu", "ram", "ssd"):
             w = rng.randrange(WORKERS)
             seqs[w] += 1
-            msg = Residency(worker_id=f"w{w:02d}", epoch=1, seq=seqs[w], tier=tier, model="m",
-                            stored=keys[: rng.randrange(DOC_CHUNKS // 4, DOC_CHUNKS + 1)])
+            msg = Residency(
+                worker_id=f"w{w:02d}",
+                epoch=1,
+                seq=seqs[w],
+                tier=tier,
+                model="m",
+                stored=keys[: rng.randrange(DOC_CHUNKS // 4, DOC_CHUNKS + 1)],
+            )
             state, fx = step(state, MessageReceived(0.0, msg))
             if sink is not None:  # ssd residency becomes replica facts, as in a running router
                 for effect in fx:
@@ -160,10 +171,19 @@ def run(requests: int, seed: int, policy: str, facts: FactStore | None = None) -
             loop.sink_s += perf() - t1
         lat.append(perf() - t0)
         offer = next(e for e in fx if isinstance(e, SendOffer)).offer
-        state, fx = step(state, MessageReceived(float(r), OfferResult(
-            assignment=offer.assignment, worker_id=offer.worker_id, epoch=1, accepted=True)))
-        state, more = step(state, MessageReceived(float(r), Result(
-            assignment=offer.assignment, worker_id=offer.worker_id, tokens=(1,), finish_reason="stop")))
+        state, fx = step(
+            state,
+            MessageReceived(
+                float(r), OfferResult(assignment=offer.assignment, worker_id=offer.worker_id, epoch=1, accepted=True)
+            ),
+        )
+        state, more = step(
+            state,
+            MessageReceived(
+                float(r),
+                Result(assignment=offer.assignment, worker_id=offer.worker_id, tokens=(1,), finish_reason="stop"),
+            ),
+        )
         if sink is not None:
             t1 = perf()
             for effect in (*fx, *more):

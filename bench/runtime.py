@@ -128,12 +128,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
     baseline_name = f"transformers generate batch {args.hf_batch}"
-    figures.append(figure("decode_tokens_per_s", max(ours_decode), "tokens/s", baseline_name,
-                          max(hf_decode) if hf_decode else None))
-    figures.append(figure("decode_tokens_per_s_median", median(ours_decode), "tokens/s", baseline_name,
-                          median(hf_decode) if hf_decode else None))
-    figures.append(figure("decode_batch1_tokens_per_s", ours_single, "tokens/s", "transformers generate batch 1",
-                          hf_single))
+    figures.append(
+        figure(
+            "decode_tokens_per_s", max(ours_decode), "tokens/s", baseline_name, max(hf_decode) if hf_decode else None
+        )
+    )
+    figures.append(
+        figure(
+            "decode_tokens_per_s_median",
+            median(ours_decode),
+            "tokens/s",
+            baseline_name,
+            median(hf_decode) if hf_decode else None,
+        )
+    )
+    figures.append(
+        figure("decode_batch1_tokens_per_s", ours_single, "tokens/s", "transformers generate batch 1", hf_single)
+    )
     figures.append(figure("decode_share_of_700_compute_limit", max(ours_decode) / 700.0, "ratio", "compute limit", 1.0))
     step_bytes = decode_bytes_per_step(artifacts.config, prompts, args.new_tokens, dtype)
     floor = len(prompts) / (step_bytes / (read_gbs * 1e9))
@@ -141,10 +152,24 @@ def main(argv: list[str] | None = None) -> int:
     figures.append(figure("decode_bytes_per_step", step_bytes / 1e6, "MB", "none", None))
     figures.append(figure("decode_bandwidth_floor_tokens_per_s", floor, "tokens/s", "none", None))
     figures.append(figure("decode_share_of_bandwidth_floor", max(ours_decode) / floor, "ratio", "bandwidth floor", 1.0))
-    figures.append(figure("prefill_tokens_per_s", len(prefill_prompt) / min(ours_prefill), "tokens/s",
-                          "transformers generate batch 1", len(prefill_prompt) / min(hf_prefill) if hf_prefill else None))
-    figures.append(figure("prefill_tokens_per_s_median", len(prefill_prompt) / median(ours_prefill), "tokens/s",
-                          "transformers generate batch 1", len(prefill_prompt) / median(hf_prefill) if hf_prefill else None))
+    figures.append(
+        figure(
+            "prefill_tokens_per_s",
+            len(prefill_prompt) / min(ours_prefill),
+            "tokens/s",
+            "transformers generate batch 1",
+            len(prefill_prompt) / min(hf_prefill) if hf_prefill else None,
+        )
+    )
+    figures.append(
+        figure(
+            "prefill_tokens_per_s_median",
+            len(prefill_prompt) / median(ours_prefill),
+            "tokens/s",
+            "transformers generate batch 1",
+            len(prefill_prompt) / median(hf_prefill) if hf_prefill else None,
+        )
+    )
     figures.append(figure("cold_ttft_s", min(cold), "s", "none", None))
     figures.append(figure("warm_ttft_s", min(warm), "s", "cold_ttft_s", min(cold)))
     figures.append(figure("warm_ttft_share", min(warm) / min(cold), "ratio", "goal", 0.15))
@@ -247,7 +272,9 @@ def decode_bytes_per_step(config: Any, prompts: list[list[int]], new_tokens: int
     """
     width = torch.tensor([], dtype=dtype).element_size()
     hidden, inner, d = config.hidden_size, config.intermediate_size, config.head_dim
-    per_layer = hidden * (config.num_heads + 2 * config.num_kv_heads) * d + config.num_heads * d * hidden + 3 * hidden * inner
+    per_layer = (
+        hidden * (config.num_heads + 2 * config.num_kv_heads) * d + config.num_heads * d * hidden + 3 * hidden * inner
+    )
     weights = (config.num_layers * per_layer + config.vocab_size * hidden) * width
     kv_per_position = 2 * config.num_kv_heads * d * width
     sliding = sum(kind == "sliding_attention" for kind in config.layer_types)
@@ -301,17 +328,26 @@ def hf_decode_rate(model: Any, prompts: list[list[int]], new_tokens: int) -> flo
         ids[i, longest - len(p) :] = torch.tensor(p)
         mask[i, longest - len(p) :] = 1
     with torch.inference_mode():  # warm-up: first-call allocations and kernel selection
-        model.generate(input_ids=ids[:, -16:], attention_mask=mask[:, -16:], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        model.generate(
+            input_ids=ids[:, -16:], attention_mask=mask[:, -16:], max_new_tokens=2, do_sample=False, pad_token_id=0
+        )
         clock = StepClock()
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, pad_token_id=0, streamer=clock,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=clock,
         )
     assert out.shape[1] == longest + new_tokens and len(clock.times) == new_tokens + 1
     first, last = clock.times[1], clock.times[-1]
     rate = len(prompts) * (new_tokens - 1) / (last - first)
-    print(f"  transformers batch {len(prompts)}: first token at {first - clock.times[0]:.1f} s, "
-          f"{new_tokens - 1} more in {last - first:.1f} s -> {rate:.1f} tok/s")
+    print(
+        f"  transformers batch {len(prompts)}: first token at {first - clock.times[0]:.1f} s, "
+        f"{new_tokens - 1} more in {last - first:.1f} s -> {rate:.1f} tok/s"
+    )
     return rate
 
 
@@ -331,8 +367,13 @@ def peak_rss_mib() -> float:
 
 
 def figure(name: str, value: float, unit: str, baseline: str, baseline_value: float | None) -> dict[str, Any]:
-    return {"name": name, "value": round(value, 4), "unit": unit, "baseline": baseline,
-            "baseline_value": None if baseline_value is None else round(baseline_value, 4)}
+    return {
+        "name": name,
+        "value": round(value, 4),
+        "unit": unit,
+        "baseline": baseline,
+        "baseline_value": None if baseline_value is None else round(baseline_value, 4),
+    }
 
 
 def print_table(figures: list[dict[str, Any]]) -> None:

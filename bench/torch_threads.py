@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-
 
 from kvrelay.bench.report import Figure, report
 
@@ -66,8 +64,7 @@ print(json.dumps(out))
 
 
 def probe(case: str, threads: int) -> dict[str, float]:
-    done = subprocess.run([sys.executable, "-c", PROBE, case, str(threads)], capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run([sys.executable, "-c", PROBE, case, str(threads)], capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

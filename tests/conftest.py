@@ -1,4 +1,5 @@
-"""Test-wide settings: user data (fact store, chunk directories) goes to a temporary directory.
+"""Test-wide settings: user data (fact store, chunk directories) goes to a temporary directory, and the
+shared fixtures of ``tests/support/fixtures.py`` (moto S3, fact-store databases) are available to every test.
 
 The cache directory (assembled GGUF, dequantized weights, converted tokenizers)
 is left at its default so the real model is built once per machine.
@@ -10,6 +11,8 @@ import os
 from collections.abc import Iterator
 
 import pytest
+
+pytest_plugins = ["tests.support.fixtures"]
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from kvrelay.models.loading.loader import load_artifacts
-from tests.support.processes import child_env, kvrelay, wait_until
 from kvrelay.testing.tiny_models import make_tiny_model
+from tests.support.processes import child_env, kvrelay, wait_until
 from tests.support.worker_harness import greedy_reference
 
 
@@ -22,9 +22,27 @@ from tests.support.worker_harness import greedy_reference
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     home = tmp_path_factory.mktemp("api-cluster")
     model = make_tiny_model("gemma3", home / "tiny-gemma3")
-    process = kvrelay("cluster", "cluster", [
-        "--workers", "2", "--port", "0", "--model", str(model), "--dtype", "float32", "--kv-tokens", "4096",
-        "--lanes", "4", "--db", f"sqlite:///{home / 'facts.sqlite3'}"], child_env(home))
+    process = kvrelay(
+        "cluster",
+        "cluster",
+        [
+            "--workers",
+            "2",
+            "--port",
+            "0",
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+            "--kv-tokens",
+            "4096",
+            "--lanes",
+            "4",
+            "--db",
+            f"sqlite:///{home / 'facts.sqlite3'}",
+        ],
+        child_env(home),
+    )
     try:
         http_url = process.wait_for(r"kvrelay cluster ready http=(\S+) workers=w1,w2", 120).group(1)
         wait_until(lambda: httpx.get(http_url + "/health").status_code == 200 or None, 30, "a healthy router")
@@ -44,8 +62,11 @@ def test_sync_and_async_completions_and_chat_equal_the_runtime(cluster: tuple[st
     expected = tokenizer.decode(greedy_reference(model, tokenizer.encode(prompt), 12), skip_special_tokens=True)
     whole = client.completions.create(model=model.name, prompt=prompt, max_tokens=12, temperature=0)
     assert whole.choices[0].text == expected and whole.usage.completion_tokens == 12
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=model.name, prompt=prompt, max_tokens=12, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model=model.name, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+        if c.choices
+    )
     assert streamed == expected
     messages = [{"role": "user", "content": "tell me about the sea"}]
     chat = client.chat.completions.create(model=model.name, messages=messages, max_tokens=8, temperature=0)
@@ -53,8 +74,9 @@ def test_sync_and_async_completions_and_chat_equal_the_runtime(cluster: tuple[st
     async def async_chat_stream() -> str:
         aclient = openai.AsyncOpenAI(base_url=http_url + "/v1", api_key="unused", max_retries=0)
         parts = []
-        async for chunk in await aclient.chat.completions.create(model=model.name, messages=messages,
-                                                                  max_tokens=8, temperature=0, stream=True):
+        async for chunk in await aclient.chat.completions.create(
+            model=model.name, messages=messages, max_tokens=8, temperature=0, stream=True
+        ):
             if chunk.choices:
                 parts.append(chunk.choices[0].delta.content or "")
         await aclient.close()
@@ -65,20 +87,34 @@ def test_sync_and_async_completions_and_chat_equal_the_runtime(cluster: tuple[st
 
 def test_metrics_name_decisions_declines_retries_stale_pages_and_store_bytes(cluster: tuple[str, Path]) -> None:
     http_url, model = cluster
-    httpx.post(http_url + "/v1/completions", json={"model": model.name, "prompt": "x y z " * 40,
-                                                  "max_tokens": 4, "temperature": 0}, timeout=60)
+    httpx.post(
+        http_url + "/v1/completions",
+        json={"model": model.name, "prompt": "x y z " * 40, "max_tokens": 4, "temperature": 0},
+        timeout=60,
+    )
 
     def scraped() -> str | None:
         text = httpx.get(http_url + "/metrics").text
-        stored = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                  if line.startswith("kvrelay_chunk_store_bytes{") and 'tier="ssd"' in line]
+        stored = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("kvrelay_chunk_store_bytes{") and 'tier="ssd"' in line
+        ]
         return text if stored and max(stored) > 0 else None
 
     text = wait_until(scraped, 20, "a heartbeat reporting the checkpointed chunks")
     accepted = re.search(r'kvrelay_routing_decisions_total\{outcome="accepted"\} (\d+)', text)
     assert accepted and int(accepted.group(1)) >= 1
-    for name in ("kvrelay_retries_total", "kvrelay_stale_messages_dropped_total", "kvrelay_declines_total",
-                 "kvrelay_ttft_seconds_bucket", "kvrelay_inter_token_seconds_bucket", "kvrelay_cached_tokens_total",
-                 'kvrelay_pages_reserved{worker="w1"}', 'kvrelay_pages_free{worker="w2"}',
-                 "kvrelay_pages_cached", "kvrelay_pages_in_use"):
+    for name in (
+        "kvrelay_retries_total",
+        "kvrelay_stale_messages_dropped_total",
+        "kvrelay_declines_total",
+        "kvrelay_ttft_seconds_bucket",
+        "kvrelay_inter_token_seconds_bucket",
+        "kvrelay_cached_tokens_total",
+        'kvrelay_pages_reserved{worker="w1"}',
+        'kvrelay_pages_free{worker="w2"}',
+        "kvrelay_pages_cached",
+        "kvrelay_pages_in_use",
+    ):
         assert name in text, f"{name} is missing from /metrics"

@@ -27,8 +27,8 @@ import httpx
 import openai
 import pytest
 
-from tests.support.server_thread import ServerThread
 from kvrelay.testing.tiny_models import make_tiny_model
+from tests.support.server_thread import ServerThread
 
 CLIENTS = 64
 MAX_TOKENS = 12
@@ -87,8 +87,14 @@ async def reference_answers(aclient: openai.AsyncOpenAI, model: str) -> dict[str
 
 
 async def stay(aclient: openai.AsyncOpenAI, model: str, prompt: str) -> Answer:
-    stream = await aclient.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                              stream=True, stream_options={"include_usage": True})
+    stream = await aclient.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, finish, tokens = [], None, -1
     async for chunk in stream:
         if chunk.choices:
@@ -117,7 +123,8 @@ async def leave(hclient: httpx.AsyncClient, model: str, prompt: str, after_chunk
 
 
 def test_concurrent_streams_with_disconnects_complete_and_release_every_reservation(
-        server: ServerThread, model_dir: Path) -> None:
+    server: ServerThread, model_dir: Path
+) -> None:
     seed = int(os.environ.get("KVRELAY_TEST_SEED", random.SystemRandom().randrange(2**32)))
     print(f"test_api_concurrency seed={seed} (set KVRELAY_TEST_SEED={seed} to replay)")
     rng = random.Random(seed)
@@ -130,13 +137,14 @@ def test_concurrent_streams_with_disconnects_complete_and_release_every_reservat
     worker_before = server.call(lambda: dict(parts.controller.state.counters))
 
     async def main() -> tuple[dict[str, Answer], list[Answer | Left]]:
-        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
-                                     timeout=120)
+        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
         hclient = httpx.AsyncClient(base_url=server.base_url, timeout=120)
         try:
             expected = await reference_answers(aclient, model)
-            runs = [leave(hclient, model, prompt, k) if i in leavers else stay(aclient, model, prompt)
-                    for i, (prompt, k) in enumerate(plan)]
+            runs = [
+                leave(hclient, model, prompt, k) if i in leavers else stay(aclient, model, prompt)
+                for i, (prompt, k) in enumerate(plan)
+            ]
             results = await asyncio.wait_for(asyncio.gather(*runs), 240)
             return expected, results
         finally:
@@ -157,8 +165,9 @@ def test_concurrent_streams_with_disconnects_complete_and_release_every_reservat
     server.call(parts.controller.pool.check)
     worker_after = server.call(lambda: dict(parts.controller.state.counters))
     moved = {k: worker_after.get(k, 0) - worker_before.get(k, 0) for k in ("cancelled", "finished")}
-    assert moved == {"cancelled": len(leavers), "finished": CLIENTS - len(leavers) + len(PROMPTS)}, \
+    assert moved == {"cancelled": len(leavers), "finished": CLIENTS - len(leavers) + len(PROMPTS)}, (
         "every leaver's request is cancelled at the worker while running; every other one finishes"
+    )
 
     after = httpx.get(server.base_url + "/metrics", timeout=10).text
     assert re.search(r'^kvrelay_pages_reserved\{worker="[^"]+"\} 0(?:\.0)?$', after, re.MULTILINE)
@@ -172,7 +181,8 @@ def test_concurrent_streams_with_disconnects_complete_and_release_every_reservat
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_gone_before_its_first_token_is_cancelled_without_a_server_error(
-        server: ServerThread, model_dir: Path, stream: bool, caplog: pytest.LogCaptureFixture) -> None:
+    server: ServerThread, model_dir: Path, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     assert server.parts is not None
     parts = server.parts
     cancels, offered = threading.Event(), threading.Event()
@@ -187,10 +197,19 @@ def test_a_client_gone_before_its_first_token_is_cancelled_without_a_server_erro
         offered.set()
 
     before = server.call(lambda: dict(parts.controller.state.counters))
-    body = json.dumps({"model": model_dir.name, "prompt": LONG_PROMPTS[0], "max_tokens": LEAVER_MAX_TOKENS,
-                       "temperature": 0, "stream": stream}).encode()
-    request = (b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-               b"content-length: %d\r\n\r\n" % len(body)) + body
+    body = json.dumps(
+        {
+            "model": model_dir.name,
+            "prompt": LONG_PROMPTS[0],
+            "max_tokens": LEAVER_MAX_TOKENS,
+            "temperature": 0,
+            "stream": stream,
+        }
+    ).encode()
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(body)
+    ) + body
     server_log = logging.getLogger("uvicorn.error")
     server_log.addHandler(caplog.handler)
     server.call(setattr, parts.controller, "on_cancel", on_cancel)
@@ -202,8 +221,7 @@ def test_a_client_gone_before_its_first_token_is_cancelled_without_a_server_erro
             # (an outcome with 0 attempts), which is not what this test is about.
             assert offered.wait(60), "the request never reached the worker"
         assert cancels.wait(60), "the request of a vanished client was never cancelled at the worker"
-        quiesced = asyncio.run_coroutine_threadsafe(asyncio.wait_for(parts.controller.quiesced.wait(), 30),
-                                                    server.loop)
+        quiesced = asyncio.run_coroutine_threadsafe(asyncio.wait_for(parts.controller.quiesced.wait(), 30), server.loop)
         assert quiesced.result(35) is True
     finally:
         server.call(delattr, parts.controller, "on_cancel")

@@ -33,8 +33,8 @@ from kvrelay.api.errors import APIError
 from kvrelay.api.schema import ChatRequest, CompletionRequest
 from kvrelay.protocol.codec import decode, encode
 from kvrelay.protocol.messages import Assignment, Offer
-from tests.support.server_thread import ServerThread
 from kvrelay.testing.tiny_models import make_tiny_model
+from tests.support.server_thread import ServerThread
 
 EXAMPLES = 150
 CONTEXT = 96
@@ -43,22 +43,43 @@ REQUEST_TIMEOUT_S = 30.0
 ERROR_STATUSES = {400, 404, 413}
 
 JSON_SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
 )
-JUNK = st.recursive(JSON_SCALARS, lambda inner: st.one_of(
-    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)), max_leaves=8)
+JUNK = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=8,
+)
 """Any JSON value, nested: what a broken client might send in place of a field."""
 TEXT = st.text(max_size=16)
-ODD_TEXT = st.one_of(st.text(max_size=64), st.text(st.characters(exclude_categories=()), max_size=8), st.sampled_from([
-    "", "\U0001f600 caf\u00e9 \u4e2d\u6587", "\x00", "<eos>", "<start_of_turn>user\n", "\ufffd", "\u200b" * 40,
-    "\ud800", "a\udfffb"]))
+ODD_TEXT = st.one_of(
+    st.text(max_size=64),
+    st.text(st.characters(exclude_categories=()), max_size=8),
+    st.sampled_from(
+        [
+            "",
+            "\U0001f600 caf\u00e9 \u4e2d\u6587",
+            "\x00",
+            "<eos>",
+            "<start_of_turn>user\n",
+            "\ufffd",
+            "\u200b" * 40,
+            "\ud800",
+            "a\udfffb",
+        ]
+    ),
+)
 """Odd text, lone UTF-16 surrogates included (JSON can spell them; they are not valid Unicode)."""
 EDGE_INTS = st.sampled_from([0, -1, 2**31, 2**63, 2**64 + 1, 10**30, -(10**30)])
 EDGE_FLOATS = st.sampled_from([0.0, 1e-300, 1e-8, 1e300, -1.0, 2.5, -0.0])
 TOKEN_IDS = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)
-ODD_TOKEN_IDS = st.lists(st.one_of(st.integers(0, VOCAB - 1), st.integers(-5, -1), st.integers(VOCAB, VOCAB + 5),
-                                   EDGE_INTS), max_size=12)
+ODD_TOKEN_IDS = st.lists(
+    st.one_of(st.integers(0, VOCAB - 1), st.integers(-5, -1), st.integers(VOCAB, VOCAB + 5), EDGE_INTS), max_size=12
+)
 
 
 def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
@@ -112,18 +133,22 @@ def odd_value(node: dict[str, Any], defs: dict[str, Any]) -> st.SearchStrategy[A
     return st.one_of(*edges)
 
 
-def valid_object(node: dict[str, Any], defs: dict[str, Any],
-                 hints: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[dict[str, Any]]:
+def valid_object(
+    node: dict[str, Any], defs: dict[str, Any], hints: dict[str, st.SearchStrategy[Any]]
+) -> st.SearchStrategy[dict[str, Any]]:
     """Objects satisfying ``node``: every required field, some optional ones; ``hints`` override by field name."""
     props = node.get("properties", {})
     required = set(node.get("required", ()))
     field = {k: hints.get(k, valid_value(sub, defs)) for k, sub in props.items()}
-    return st.fixed_dictionaries({k: v for k, v in field.items() if k in required},
-                                 optional={k: v for k, v in field.items() if k not in required})
+    return st.fixed_dictionaries(
+        {k: v for k, v in field.items() if k in required},
+        optional={k: v for k, v in field.items() if k not in required},
+    )
 
 
-def mutated_object(node: dict[str, Any], defs: dict[str, Any],
-                   hints: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[dict[str, Any]]:
+def mutated_object(
+    node: dict[str, Any], defs: dict[str, Any], hints: dict[str, st.SearchStrategy[Any]]
+) -> st.SearchStrategy[dict[str, Any]]:
     """A valid object with up to two fields replaced by odd values or removed, and maybe an unknown field added."""
     props = node.get("properties", {})
 
@@ -151,20 +176,31 @@ def request_bodies(model: str) -> st.SearchStrategy[tuple[str, Any]]:
         "max_completion_tokens": st.one_of(st.integers(1, 24), st.integers(1, 24), st.just(CONTEXT)),
         "n": st.just(1),
     }
-    schemas = {"/v1/completions": CompletionRequest.model_json_schema(),
-               "/v1/chat/completions": ChatRequest.model_json_schema()}
-    odd_prompts = st.fixed_dictionaries({"model": st.just(model), "prompt": st.one_of(ODD_TOKEN_IDS, ODD_TEXT)},
-                                        optional={"max_tokens": st.integers(1, 8), "stream": st.booleans()})
+    schemas = {
+        "/v1/completions": CompletionRequest.model_json_schema(),
+        "/v1/chat/completions": ChatRequest.model_json_schema(),
+    }
+    odd_prompts = st.fixed_dictionaries(
+        {"model": st.just(model), "prompt": st.one_of(ODD_TOKEN_IDS, ODD_TEXT)},
+        optional={"max_tokens": st.integers(1, 8), "stream": st.booleans()},
+    )
     odd_numbers = st.fixed_dictionaries(
         {"model": st.just(model), "prompt": TEXT.filter(bool), "max_tokens": st.integers(1, 4)},
-        optional={"seed": st.one_of(EDGE_INTS, st.integers()),
-                  "stop": st.lists(st.one_of(EDGE_INTS, st.integers(-2, VOCAB + 2), TEXT), max_size=4),
-                  "temperature": st.one_of(EDGE_FLOATS, st.floats(0.0, 2.0)), "top_p": EDGE_FLOATS})
-    typed = [st.tuples(st.just(path), mutated_object(schema, schema.get("$defs", {}), hints))
-             for path, schema in schemas.items()]
+        optional={
+            "seed": st.one_of(EDGE_INTS, st.integers()),
+            "stop": st.lists(st.one_of(EDGE_INTS, st.integers(-2, VOCAB + 2), TEXT), max_size=4),
+            "temperature": st.one_of(EDGE_FLOATS, st.floats(0.0, 2.0)),
+            "top_p": EDGE_FLOATS,
+        },
+    )
+    typed = [
+        st.tuples(st.just(path), mutated_object(schema, schema.get("$defs", {}), hints))
+        for path, schema in schemas.items()
+    ]
     garbage = st.tuples(st.sampled_from(sorted(schemas)), JUNK)
-    return st.one_of(*typed, *typed, st.tuples(st.just("/v1/completions"), st.one_of(odd_prompts, odd_numbers)),
-                     garbage)
+    return st.one_of(
+        *typed, *typed, st.tuples(st.just("/v1/completions"), st.one_of(odd_prompts, odd_numbers)), garbage
+    )
 
 
 @pytest.fixture(scope="module")
@@ -214,8 +250,13 @@ def assert_whole(response: httpx.Response, sent: Any) -> None:
 def test_fuzzed_bodies_never_get_a_500_or_hang(server: ServerThread, model_dir: Path, http: httpx.Client) -> None:
     seen: dict[int, int] = {}
 
-    @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    @settings(
+        max_examples=EXAMPLES,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    )
     @given(request_bodies(model_dir.name))
     def exchange(case: tuple[str, Any]) -> None:
         path, body = case
@@ -240,21 +281,32 @@ def test_fuzzed_bodies_never_get_a_500_or_hang(server: ServerThread, model_dir: 
     server.call(parts.controller.pool.check)
 
 
-@pytest.mark.parametrize(("content", "content_type"), [
-    (b"", "application/json"),
-    (b"{", "application/json"),
-    (b"\xff\xfe\x00garbage", "application/json"),
-    (b'{"model": "m", "prompt": "\\ud800", "messages": [{"role": "user", "content": "\\udc00"}]}',
-     "application/json"),
-    (b'{"model": "\\ud800", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}', "application/json"),
-    ((b'{"model": "m", "prompt": [1, 2], "messages": [{"role": "user", "content": [{"type": "text", '
-      b'"text": "\\ud800"}]}], "stop": ["\\udfff"]}'), "application/json"),
-    (b'{"model": "m", "prompt": "x", "temperature": NaN}', "application/json"),
-    (b"model=m&prompt=x", "application/x-www-form-urlencoded"),
-])
+@pytest.mark.parametrize(
+    ("content", "content_type"),
+    [
+        (b"", "application/json"),
+        (b"{", "application/json"),
+        (b"\xff\xfe\x00garbage", "application/json"),
+        (
+            b'{"model": "m", "prompt": "\\ud800", "messages": [{"role": "user", "content": "\\udc00"}]}',
+            "application/json",
+        ),
+        (b'{"model": "\\ud800", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}', "application/json"),
+        (
+            (
+                b'{"model": "m", "prompt": [1, 2], "messages": [{"role": "user", "content": [{"type": "text", '
+                b'"text": "\\ud800"}]}], "stop": ["\\udfff"]}'
+            ),
+            "application/json",
+        ),
+        (b'{"model": "m", "prompt": "x", "temperature": NaN}', "application/json"),
+        (b"model=m&prompt=x", "application/x-www-form-urlencoded"),
+    ],
+)
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_malformed_bytes_get_a_400_in_openai_format(http: httpx.Client, model_dir: Path, path: str, content: bytes,
-                                                    content_type: str) -> None:
+def test_malformed_bytes_get_a_400_in_openai_format(
+    http: httpx.Client, model_dir: Path, path: str, content: bytes, content_type: str
+) -> None:
     content = content.replace(b'"m"', json.dumps(model_dir.name).encode())
     response = http.post(path, content=content, headers={"content-type": content_type})
     assert_openai_error(response, content)
@@ -267,8 +319,13 @@ def test_every_body_the_ingress_accepts_is_encodable_on_the_wire(server: ServerT
     ingress = server.parts.ingress
     accepted = 0
 
-    @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    @settings(
+        max_examples=EXAMPLES,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    )
     @given(request_bodies(model_dir.name))
     def prepare(case: tuple[str, Any]) -> None:
         nonlocal accepted
@@ -281,8 +338,15 @@ def test_every_body_the_ingress_accepts_is_encodable_on_the_wire(server: ServerT
         except (pydantic.ValidationError, APIError):
             return
         accepted += 1
-        offer = Offer(assignment=Assignment("r", 1), worker_id="w", epoch=1, model=prepared.model.name,
-                      prompt=tuple(prepared.prompt), max_new_tokens=prepared.max_tokens, sampling=prepared.sampling)
+        offer = Offer(
+            assignment=Assignment("r", 1),
+            worker_id="w",
+            epoch=1,
+            model=prepared.model.name,
+            prompt=tuple(prepared.prompt),
+            max_new_tokens=prepared.max_tokens,
+            sampling=prepared.sampling,
+        )
         assert decode(encode(offer)) == offer, body
 
     prepare()

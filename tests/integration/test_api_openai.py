@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from kvrelay.models.loading.loader import load_artifacts
-from tests.support.server_thread import ServerThread
 from kvrelay.testing.tiny_models import make_tiny_model
+from tests.support.server_thread import ServerThread
 from tests.support.worker_harness import greedy_reference
 
 
@@ -53,11 +53,15 @@ def test_greedy_completion_equals_the_runtime_and_reports_usage(server: ServerTh
 
 def test_streaming_chat_sync_and_async(server: ServerThread, model_dir: Path) -> None:
     messages = [{"role": "user", "content": "hello there, how are you?"}]
-    whole = client(server).chat.completions.create(model=model_dir.name, messages=messages, max_tokens=8,
-                                                   temperature=0)
-    stream = client(server).chat.completions.create(model=model_dir.name, messages=messages, max_tokens=8,
-                                                    temperature=0, stream=True,
-                                                    stream_options={"include_usage": True})
+    whole = client(server).chat.completions.create(model=model_dir.name, messages=messages, max_tokens=8, temperature=0)
+    stream = client(server).chat.completions.create(
+        model=model_dir.name,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -66,8 +70,9 @@ def test_streaming_chat_sync_and_async(server: ServerThread, model_dir: Path) ->
     async def async_stream() -> str:
         aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
         parts = []
-        async for chunk in await aclient.chat.completions.create(model=model_dir.name, messages=messages,
-                                                                  max_tokens=8, temperature=0, stream=True):
+        async for chunk in await aclient.chat.completions.create(
+            model=model_dir.name, messages=messages, max_tokens=8, temperature=0, stream=True
+        ):
             if chunk.choices:
                 parts.append(chunk.choices[0].delta.content or "")
         await aclient.close()
@@ -87,8 +92,9 @@ def test_streaming_chat_sync_and_async(server: ServerThread, model_dir: Path) ->
         ({"model": "M", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ],
 )
-def test_errors_use_the_openai_format(server: ServerThread, model_dir: Path, body: dict, status: int,
-                                      needle: str) -> None:
+def test_errors_use_the_openai_format(
+    server: ServerThread, model_dir: Path, body: dict, status: int, needle: str
+) -> None:
     if body.get("model") == "M":
         body = {**body, "model": model_dir.name}
     r = httpx.post(server.base_url + "/v1/completions", json=body)
@@ -97,8 +103,11 @@ def test_errors_use_the_openai_format(server: ServerThread, model_dir: Path, bod
 
 
 def test_a_disconnecting_stream_releases_its_reservation(server: ServerThread, model_dir: Path) -> None:
-    with httpx.stream("POST", server.base_url + "/v1/completions",
-                      json={"model": model_dir.name, "prompt": "a b c d", "max_tokens": 500, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        server.base_url + "/v1/completions",
+        json={"model": model_dir.name, "prompt": "a b c d", "max_tokens": 500, "stream": True},
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break

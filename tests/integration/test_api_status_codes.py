@@ -10,11 +10,11 @@ import pytest
 from kvrelay.api.app import create_app
 from kvrelay.api.ingress import Ingress, ServedModel
 from kvrelay.api.metrics import Metrics
-from kvrelay.router.cluster_router import ClusterRouter
 from kvrelay.core.router.machine import RouterConfig, new_router
 from kvrelay.models.loading.loader import load_artifacts
-from tests.support.router_driver import heartbeat
+from kvrelay.router.cluster_router import ClusterRouter
 from kvrelay.testing.tiny_models import make_tiny_model
+from tests.support.router_driver import heartbeat
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,7 @@ def test_no_worker_serving_the_model_is_a_503(tokenizer) -> None:  # type: ignor
 
 def test_every_worker_without_capacity_is_a_429(tokenizer) -> None:  # type: ignore[no-untyped-def]
     offers: list[object] = []
-    router = ClusterRouter(new_router(RouterConfig(max_queue_wait_s=0.3)), lambda w, m: offers.append(m),
-                           tick_s=0.05)
+    router = ClusterRouter(new_router(RouterConfig(max_queue_wait_s=0.3)), lambda w, m: offers.append(m), tick_s=0.05)
     # One live worker whose whole pool (2 pages of 16 tokens) is smaller than the request needs.
     router.receive(heartbeat("w0", models=("m",), pages_total=2, pages_free=2, context_limit=4096))
     r = post(router, tokenizer, {"model": "m", "prompt": "hello " * 40, "max_tokens": 32})

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.store.files import SharedDirTier, SsdTier
 from kvrelay.protocol.chunk_keys import chunk_chain
+from kvrelay.store.files import SharedDirTier, SsdTier
 from kvrelay.store.s3 import S3Tier
-from tests.support.fixtures import moto_endpoint, use_test_credentials  # noqa: F401 (fixture)
+from tests.support.fixtures import use_test_credentials
 
 FP = b"atomic-write-test"
 KEY = chunk_chain(FP, list(range(64)), 64)[0]
@@ -30,10 +30,13 @@ HANDSHAKE_TIMEOUT_S = 60.0
 MAKE_BLOB = f"""
 import torch
 from kvrelay.store.chunk_format import encode_chunk
-blob = encode_chunk(bytes.fromhex({KEY.hex()!r}), {FP!r}, torch.arange(18 * 2 * 64 * 64, dtype=torch.float32).view(18, 2, 64, 1, 64))
+values = torch.arange(18 * 2 * 64 * 64, dtype=torch.float32).view(18, 2, 64, 1, 64)
+blob = encode_chunk(bytes.fromhex({KEY.hex()!r}), {FP!r}, values)
 """
 
-FILE_WRITER = MAKE_BLOB + """
+FILE_WRITER = (
+    MAKE_BLOB
+    + """
 import os, sys
 from kvrelay.store import files
 
@@ -51,8 +54,11 @@ tier_class = {"ssd": files.SsdTier, "shared": files.SharedDirTier}[sys.argv[1]]
 tier = tier_class(sys.argv[2], 1 << 30) if sys.argv[1] == "ssd" else tier_class(sys.argv[2])
 tier.put(blob)
 """
+)
 
-S3_WRITER = MAKE_BLOB + """
+S3_WRITER = (
+    MAKE_BLOB
+    + """
 import io, sys
 from kvrelay.store import s3
 
@@ -74,6 +80,7 @@ tier = s3.S3Tier(s3.S3Tier.make_client(sys.argv[1]), sys.argv[2], "chunks/")
 tier.create_bucket()
 tier.put(blob)
 """
+)
 
 
 def _start_writer(script: str, *args: str) -> subprocess.Popen[bytes]:
@@ -114,7 +121,8 @@ def test_killed_file_writer_leaves_no_readable_chunk(tmp_path: Path, kind: str) 
 
 
 def test_killed_s3_writer_leaves_no_readable_object(
-    moto_endpoint: str, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    moto_endpoint: str,
+    monkeypatch: pytest.MonkeyPatch,  # noqa: F811
 ) -> None:
     use_test_credentials(monkeypatch)
     proc = _start_writer(S3_WRITER, moto_endpoint, "kvrelay-atomic")

@@ -33,11 +33,42 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_scenarios_write_figures_report_and_plots(tmp_path: Path) -> None:
     model = make_tiny_model("gemma3", tmp_path / "tiny-gemma3", seed=3)
     out = tmp_path / "results"
-    argv = [sys.executable, "-m", "kvrelay.cli.main", "--log-level", "WARNING", "bench", "scenarios",
-            "--model", str(model), "--dtype", "float32", "--requests", "3", "--concurrency", "2",
-            "--prefix-tokens", "128", "--suffix-tokens", "16", "--new-tokens", "6", "--kv-tokens", "1024",
-            "--lanes", "4", "--ram-bytes", str(1 << 20), "--flood-factor", "1.0", "--out-dir", str(out),
-            "--work-dir", str(tmp_path / "work"), "--no-progress"]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvrelay.cli.main",
+        "--log-level",
+        "WARNING",
+        "bench",
+        "scenarios",
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+        "--requests",
+        "3",
+        "--concurrency",
+        "2",
+        "--prefix-tokens",
+        "128",
+        "--suffix-tokens",
+        "16",
+        "--new-tokens",
+        "6",
+        "--kv-tokens",
+        "1024",
+        "--lanes",
+        "4",
+        "--ram-bytes",
+        str(1 << 20),
+        "--flood-factor",
+        "1.0",
+        "--out-dir",
+        str(out),
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--no-progress",
+    ]
     done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=220)
     assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-5000:]}"
 
@@ -49,8 +80,16 @@ def test_scenarios_write_figures_report_and_plots(tmp_path: Path) -> None:
         assert isinstance(figure["baseline_value"], (int, float)), figure
     by_name = {f["name"]: f for f in figures}
     for case in CASES:
-        for quantity in ("ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "itl_p99", "recomputed_tokens",
-                         "pages_used_peak", "errors"):
+        for quantity in (
+            "ttft_p50",
+            "ttft_p90",
+            "ttft_p99",
+            "itl_p50",
+            "itl_p99",
+            "recomputed_tokens",
+            "pages_used_peak",
+            "errors",
+        ):
             assert f"{case}_{quantity}" in by_name, f"{case}_{quantity} is missing"
         assert by_name[f"{case}_ttft_p50"]["baseline"] == "cold_ttft_p50"
         assert by_name[f"{case}_errors"]["value"] == 0, f"requests failed in case {case}"
@@ -94,6 +133,8 @@ def test_quantiles_and_eviction_deltas() -> None:
     assert quantile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.0
     assert quantile([4.0, 1.0, 3.0, 2.0], 0.99) == 4.0
     before = {"http://a": {"evictions": {"gpu:lru": 2, "ram:capacity": 5}}}
-    after = {"http://a": {"evictions": {"gpu:lru": 7, "ram:capacity": 5}},
-             "http://b": {"evictions": {"gpu:durable": 3}}}  # a process that started in between counts from 0
+    after = {
+        "http://a": {"evictions": {"gpu:lru": 7, "ram:capacity": 5}},
+        "http://b": {"evictions": {"gpu:durable": 3}},
+    }  # a process that started in between counts from 0
     assert eviction_delta(before, after) == {"gpu:lru": 5, "ram:capacity": 0, "gpu:durable": 3}

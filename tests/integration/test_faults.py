@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from kvrelay.testing.tiny_models import make_tiny_model
 from tests.support.processes import (
     ChildProcess,
     Router,
@@ -41,7 +42,6 @@ from tests.support.processes import (
     wait_until,
 )
 from tests.support.tcp_proxy import TcpProxy
-from kvrelay.testing.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,8 +64,9 @@ class Cluster:
         """Start workers (in parallel) and wait until the router sees them live."""
         for wid in worker_ids:
             self.workers[wid] = start_worker(self.home, wid, url or self.router.workers_url, model or self.model)
-        wait_until(lambda: set(worker_ids) <= set(self.router.live_workers()), 60,
-                   f"workers {worker_ids} live at the router")
+        wait_until(
+            lambda: set(worker_ids) <= set(self.router.live_workers()), 60, f"workers {worker_ids} live at the router"
+        )
 
     def counters(self) -> dict[str, int]:
         return self.router.cluster()["router_counters"]
@@ -78,8 +79,15 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     home = tmp_path_factory.mktemp("faults")
-    model = make_tiny_model("llama", home / "slowllama", hidden_size=256, intermediate_size=768, num_hidden_layers=6,
-                            max_position_embeddings=2048, eos_token_id=None)
+    model = make_tiny_model(
+        "llama",
+        home / "slowllama",
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=6,
+        max_position_embeddings=2048,
+        eos_token_id=None,
+    )
     twin = home / "twinllama"
     shutil.copytree(model, twin)
     router = Router(home, model, "--model", str(twin), *ROUTER_FLAGS)
@@ -143,8 +151,12 @@ def test_silent_worker_expires_is_fenced_and_comes_back_in_a_new_epoch(cluster: 
     moved = silent.wait_for(rf"worker {wid}: connection to \S+ lost; now epoch (\d+)", 30, mark)
     assert int(moved.group(1)) > old_epoch
     # the old assignment was fenced by the new epoch and its pages came back; nothing of it was delivered twice
-    released = silent.wait_for(rf"worker {wid} holds no reservations \(epoch (\d+); assignments finished "
-                               r"(\d+), cancelled (\d+)\)", 30, mark)
+    released = silent.wait_for(
+        rf"worker {wid} holds no reservations \(epoch (\d+); assignments finished "
+        r"(\d+), cancelled (\d+)\)",
+        30,
+        mark,
+    )
     assert int(released.group(1)) == int(moved.group(1)) and int(released.group(3)) >= 1
     back = wait_until(lambda: cluster.router.live_workers().get(wid), 30, f"{wid} live again")
     assert back["epoch"] == int(moved.group(1))
@@ -155,8 +167,15 @@ def test_router_restart_workers_reconnect_without_restarting(cluster: Cluster) -
     old = cluster.router
     pids = {wid: child.pid for wid, child in cluster.workers.items()}
     assert old.child.stop() == 0
-    cluster.router = Router(cluster.home, cluster.model, "--model", str(cluster.home / "twinllama"), *ROUTER_FLAGS,
-                            port=old.port, worker_port=old.worker_port)
+    cluster.router = Router(
+        cluster.home,
+        cluster.model,
+        "--model",
+        str(cluster.home / "twinllama"),
+        *ROUTER_FLAGS,
+        port=old.port,
+        worker_port=old.worker_port,
+    )
     wait_until(lambda: set(pids) <= set(cluster.router.live_workers()), 30, "every worker reconnected")
     assert all(child.process.poll() is None and child.pid == pids[wid] for wid, child in cluster.workers.items())
     out = complete(cluster.router.http_url, cluster.model.name, PROMPT, BUDGET)

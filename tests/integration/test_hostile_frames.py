@@ -28,8 +28,19 @@ FRAMES_PER_CONNECTION = 31
 MAX_FRAME = 128 * 1024
 REQUESTS, WINDOW = 50, 5
 
-DROP_REASONS = ("not_msgpack", "no_type", "unknown_type", "wrong_version", "invalid_fields", "unbound",
-                "wrong_direction", "text_frame", "stale_heartbeat", "fenced_epoch", "identity_mismatch")
+DROP_REASONS = (
+    "not_msgpack",
+    "no_type",
+    "unknown_type",
+    "wrong_version",
+    "invalid_fields",
+    "unbound",
+    "wrong_direction",
+    "text_frame",
+    "stale_heartbeat",
+    "fenced_epoch",
+    "identity_mismatch",
+)
 
 
 def hostile_frame(rng: random.Random) -> bytes | str:
@@ -47,12 +58,23 @@ def hostile_frame(rng: random.Random) -> bytes | str:
     if kind == 4:
         return pack({"type": rng.choice(["delta", "result", "residency"]), "v": 1, "worker_id": "w0"})
     if kind == 5:  # a worker message from a connection that never bound (forged result or delta)
-        return encode(rng.choice([Delta(assignment=a, worker_id="w0", seq=0, tokens=(1,)),
-                                  Result(assignment=a, worker_id="w1", tokens=(1,), finish_reason="stop")]))
+        return encode(
+            rng.choice(
+                [
+                    Delta(assignment=a, worker_id="w0", seq=0, tokens=(1,)),
+                    Result(assignment=a, worker_id="w1", tokens=(1,), finish_reason="stop"),
+                ]
+            )
+        )
     if kind == 6:
-        return encode(rng.choice([
-            Offer(assignment=a, worker_id="w0", epoch=1, model="m", prompt=(1, 2), max_new_tokens=1),
-            Cancel(assignment=a, worker_id="w1")]))
+        return encode(
+            rng.choice(
+                [
+                    Offer(assignment=a, worker_id="w0", epoch=1, model="m", prompt=(1, 2), max_new_tokens=1),
+                    Cancel(assignment=a, worker_id="w1"),
+                ]
+            )
+        )
     if kind == 7:
         return "text frame " + str(rng.random())
     # Replayed old-epoch and old-seq heartbeats of the good workers.
@@ -129,11 +151,13 @@ def test_hostile_frames_do_not_fail_a_concurrent_workload() -> None:
         await asyncio.gather(*attackers)
 
         assert len(outcomes) == REQUESTS
-        assert all(o.finish_reason == "length" and list(o.tokens) == [token_at(i) for i in range(4)]
-                   for o in outcomes), [o for o in outcomes if o.finish_reason != "length"]
+        assert all(
+            o.finish_reason == "length" and list(o.tokens) == [token_at(i) for i in range(4)] for o in outcomes
+        ), [o for o in outcomes if o.finish_reason != "length"]
         counters = side.endpoint.counters
         await side.endpoint.wait_until(
-            lambda: sum(counters.get(r, 0) for r in DROP_REASONS) == hostility.frames_sent, 10)
+            lambda: sum(counters.get(r, 0) for r in DROP_REASONS) == hostility.frames_sent, 10
+        )
         print(f"seed={SEED} router counters: {sorted(counters.items())}")
         assert counters.get("oversized", 0) == hostility.oversized
         assert counters.get("handshake_forbidden", 0) == hostility.wrong_secrets

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvrelay.protocol.chunk_keys import chunk_chain
 from kvrelay.store.chunk_format import decode_header, encode_chunk
 from kvrelay.store.files import SsdTier
-from kvrelay.protocol.chunk_keys import chunk_chain
 from kvrelay.store.peer import PeerServer, PeerTier
 from kvrelay.store.ram import RamTier
 from kvrelay.store.tier import CorruptChunk
@@ -105,7 +105,9 @@ def test_unreachable_peer_is_a_counted_miss_within_the_timeout() -> None:
         PeerTier("ftp://nowhere")
 
 
-def test_localize_from_peer_into_local_ssd_then_read_mapped(peer: tuple[RamTier, SsdTier, PeerServer], tmp_path: Path) -> None:
+def test_localize_from_peer_into_local_ssd_then_read_mapped(
+    peer: tuple[RamTier, SsdTier, PeerServer], tmp_path: Path
+) -> None:
     _, peer_ssd, server = peer
     peer_ssd.put(chunk(5))
     local = TierStack(RamTier(1 << 20), SsdTier(tmp_path / "local-ssd", 1 << 20, fsync=False), None)

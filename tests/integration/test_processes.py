@@ -13,15 +13,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvrelay.cli.main import COMMANDS, build_parser
-from kvrelay.models.loading.weight_layout import ModelLoadError
 from kvrelay.cli import cluster as cluster_cli
 from kvrelay.cli import router as router_cli
 from kvrelay.cli import worker as worker_cli
+from kvrelay.cli.main import COMMANDS, build_parser
 from kvrelay.launch import catalog
 from kvrelay.launch.catalog import ModelCatalog, load_served_model
 from kvrelay.launch.config import ConfigError, add_options, resolve
+from kvrelay.models.loading.weight_layout import ModelLoadError
 from kvrelay.protocol.messages import Heartbeat
+from kvrelay.testing.tiny_models import make_tiny_model
 from tests.support.processes import (
     StreamingRequest,
     child_env,
@@ -30,7 +31,6 @@ from tests.support.processes import (
     wait_until,
 )
 from tests.support.tiny_gguf import write_tiny_gguf
-from kvrelay.testing.tiny_models import make_tiny_model
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12] * 4
 BUDGET = 300
@@ -48,8 +48,9 @@ def router_values(argv: list[str], env: dict[str, str]) -> dict[str, object]:
 
 def test_flags_beat_environment_beat_toml_beat_defaults(tmp_path: Path) -> None:
     config = tmp_path / "kvrelay.toml"
-    config.write_text('[router]\nport = 7100\nworker_port = 7101\nhost = "127.0.0.2"\noffer_timeout_s = 0.5\n'
-                      '[worker]\nlanes = 3\n')
+    config.write_text(
+        '[router]\nport = 7100\nworker_port = 7101\nhost = "127.0.0.2"\noffer_timeout_s = 0.5\n[worker]\nlanes = 3\n'
+    )
     env = {"KVRELAY_PORT": "7200", "KVRELAY_WORKER_PORT": "7201"}
     values = router_values(["--config", str(config), "--port", "7300"], env)
     assert values["port"] == 7300  # flag over environment and TOML
@@ -114,8 +115,9 @@ def test_worker_without_a_router_url_says_how_to_give_one(capsys: pytest.Capture
 
 
 def heartbeat(worker_id: str, model: str, context_limit: int) -> Heartbeat:
-    return Heartbeat(worker_id=worker_id, epoch=1, seq=1, models=(model,), pages_total=64,
-                     pages_free=64, context_limit=context_limit)
+    return Heartbeat(
+        worker_id=worker_id, epoch=1, seq=1, models=(model,), pages_total=64, pages_free=64, context_limit=context_limit
+    )
 
 
 def test_a_model_is_served_once_a_worker_announces_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -134,8 +136,9 @@ def test_a_model_is_served_once_a_worker_announces_it(tmp_path: Path, caplog: py
     assert len(warnings) == 1 and "--model SOURCE" in warnings[0]
 
 
-def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     gguf_path = write_tiny_gguf(make_tiny_model("llama", tmp_path / "src"), tmp_path / "tiny.gguf")
     cache = tmp_path / "cache"
     first = load_served_model(str(gguf_path), cache)
@@ -172,24 +175,57 @@ def children_of(pid: int) -> dict[int, str]:
 
 @pytest.mark.timeout(150)
 def test_cluster_runs_named_workers_drains_one_on_sigterm_and_stops_all(tmp_path: Path) -> None:
-    model = make_tiny_model("llama", tmp_path / "slowllama", hidden_size=256, intermediate_size=768,
-                            num_hidden_layers=6, max_position_embeddings=2048, eos_token_id=None)
-    cluster = kvrelay("cluster", "cluster", [
-        "--workers", "2", "--port", "0", "--model", str(model), "--dtype", "float32", "--kv-tokens", "4096",
-        "--lanes", "4", "--grace-s", "0.5", "--db", f"sqlite:///{tmp_path / 'facts.sqlite3'}"], child_env(tmp_path))
+    model = make_tiny_model(
+        "llama",
+        tmp_path / "slowllama",
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=6,
+        max_position_embeddings=2048,
+        eos_token_id=None,
+    )
+    cluster = kvrelay(
+        "cluster",
+        "cluster",
+        [
+            "--workers",
+            "2",
+            "--port",
+            "0",
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+            "--kv-tokens",
+            "4096",
+            "--lanes",
+            "4",
+            "--grace-s",
+            "0.5",
+            "--db",
+            f"sqlite:///{tmp_path / 'facts.sqlite3'}",
+        ],
+        child_env(tmp_path),
+    )
     try:
         http_url = cluster.wait_for(r"kvrelay cluster ready http=(\S+) workers=w1,w2", 120).group(1)
         children = children_of(cluster.pid)
-        workers = {re.search(r"--worker-id (w\d)", c).group(1): pid  # type: ignore[union-attr]
-                   for pid, c in children.items() if " worker " in c}
+        workers = {
+            re.search(r"--worker-id (w\d)", c).group(1): pid  # type: ignore[union-attr]
+            for pid, c in children.items()
+            if " worker " in c
+        }
         assert sorted(workers) == ["w1", "w2"] and len(children) == 3
         assert any(" router " in c for c in children.values())
         reference = complete(http_url, model.name, PROMPT, BUDGET)["choices"][0]["text"]
 
         request = StreamingRequest(http_url, model.name, PROMPT, BUDGET)
         assert request.first.wait(60)
-        state = wait_until(lambda: next(iter(httpx.get(http_url + "/cluster").json()["requests"].values()), None),
-                           10, "the request in flight")
+        state = wait_until(
+            lambda: next(iter(httpx.get(http_url + "/cluster").json()["requests"].values()), None),
+            10,
+            "the request in flight",
+        )
         draining = state["worker_id"]
         mark = cluster.mark()
         os.kill(workers[draining], signal.SIGTERM)

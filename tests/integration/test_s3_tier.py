@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvrelay.protocol.chunk_keys import chunk_chain
 from kvrelay.store.chunk_format import decode_header, encode_chunk
 from kvrelay.store.files import SsdTier
-from kvrelay.protocol.chunk_keys import chunk_chain
 from kvrelay.store.s3 import S3Tier
 from kvrelay.store.tier import CorruptChunk, ResidencyEvent
 from kvrelay.store.tier_stack import TierStack
-from tests.support.fixtures import moto_endpoint, use_test_credentials  # noqa: F401 (fixture)
+from tests.support.fixtures import use_test_credentials
 
 FP = b"tiny-gemma3|float32|64"
 SHAPE = (2, 2, 8, 1, 8)
@@ -28,7 +28,9 @@ def chunk(i: int) -> bytearray:
 
 
 @pytest.fixture()
-def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[tuple[S3Tier, list]]:  # noqa: F811
+def s3(
+    moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[tuple[S3Tier, list]]:  # noqa: F811
     use_test_credentials(monkeypatch)
     reports: list = []
     bucket = "kvrelay-" + request.node.name.lower().replace("_", "-")[:40]

@@ -12,13 +12,16 @@ from kvrelay.store.chunk_format import encode_chunk
 from kvrelay.store.files import SharedDirTier
 from kvrelay.store.s3 import S3Tier
 from kvrelay.store.tier import ResidencyEvent
-from tests.support.fixtures import moto_endpoint, use_test_credentials  # noqa: F401 (fixture)
+from tests.support.fixtures import use_test_credentials
 
 KEY, FP = b"k" * 16, b"fp"
 
 
-def test_s3_object_tier_from_the_store_spec(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
-                                            tmp_path: Path) -> None:
+def test_s3_object_tier_from_the_store_spec(
+    moto_endpoint: str,
+    monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+    tmp_path: Path,
+) -> None:
     use_test_credentials(monkeypatch)
     events: list[ResidencyEvent] = []
     spec = StoreSpec(str(tmp_path / "ssd"), s3_endpoint=moto_endpoint, s3_bucket="kvrelay-spec", s3_prefix="w/")
@@ -32,6 +35,7 @@ def test_s3_object_tier_from_the_store_spec(moto_endpoint: str, monkeypatch: pyt
 
 
 def test_shared_directory_or_no_object_tier(tmp_path: Path) -> None:
-    assert isinstance(StoreSpec(str(tmp_path / "ssd"), object_dir=str(tmp_path / "obj")).object_tier(print),
-                      SharedDirTier)
+    assert isinstance(
+        StoreSpec(str(tmp_path / "ssd"), object_dir=str(tmp_path / "obj")).object_tier(print), SharedDirTier
+    )
     assert StoreSpec(str(tmp_path / "ssd")).object_tier(print) is None

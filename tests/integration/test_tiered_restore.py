@@ -14,10 +14,10 @@ from kvrelay.protocol.messages import Result, RouteSegment
 from kvrelay.store.files import SharedDirTier, SsdTier
 from kvrelay.store.peer import PeerServer
 from kvrelay.store.tier_stack import TierStack
-from kvrelay.worker.kv_capture import Checkpointer
-from kvrelay.worker.chunk_io import gather_chunk
-from kvrelay.worker.restore import StoreRestore
 from kvrelay.testing.tiny_models import make_tiny_model
+from kvrelay.worker.chunk_io import gather_chunk
+from kvrelay.worker.kv_capture import Checkpointer
+from kvrelay.worker.restore import StoreRestore
 from tests.support.worker_harness import WorkerHarness
 
 PROMPT = tuple(range(7, 7 + 150))  # 2 full chunks + 22 tokens
@@ -59,9 +59,11 @@ async def compute_on_a(a: WorkerHarness, stack: TierStack) -> tuple[list[int], d
     cold = await replies.wait_for(Result)
     await a.quiesce()
     await a.controller.checkpointer.drain()
-    kv = {key: gather_chunk(a.kv, pages)
-          for key in (m.stored[0] for m in a.published if m.stored)
-          for pages in a.pool.resident_prefix([key])}
+    kv = {
+        key: gather_chunk(a.kv, pages)
+        for key in (m.stored[0] for m in a.published if m.stored)
+        for pages in a.pool.resident_prefix([key])
+    }
     assert len(kv) == 2 and a.controller.checkpointer.counters["captured"] == 2
     return list(cold.tokens), kv
 
@@ -154,8 +156,9 @@ def test_a_corrupted_chunk_is_detected_counted_and_recomputed(model_dir: Path, t
 
 
 @pytest.mark.parametrize(("when_full", "captured", "skipped"), [("wait", 2, 0), ("skip", 1, 1)])
-def test_host_staging_budget_waits_or_skips(model_dir: Path, tmp_path: Path, when_full: str, captured: int,
-                                            skipped: int) -> None:
+def test_host_staging_budget_waits_or_skips(
+    model_dir: Path, tmp_path: Path, when_full: str, captured: int, skipped: int
+) -> None:
     async def body(a: WorkerHarness) -> None:
         stack = TierStack(ssd=SsdTier(tmp_path / "ssd", 1 << 30))
         checkpointer = Checkpointer(a.kv, a.pool, stack, a.fingerprint, when_full=when_full)  # type: ignore[arg-type]

@@ -24,8 +24,12 @@ FIGURE_KEYS = {"name", "value", "unit", "baseline", "baseline_value"}
 def _trace(path: Path) -> Path:
     """Six requests; the later ones share the first ones' leading blocks (ids chain like Mooncake's)."""
     lines = [(0, [0, 1, 2]), (50, [3, 4]), (100, [0, 1, 5]), (150, [3, 4, 6]), (200, [0, 1, 2, 7]), (250, [8])]
-    path.write_text("".join(json.dumps({"timestamp": t, "input_length": 512 * len(ids), "output_length": 3,
-                                        "hash_ids": ids}) + "\n" for t, ids in lines))
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": t, "input_length": 512 * len(ids), "output_length": 3, "hash_ids": ids}) + "\n"
+            for t, ids in lines
+        )
+    )
     return path
 
 
@@ -35,12 +39,40 @@ def test_trace_e2e_writes_figures_report_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "results" / "trace_e2e.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")}
     env.update(KVRELAY_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    argv = [sys.executable, str(ROOT / "bench" / "trace_e2e.py"), "--trace", str(_trace(tmp_path / "t.jsonl")),
-            "--offset", "0", "--count", "6", "--rounds", "1", "--block-tokens", "8", "--max-prompt-tokens", "64",
-            "--max-output-tokens", "2", "--time-stretch", "0.5", "--model", str(model), "--dtype", "float32",
-            "--kv-tokens", "4096", "--lanes", "4", "--calibration", str(ROOT / "configs" /
-                                                                           "calibration-gemma3-270m-cpu.toml"),
-            "--timeout-s", "60", "--json", str(out)]
+    argv = [
+        sys.executable,
+        str(ROOT / "bench" / "trace_e2e.py"),
+        "--trace",
+        str(_trace(tmp_path / "t.jsonl")),
+        "--offset",
+        "0",
+        "--count",
+        "6",
+        "--rounds",
+        "1",
+        "--block-tokens",
+        "8",
+        "--max-prompt-tokens",
+        "64",
+        "--max-output-tokens",
+        "2",
+        "--time-stretch",
+        "0.5",
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+        "--kv-tokens",
+        "4096",
+        "--lanes",
+        "4",
+        "--calibration",
+        str(ROOT / "configs" / "calibration-gemma3-270m-cpu.toml"),
+        "--timeout-s",
+        "60",
+        "--json",
+        str(out),
+    ]
     done = subprocess.run(argv, check=False, env=env, capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads(out.read_text())

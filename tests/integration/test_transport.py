@@ -72,7 +72,8 @@ def test_offer_accept_deltas_result_reach_the_consumer() -> None:
         assert worker.publish(Residency(worker_id="w0", epoch=1, seq=1, tier="ram", stored=(b"k" * 16,))) == 1
         index = side.router.state.index
         await side.endpoint.wait_until(
-            lambda: any(w == "w0" for v in index.lookup([b"k" * 16]) for w, _ in index.holders(v)), 5)
+            lambda: any(w == "w0" for v in index.lookup([b"k" * 16]) for w, _ in index.holders(v)), 5
+        )
         await worker.close()
         await side.close()
 
@@ -95,8 +96,7 @@ def test_handshake_without_or_with_a_wrong_secret_is_refused_and_logged(caplog: 
         assert side.endpoint.counters["handshake_forbidden"] == 1
         assert "connections_opened" not in side.endpoint.counters
         # A worker with the wrong secret keeps being refused and never gets a route.
-        worker = WorkerEndpoint(ScriptedHost("w0"), [side.url], b"wrong-secret-0123456789abcdef",
-                                backoff=FAST_BACKOFF)
+        worker = WorkerEndpoint(ScriptedHost("w0"), [side.url], b"wrong-secret-0123456789abcdef", backoff=FAST_BACKOFF)
         await worker.start()
         await worker.wait_until(lambda: worker.counters.get("handshake_refused", 0) >= 2, 5)
         assert side.endpoint.table.route_of("w0") is None
@@ -138,19 +138,18 @@ def test_malformed_frames_are_counted_per_reason_and_other_connections_keep_serv
         peer = await raw_peer(side.url)
         hb = pack({"type": "heartbeat", "v": 1, "worker_id": "x"})
         bad = [
-            b"\xc1 not msgpack",                                   # not_msgpack
-            pack([1, 2, 3]),                                       # no_type
-            pack({"type": "gossip", "v": 1}),                      # unknown_type (no hook installed)
-            pack({**msgspec_heartbeat("x"), "v": 9}),              # wrong_version
-            hb,                                                    # invalid_fields
+            b"\xc1 not msgpack",  # not_msgpack
+            pack([1, 2, 3]),  # no_type
+            pack({"type": "gossip", "v": 1}),  # unknown_type (no hook installed)
+            pack({**msgspec_heartbeat("x"), "v": 9}),  # wrong_version
+            hb,  # invalid_fields
             encode(Delta(assignment=Assignment("r", 1), worker_id="w0", seq=0, tokens=(1,))),  # unbound
         ]
         for frame in bad:
             await peer.send(frame)
-        await peer.send("text")                                    # text_frame
+        await peer.send("text")  # text_frame
         counters = side.endpoint.counters
-        reasons = ["not_msgpack", "no_type", "unknown_type", "wrong_version", "invalid_fields", "unbound",
-                   "text_frame"]
+        reasons = ["not_msgpack", "no_type", "unknown_type", "wrong_version", "invalid_fields", "unbound", "text_frame"]
         await side.endpoint.wait_until(lambda: all(counters.get(r) == 1 for r in reasons), 5)
         outcome = await side.submit("r", max_new=3).outcome()
         assert list(outcome.tokens) == expected(3)
@@ -314,8 +313,16 @@ def test_local_only_values_never_leave_a_worker() -> None:
         worker = await start_worker(ScriptedHost("w0"), side.url)
         await side.wait_route("w0", 1)
         with pytest.raises(ProtocolError):
-            worker.publish(Heartbeat(worker_id="w0", epoch=1, seq=5, models=(asyncio.Event(),),  # type: ignore
-                                     pages_total=1, pages_free=1))
+            worker.publish(
+                Heartbeat(
+                    worker_id="w0",
+                    epoch=1,
+                    seq=5,
+                    models=(asyncio.Event(),),  # type: ignore
+                    pages_total=1,
+                    pages_free=1,
+                )
+            )
         await worker.close()
         await side.close()
 
@@ -374,9 +381,26 @@ def test_the_control_path_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     """A smoke run at tiny size: the figures are printed and written, not asserted."""
     out = tmp_path / "figures.json"
     bench = Path(__file__).resolve().parents[2] / "bench" / "control_path.py"
-    done = subprocess.run([sys.executable, str(bench), "--workers", "2", "--requests", "20", "--warmup", "4",
-                           "--rate", "100", "--json", str(out)], check=False, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(bench),
+            "--workers",
+            "2",
+            "--requests",
+            "20",
+            "--warmup",
+            "4",
+            "--rate",
+            "100",
+            "--json",
+            str(out),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(out.read_text())
     assert {f["name"] for f in figures} >= {"offer_delivery_median", "delta_to_consumer_median"}

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.protocol.messages import OfferResult, Result, RouteSegment
 from kvrelay.protocol.chunk_keys import prompt_chain
+from kvrelay.protocol.messages import OfferResult, Result, RouteSegment
 from kvrelay.testing.tiny_models import make_tiny_model
 from tests.support.worker_harness import WorkerHarness
 
@@ -36,7 +36,9 @@ def test_two_hundred_offers_each_end_exactly_once_and_leak_nothing(model_dir: Pa
                 nonlocal prompt_tokens, cached_tokens
                 await asyncio.sleep(0)  # interleave offers with the others' progress
                 doc = rng.choice(documents)
-                prompt = doc[: rng.randrange(16, 256)] + tuple(rng.randrange(4, 250) for _ in range(rng.randrange(1, 40)))
+                prompt = doc[: rng.randrange(16, 256)] + tuple(
+                    rng.randrange(4, 250) for _ in range(rng.randrange(1, 40))
+                )
                 resident = len(h.pool.resident_prefix(prompt_chain(h.fingerprint, prompt, 64)))
                 route = (RouteSegment("gpu", resident),) if resident else ()
                 offer, replies = h.offer(f"r{i}", prompt, rng.randrange(1, 20), route=route)

@@ -5,22 +5,34 @@ from __future__ import annotations
 import zlib
 from dataclasses import replace
 
-from kvrelay.sim.cluster_config import ClusterConfig, NetworkSpec, WorkerSpec
 from kvrelay.core.router.events import Request
+from kvrelay.protocol.messages import Sampling
+from kvrelay.sim.cluster_config import ClusterConfig, NetworkSpec, WorkerSpec
 from kvrelay.sim.interpreter import Simulation
 from kvrelay.sim.tokens import token_value
-from kvrelay.protocol.messages import Sampling
 
 MODEL = "llama-3-8b"
 
 
-def small_cluster(workers: int = 2, gpu_kv_tokens: int = 65536, object_tier: bool = False,
-                  loss: float = 0.0) -> ClusterConfig:
+def small_cluster(
+    workers: int = 2, gpu_kv_tokens: int = 65536, object_tier: bool = False, loss: float = 0.0
+) -> ClusterConfig:
     """Two workers with the default declared costs (0.1 ms/token prefill, 25 ms decode steps)."""
-    spec = replace(WorkerSpec(), gpu_kv_tokens=gpu_kv_tokens, ram_kv_tokens=4 * gpu_kv_tokens,
-                   ssd_kv_tokens=16 * gpu_kv_tokens, max_lanes=8, context_limit=100_000)
-    return ClusterConfig(workers=workers, model=MODEL, object_write_through=object_tier, worker=spec,
-                         network=NetworkSpec(delay_s=0.0005, jitter_s=0.0002, loss=loss))
+    spec = replace(
+        WorkerSpec(),
+        gpu_kv_tokens=gpu_kv_tokens,
+        ram_kv_tokens=4 * gpu_kv_tokens,
+        ssd_kv_tokens=16 * gpu_kv_tokens,
+        max_lanes=8,
+        context_limit=100_000,
+    )
+    return ClusterConfig(
+        workers=workers,
+        model=MODEL,
+        object_write_through=object_tier,
+        worker=spec,
+        network=NetworkSpec(delay_s=0.0005, jitter_s=0.0002, loss=loss),
+    )
 
 
 def tokens(stream_id: int, n: int) -> tuple[int, ...]:

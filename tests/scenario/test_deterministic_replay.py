@@ -57,10 +57,13 @@ def test_log_does_not_depend_on_the_process_hash_seed() -> None:
     import subprocess
     import sys
 
-    code = ("import hashlib; from tests.scenario.test_deterministic_replay import faulty_run; "
-            "print(hashlib.sha256(faulty_run(21).log_bytes()).hexdigest())")
+    code = (
+        "import hashlib; from tests.scenario.test_deterministic_replay import faulty_run; "
+        "print(hashlib.sha256(faulty_run(21).log_bytes()).hexdigest())"
+    )
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                         check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.strip() == hashlib.sha256(faulty_run(21).log_bytes()).hexdigest()

@@ -28,28 +28,41 @@ crashes = st.lists(
     max_size=3,
 )
 partitions = st.lists(
-    st.tuples(st.sampled_from(WORKERS), st.booleans(), st.floats(0.3, 4.0), st.floats(0.05, 4.0)), max_size=3,
+    st.tuples(st.sampled_from(WORKERS), st.booleans(), st.floats(0.3, 4.0), st.floats(0.05, 4.0)),
+    max_size=3,
 )
 """(worker, towards the router?, start, duration): one directed link cut for a while."""
 requests = st.lists(
     st.tuples(st.integers(0, 2), st.integers(1, 300), st.integers(1, 40), st.floats(0.5, 3.0)),
-    min_size=1, max_size=5,
+    min_size=1,
+    max_size=5,
 )
 cancels = st.lists(st.tuples(st.integers(0, 4), st.floats(0.5, 4.0)), max_size=2)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    seed=st.integers(0, 2**31 - 1), loss=st.sampled_from([0.0, 0.01, 0.1, 0.3]), crash_plan=crashes,
-    partition_plan=partitions, request_plan=requests, cancel_plan=cancels,
+    seed=st.integers(0, 2**31 - 1),
+    loss=st.sampled_from([0.0, 0.01, 0.1, 0.3]),
+    crash_plan=crashes,
+    partition_plan=partitions,
+    request_plan=requests,
+    cancel_plan=cancels,
     admission_s=st.sampled_from([0.0, 0.005]),
 )
 def test_invariants_hold_under_random_faults(
-    seed: int, loss: float, crash_plan: list, partition_plan: list, request_plan: list, cancel_plan: list,
+    seed: int,
+    loss: float,
+    crash_plan: list,
+    partition_plan: list,
+    request_plan: list,
+    cancel_plan: list,
     admission_s: float,
 ) -> None:
-    print(f"seed={seed} loss={loss} admission_s={admission_s} crashes={crash_plan} "
-          f"partitions={partition_plan} requests={request_plan} cancels={cancel_plan}")
+    print(
+        f"seed={seed} loss={loss} admission_s={admission_s} crashes={crash_plan} "
+        f"partitions={partition_plan} requests={request_plan} cancels={cancel_plan}"
+    )
     sim = Simulation(small_cluster(workers=3, gpu_kv_tokens=8192, loss=loss), seed=seed, admission_s=admission_s)
     for worker_id, at, restart_after in crash_plan:
         sim.crash(worker_id, at=at, restart_after=restart_after)

@@ -16,8 +16,25 @@ TRACE_HEAD = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_head
 
 def test_policy_all_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sim.json"
-    rc = main(["sim", "--trace", str(TRACE_HEAD), "--workers", "2", "--policy", "all", "--limit", "12",
-               "--seed", "3", "--rate-scale", "2", "--json", str(out)])
+    rc = main(
+        [
+            "sim",
+            "--trace",
+            str(TRACE_HEAD),
+            "--workers",
+            "2",
+            "--policy",
+            "all",
+            "--limit",
+            "12",
+            "--seed",
+            "3",
+            "--rate-scale",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     assert (doc["trace"], doc["workers"], doc["seed"]) == (str(TRACE_HEAD), 2, 3)

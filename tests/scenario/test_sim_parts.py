@@ -7,21 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.sim.cluster_config import (
-    ClusterConfigError,
-    NetworkSpec,
-    load_cluster_config,
-)
-from kvrelay.sim.interpreter import Simulation
+from kvrelay.protocol.messages import Assignment, Offer, RouteSegment
 from kvrelay.sim.admission import (
     AdmissionDecline,
     AdmissionPlan,
     plan_admission,
 )
 from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
+from kvrelay.sim.cluster_config import (
+    ClusterConfigError,
+    NetworkSpec,
+    load_cluster_config,
+)
+from kvrelay.sim.interpreter import Simulation
 from kvrelay.sim.network import NetworkModel
 from kvrelay.sim.tokens import token_value
-from kvrelay.protocol.messages import Assignment, Offer, RouteSegment
 from tests.scenario.scenario_kit import (
     assert_invariants,
     request,
@@ -53,8 +53,9 @@ def test_network_is_seeded_fifo_directed_and_heals() -> None:
 
 
 def caches(gpu_pages: int = 16) -> WorkerCaches:
-    return WorkerCaches(gpu_pages, chunk_pages=4, ram_chunks=2, ssd_chunks=2, shared=SharedObjectTier(),
-                        object_write_through=True)
+    return WorkerCaches(
+        gpu_pages, chunk_pages=4, ram_chunks=2, ssd_chunks=2, shared=SharedObjectTier(), object_write_through=True
+    )
 
 
 def test_gpu_evictions_demote_to_ram_then_ssd_and_pins_protect() -> None:
@@ -78,8 +79,16 @@ def test_gpu_evictions_demote_to_ram_then_ssd_and_pins_protect() -> None:
 
 
 def offer(route: tuple[RouteSegment, ...], prompt_len: int = 64 * 3 + 5, max_new: int = 11) -> Offer:
-    return Offer(assignment=Assignment("r", 1), worker_id="w0", epoch=1, model="m", prompt=tuple(range(prompt_len)),
-                 max_new_tokens=max_new, route=route, chain=tuple(KEYS[: sum(s.chunks for s in route)]))
+    return Offer(
+        assignment=Assignment("r", 1),
+        worker_id="w0",
+        epoch=1,
+        model="m",
+        prompt=tuple(range(prompt_len)),
+        max_new_tokens=max_new,
+        route=route,
+        chain=tuple(KEYS[: sum(s.chunks for s in route)]),
+    )
 
 
 def test_admission_rechecks_the_route_against_the_caches() -> None:

@@ -40,8 +40,13 @@ def stop_all(children: list[ChildProcess], timeout: float = 20.0) -> None:
 
 def child_env(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")}
-    env.update(KVRELAY_SECRET=SECRET, KVRELAY_CACHE_DIR=str(home / "cache"), KVRELAY_DATA_DIR=str(home / "data"),
-               PYTHONUNBUFFERED="1", **extra)
+    env.update(
+        KVRELAY_SECRET=SECRET,
+        KVRELAY_CACHE_DIR=str(home / "cache"),
+        KVRELAY_DATA_DIR=str(home / "data"),
+        PYTHONUNBUFFERED="1",
+        **extra,
+    )
     return env
 
 
@@ -56,9 +61,22 @@ class Router:
     def __init__(self, home: Path, model_dir: Path, *flags: str, port: int = 0, worker_port: int = 0) -> None:
         self.home = home
         self.model_dir = model_dir
-        self.child = kvrelay("router", "router", [
-            "--port", str(port), "--worker-port", str(worker_port), "--model", str(model_dir),
-            "--db", f"sqlite:///{home / 'facts.sqlite3'}", *flags], child_env(home))
+        self.child = kvrelay(
+            "router",
+            "router",
+            [
+                "--port",
+                str(port),
+                "--worker-port",
+                str(worker_port),
+                "--model",
+                str(model_dir),
+                "--db",
+                f"sqlite:///{home / 'facts.sqlite3'}",
+                *flags,
+            ],
+            child_env(home),
+        )
         ready = self.child.wait_for(ROUTER_READY, 60)
         self.http_url, self.workers_url = ready.group(1), ready.group(2)
         self.port = int(self.http_url.rsplit(":", 1)[1])
@@ -72,9 +90,28 @@ class Router:
 
 
 def start_worker(home: Path, worker_id: str, router_url: str, model_dir: Path, *flags: str) -> ChildProcess:
-    return kvrelay(worker_id, "worker", [
-        "--worker-id", worker_id, "--router", router_url, "--model", str(model_dir), "--dtype", "float32",
-        "--kv-tokens", "4096", "--lanes", "4", "--heartbeat-s", "0.2", *flags], child_env(home))
+    return kvrelay(
+        worker_id,
+        "worker",
+        [
+            "--worker-id",
+            worker_id,
+            "--router",
+            router_url,
+            "--model",
+            str(model_dir),
+            "--dtype",
+            "float32",
+            "--kv-tokens",
+            "4096",
+            "--lanes",
+            "4",
+            "--heartbeat-s",
+            "0.2",
+            *flags,
+        ],
+        child_env(home),
+    )
 
 
 def wait_until(probe: Callable[[], T | None], timeout: float, what: str, every_s: float = 0.05) -> T:
@@ -93,13 +130,19 @@ def stream_completion(http_url: str, model: str, prompt: list[int], max_tokens: 
     """The SSE chunks of a greedy streaming completion, parsed; the last one carries the usage."""
     import json
 
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", http_url + "/v1/completions", json=body, timeout=120) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                yield json.loads(line[len("data: "):])
+                yield json.loads(line[len("data: ") :])
 
 
 def complete(http_url: str, model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -119,8 +162,9 @@ class StreamingRequest:
         self.error: BaseException | None = None
         self.first = threading.Event()
         self.done = threading.Event()
-        self._thread = threading.Thread(target=self._consume, args=(http_url, model, prompt, max_tokens),
-                                        name="stream", daemon=True)
+        self._thread = threading.Thread(
+            target=self._consume, args=(http_url, model, prompt, max_tokens), name="stream", daemon=True
+        )
         self._thread.start()
 
     def _consume(self, http_url: str, model: str, prompt: list[int], max_tokens: int) -> None:

@@ -28,10 +28,19 @@ from kvrelay.protocol.messages import (
 
 def heartbeat(worker_id: str, epoch: int = 1, seq: int = 1, **overrides: Any) -> Heartbeat:
     fields: dict[str, Any] = dict(
-        worker_id=worker_id, epoch=epoch, seq=seq, models=("m",), pages_total=1000, pages_free=1000,
-        page_tokens=16, chunk_tokens=64, prefill_s_per_token=1e-3, decode_s_per_token=0.02,
+        worker_id=worker_id,
+        epoch=epoch,
+        seq=seq,
+        models=("m",),
+        pages_total=1000,
+        pages_free=1000,
+        page_tokens=16,
+        chunk_tokens=64,
+        prefill_s_per_token=1e-3,
+        decode_s_per_token=0.02,
         restore_bytes_per_s={"ram": 1e9, "ssd": 2.5e8, "peer": 5e8, "object": 1e8},
-        kv_bytes_per_token=1000, context_limit=100_000,
+        kv_bytes_per_token=1000,
+        context_limit=100_000,
     )
     fields.update(overrides)
     return Heartbeat(**fields)
@@ -76,8 +85,9 @@ class Driver:
 
     def decline(self, offer: SendOffer, reason: str) -> list[Effect]:
         o = offer.offer
-        return self.message(OfferResult(assignment=o.assignment, worker_id=o.worker_id, epoch=o.epoch,
-                                        accepted=False, reason=reason))
+        return self.message(
+            OfferResult(assignment=o.assignment, worker_id=o.worker_id, epoch=o.epoch, accepted=False, reason=reason)
+        )
 
     def delta(self, a: Assignment, worker_id: str, seq: int, tokens: tuple[int, ...]) -> list[Effect]:
         return self.message(Delta(assignment=a, worker_id=worker_id, seq=seq, tokens=tokens))

@@ -44,8 +44,11 @@ def _tokenizer_metadata(writer: gguf.GGUFWriter, vocab_size: int, chat_template:
     tokens = SPECIAL_TOKENS + byte_tokens + pieces
     tokens += [f"<unused{i}>" for i in range(vocab_size - len(tokens))]
     types = (
-        [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.UNKNOWN] + [gguf.TokenType.CONTROL] * 2
-        + [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * len(pieces)
+        [gguf.TokenType.CONTROL] * 3
+        + [gguf.TokenType.UNKNOWN]
+        + [gguf.TokenType.CONTROL] * 2
+        + [gguf.TokenType.BYTE] * 256
+        + [gguf.TokenType.NORMAL] * len(pieces)
         + [gguf.TokenType.USER_DEFINED] * (vocab_size - len(SPECIAL_TOKENS) - 256 - len(pieces))
     )
     scores = [0.0] * (len(SPECIAL_TOKENS) + 256) + [-float(i) for i in range(len(pieces))]

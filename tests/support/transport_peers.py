@@ -17,7 +17,6 @@ from typing import Any, Literal
 import msgspec
 from websockets.asyncio.client import ClientConnection, connect
 
-from kvrelay.router.cluster_router import ClusterRouter, Consumer
 from kvrelay.core.router.events import Outcome, Request
 from kvrelay.core.router.machine import RouterConfig, new_router
 from kvrelay.protocol.messages import (
@@ -29,6 +28,7 @@ from kvrelay.protocol.messages import (
     Result,
     WireMessage,
 )
+from kvrelay.router.cluster_router import ClusterRouter, Consumer
 from kvrelay.transport.auth import bearer_header
 from kvrelay.transport.router_endpoint import RouterEndpoint, registry_liveness
 from kvrelay.transport.worker_endpoint import Backoff, Reply, WorkerEndpoint
@@ -48,8 +48,15 @@ class ScriptedHost:
     """Answers offers: ``serve`` (accept, one delta per token, result), ``hold`` (accept,
     ``hold_after`` deltas, then silence), ``decline`` (no_capacity). Default action: serve."""
 
-    def __init__(self, worker_id: str, epoch: int = 1, script: dict[str, Action] | None = None,
-                 hold_after: int = 2, new_epoch_on_disconnect: bool = True, **heartbeat_fields: Any) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        epoch: int = 1,
+        script: dict[str, Action] | None = None,
+        hold_after: int = 2,
+        new_epoch_on_disconnect: bool = True,
+        **heartbeat_fields: Any,
+    ) -> None:
         self.worker_id = worker_id
         self.epoch = epoch
         self.seq = 0
@@ -71,13 +78,19 @@ class ScriptedHost:
         self.offer_arrived.set()
         a = offer.assignment
         if offer.epoch != self.epoch:
-            reply(OfferResult(assignment=a, worker_id=self.worker_id, epoch=self.epoch, accepted=False,
-                              reason="wrong_epoch"))
+            reply(
+                OfferResult(
+                    assignment=a, worker_id=self.worker_id, epoch=self.epoch, accepted=False, reason="wrong_epoch"
+                )
+            )
             return
         action = self.script.get(a.request_id, "serve")
         if action == "decline":
-            reply(OfferResult(assignment=a, worker_id=self.worker_id, epoch=self.epoch, accepted=False,
-                              reason="no_capacity"))
+            reply(
+                OfferResult(
+                    assignment=a, worker_id=self.worker_id, epoch=self.epoch, accepted=False, reason="no_capacity"
+                )
+            )
             return
         reply(OfferResult(assignment=a, worker_id=self.worker_id, epoch=self.epoch, accepted=True))
         tokens = tuple(token_at(offer.generated_before + i) for i in range(offer.max_new_tokens))
@@ -175,6 +188,7 @@ class RouterSide:
 
     async def wait_route(self, worker_id: str, epoch: int, timeout_s: float = 5.0) -> None:
         """Until the router endpoint routes ``worker_id`` in ``epoch`` and the router holds it live."""
+
         def routed() -> bool:
             route = self.endpoint.table.routes.get(worker_id)
             entry = self.router.state.registry.live_entry(worker_id)
@@ -183,7 +197,9 @@ class RouterSide:
         await self.endpoint.wait_until(routed, timeout_s)
 
 
-async def start_worker(host: ScriptedHost | PlainHost, *urls: str, seed: int = 0, interval_s: float = 0.1) -> WorkerEndpoint:
+async def start_worker(
+    host: ScriptedHost | PlainHost, *urls: str, seed: int = 0, interval_s: float = 0.1
+) -> WorkerEndpoint:
     endpoint = WorkerEndpoint(host, urls, SECRET, heartbeat_interval_s=interval_s, backoff=FAST_BACKOFF, seed=seed)
     await endpoint.start()
     return endpoint
@@ -192,8 +208,7 @@ async def start_worker(host: ScriptedHost | PlainHost, *urls: str, seed: int = 0
 async def raw_peer(url: str, secret: bytes | None = SECRET, **options: Any) -> ClientConnection:
     """A bare authenticated WebSocket client (for sending arbitrary frames)."""
     headers = [bearer_header(secret)] if secret is not None else []
-    return await connect(url, additional_headers=headers, compression=None, proxy=None,
-                         max_size=None, **options)
+    return await connect(url, additional_headers=headers, compression=None, proxy=None, max_size=None, **options)
 
 
 def pack(obj: object) -> bytes:

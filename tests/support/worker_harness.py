@@ -22,10 +22,13 @@ from kvrelay.protocol.messages import (
     WireMessage,
 )
 from kvrelay.worker.admission import WorkerIdentity
-from kvrelay.worker.host import WorkerController
 from kvrelay.worker.handlers import RestoreHandler
-from kvrelay.worker.runtime.jobs import Job
+from kvrelay.worker.host import WorkerController
 from kvrelay.worker.runtime.engine import Engine, EngineOptions
+from kvrelay.worker.runtime.jobs import Job
+
+GREEDY = Sampling()
+"""The default sampling of an offer: greedy, no seed."""
 
 
 @dataclass
@@ -73,28 +76,59 @@ class Replies:
 class WorkerHarness:
     """Model, KV pages, runtime, pool and controller of one worker (call inside a running loop)."""
 
-    def __init__(self, model_dir: Path, num_pages: int = 64, lanes: int = 4, restore: RestoreHandler | None = None,
-                 epoch: int = 1, context_limit: int = 4096) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        num_pages: int = 64,
+        lanes: int = 4,
+        restore: RestoreHandler | None = None,
+        epoch: int = 1,
+        context_limit: int = 4096,
+    ) -> None:
         self.artifacts = load_artifacts(model_dir, torch.float32)
         config = self.artifacts.config
-        engine = Engine.from_artifacts(self.artifacts, torch.float32, EngineOptions(
-            kv_tokens=num_pages * 16, page_tokens=16, num_lanes=lanes, token_budget=256, chunk_tokens=64))
+        engine = Engine.from_artifacts(
+            self.artifacts,
+            torch.float32,
+            EngineOptions(kv_tokens=num_pages * 16, page_tokens=16, num_lanes=lanes, token_budget=256, chunk_tokens=64),
+        )
         self.model, self.kv, self.runtime = engine.model, engine.runtime.kv, engine.runtime
         self.fingerprint = self.artifacts.fingerprint
         self.identity = WorkerIdentity("w0", epoch, "tiny", self.fingerprint, context_limit)
         self.published: list[WireMessage] = []
-        self.controller = WorkerController(self.identity, engine.pool, self.runtime,
-                                           config.kv_bytes_per_token(4), restore=restore,
-                                           publish=self.published.append)
+        self.controller = WorkerController(
+            self.identity,
+            engine.pool,
+            self.runtime,
+            config.kv_bytes_per_token(4),
+            restore=restore,
+            publish=self.published.append,
+        )
         self.controller.pool.on_residency = self.controller.publish_residency
         self.pool = self.controller.pool
 
-    def offer(self, rid: str, prompt: tuple[int, ...], max_new: int, attempt: int = 1,
-              route: tuple[RouteSegment, ...] = (), sampling: Sampling = Sampling(),
-              priority: float = 0.0) -> tuple[Offer, Replies]:
-        offer = Offer(assignment=Assignment(rid, attempt), worker_id="w0", epoch=self.identity.epoch, model="tiny",
-                      model_fingerprint=self.fingerprint.hex(), prompt=prompt, max_new_tokens=max_new,
-                      sampling=sampling, route=route, priority=priority)
+    def offer(
+        self,
+        rid: str,
+        prompt: tuple[int, ...],
+        max_new: int,
+        attempt: int = 1,
+        route: tuple[RouteSegment, ...] = (),
+        sampling: Sampling = GREEDY,
+        priority: float = 0.0,
+    ) -> tuple[Offer, Replies]:
+        offer = Offer(
+            assignment=Assignment(rid, attempt),
+            worker_id="w0",
+            epoch=self.identity.epoch,
+            model="tiny",
+            model_fingerprint=self.fingerprint.hex(),
+            prompt=prompt,
+            max_new_tokens=max_new,
+            sampling=sampling,
+            route=route,
+            priority=priority,
+        )
         replies = Replies()
         self.controller.on_offer(offer, replies)
         return offer, replies

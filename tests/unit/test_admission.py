@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.protocol.messages import Assignment, Offer, RouteSegment
 from kvrelay.protocol.chunk_keys import prompt_chain
+from kvrelay.protocol.messages import Assignment, Offer, RouteSegment
 from kvrelay.worker.admission import WorkerIdentity, admit
 from kvrelay.worker.page_pool import PagePool
 
@@ -14,8 +14,15 @@ PROMPT = tuple(range(1, 64 * 4 + 2))  # 4 cacheable chunks, 257 tokens
 
 
 def offer(prompt: tuple[int, ...] = PROMPT, max_new: int = 31, **kw: object) -> Offer:
-    fields: dict = dict(assignment=Assignment("r", 1), worker_id="w0", epoch=3, model="m",
-                        model_fingerprint=b"fp".hex(), prompt=prompt, max_new_tokens=max_new)
+    fields: dict = dict(
+        assignment=Assignment("r", 1),
+        worker_id="w0",
+        epoch=3,
+        model="m",
+        model_fingerprint=b"fp".hex(),
+        prompt=prompt,
+        max_new_tokens=max_new,
+    )
     fields.update(kw)
     return Offer(**fields)
 

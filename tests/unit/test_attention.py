@@ -14,6 +14,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvrelay.models.batch import ForwardBatch
+from kvrelay.models.config import ModelConfig
 from kvrelay.models.kernels import attention
 from kvrelay.models.kernels.attention import (
     GROUP_COST_TOKENS,
@@ -23,8 +25,6 @@ from kvrelay.models.kernels.attention import (
     plan_attention,
     split_by_length,
 )
-from kvrelay.models.batch import ForwardBatch
-from kvrelay.models.config import ModelConfig
 from kvrelay.models.kernels.kv_pages import KVPages, write_kv
 from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from kvrelay.bench.trace.prompts import TracePrompt
+from kvrelay.bench.trace.simulate import predict_ttft
 from kvrelay.cli.main import main as cli_main
 from kvrelay.sim.calibration import (
     DEFAULT_CALIBRATION_PATH,
@@ -19,8 +21,6 @@ from kvrelay.sim.calibration import (
 )
 from kvrelay.sim.cluster_config import load_cluster_config
 from kvrelay.sim.workers import iteration_s
-from kvrelay.bench.trace.prompts import TracePrompt
-from kvrelay.bench.trace.simulate import predict_ttft
 
 
 def test_committed_calibration_loads_and_replaces_the_costs() -> None:
@@ -43,8 +43,9 @@ def test_committed_calibration_loads_and_replaces_the_costs() -> None:
 
 
 def test_sim_iteration_cost_uses_the_table_and_the_forward_cost() -> None:
-    cal = parse_calibration({"worker": {"prefill_s_per_token": 0.001, "prefill_forward_s": 0.05,
-                                        "decode_step_table_s": [0.1, 0.2, 0.4]}})
+    cal = parse_calibration(
+        {"worker": {"prefill_s_per_token": 0.001, "prefill_forward_s": 0.05, "decode_step_table_s": [0.1, 0.2, 0.4]}}
+    )
     spec = apply_calibration(load_cluster_config(), cal).worker
     assert iteration_s(spec, 0, 100) == pytest.approx(0.05 + 0.1)
     assert iteration_s(spec, 2, 100) == pytest.approx(0.2 + 0.1)
@@ -58,30 +59,42 @@ def test_sim_iteration_cost_uses_the_table_and_the_forward_cost() -> None:
 
 def _prompts() -> list[TracePrompt]:
     shared = tuple(range(1000, 1256))
-    return [TracePrompt(i, i + 1, 0.05 * i, "", shared + tuple(range(2000 + 64 * i, 2064 + 64 * i)), 4)
-            for i in range(6)]
+    return [
+        TracePrompt(i, i + 1, 0.05 * i, "", shared + tuple(range(2000 + 64 * i, 2064 + 64 * i)), 4) for i in range(6)
+    ]
 
 
 def test_calibration_changes_the_simulated_ttft() -> None:
     base = load_cluster_config()
-    fast = apply_calibration(base, parse_calibration({"workers": 2, "worker": {
-        "prefill_s_per_token": 1e-4, "decode_step_table_s": [0.01]}}))
-    slow = apply_calibration(base, parse_calibration({"workers": 2, "worker": {
-        "prefill_s_per_token": 1e-3, "prefill_forward_s": 0.05, "decode_step_table_s": [0.1]}}))
+    fast = apply_calibration(
+        base, parse_calibration({"workers": 2, "worker": {"prefill_s_per_token": 1e-4, "decode_step_table_s": [0.01]}})
+    )
+    slow = apply_calibration(
+        base,
+        parse_calibration(
+            {
+                "workers": 2,
+                "worker": {"prefill_s_per_token": 1e-3, "prefill_forward_s": 0.05, "decode_step_table_s": [0.1]},
+            }
+        ),
+    )
     a, b = predict_ttft(_prompts(), fast), predict_ttft(_prompts(), slow)
     assert a.completed == b.completed == 6
     assert b.p50 > 5 * a.p50
     assert a.cached_tokens > 0  # the shared 256-token prefix is served from cache
 
 
-@pytest.mark.parametrize("document, needle", [
-    ({"worker": {"prefil_s_per_token": 1.0}}, "prefil_s_per_token"),
-    ({"worker": {"decode_step_table_s": [0.1, -1]}}, "decode_step_table_s"),
-    ({"worker": {"prefill_forward_s": "fast"}}, "prefill_forward_s"),
-    ({"workers": "two"}, "workers"),
-    ({"worker": {"restore_bytes_per_s": {"tape": 1.0}}}, "restore_bytes_per_s"),
-    ({"network": 3}, "[network]"),
-])
+@pytest.mark.parametrize(
+    "document, needle",
+    [
+        ({"worker": {"prefil_s_per_token": 1.0}}, "prefil_s_per_token"),
+        ({"worker": {"decode_step_table_s": [0.1, -1]}}, "decode_step_table_s"),
+        ({"worker": {"prefill_forward_s": "fast"}}, "prefill_forward_s"),
+        ({"workers": "two"}, "workers"),
+        ({"worker": {"restore_bytes_per_s": {"tape": 1.0}}}, "restore_bytes_per_s"),
+        ({"network": 3}, "[network]"),
+    ],
+)
 def test_bad_calibration_names_the_key(document: dict, needle: str) -> None:
     with pytest.raises(CalibrationError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         parse_calibration(document, "cal.toml")
@@ -98,8 +111,15 @@ def test_missing_and_invalid_files(tmp_path: Path) -> None:
 
 def test_sim_cli_loads_a_calibration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 1024, "output_length": 8,
-                                         "hash_ids": [0, 1, 10 + i, 20 + i]}) + "\n" for i in range(6)))
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {"timestamp": 100 * i, "input_length": 1024, "output_length": 8, "hash_ids": [0, 1, 10 + i, 20 + i]}
+            )
+            + "\n"
+            for i in range(6)
+        )
+    )
     out = {}
     for name, extra in (("plain", []), ("calibrated", ["--calibration", str(DEFAULT_CALIBRATION_PATH)])):
         path = tmp_path / f"{name}.json"
@@ -112,4 +132,3 @@ def test_sim_cli_loads_a_calibration(tmp_path: Path, capsys: pytest.CaptureFixtu
     bad.write_text("[worker]\nspeed = 1\n")
     assert cli_main(["sim", "--trace", str(trace), "--block-tokens", "256", "--calibration", str(bad)]) == 2
     assert "unknown key 'speed'" in capsys.readouterr().err
-

@@ -10,13 +10,12 @@ from __future__ import annotations
 import pytest
 
 from kvrelay.core.planning import candidates as cand
-from kvrelay.core.planning import exclusions
+from kvrelay.core.planning import exclusions, predicted_ttft
 from kvrelay.core.planning.exclusions import ExclusionKind
-from kvrelay.core.planning import predicted_ttft
 from kvrelay.core.planning.index import ResidencyIndex
 from kvrelay.core.planning.roster import Roster, plan_pruned
-from kvrelay.protocol.messages import Heartbeat
 from kvrelay.protocol.chunk_keys import prompt_chain
+from kvrelay.protocol.messages import Heartbeat
 from tests.support.router_driver import Driver, offers
 from tests.support.router_driver import heartbeat as idle_heartbeat
 
@@ -25,17 +24,23 @@ CHAIN = prompt_chain(b"m", PROMPT, 64)
 RECOMPUTE_ALL = 513 * 1e-3 + 0.02
 
 
-
 def heartbeat(worker_id: str, **overrides: object) -> Heartbeat:
     """A worker that is decoding (one 20 ms decode step per prefill iteration, prompts in one iteration)."""
     return idle_heartbeat(worker_id, **{"active_lanes": 1, **overrides})
+
 
 def plan_for(workers: list, residency: list[tuple[str, str, int]]) -> cand.Plan:
     index = ResidencyIndex()
     for wid, tier, n in residency:
         index.store(wid, tier, CHAIN[:n])
-    views = [predicted_ttft.WorkerView(hb, predicted_ttft.WorkerLoad(restore_backlog_s=hb.lower_tier_load_s), predicted_ttft.reported_fingerprints(hb))
-             for hb in workers]
+    views = [
+        predicted_ttft.WorkerView(
+            hb,
+            predicted_ttft.WorkerLoad(restore_backlog_s=hb.lower_tier_load_s),
+            predicted_ttft.reported_fingerprints(hb),
+        )
+        for hb in workers
+    ]
     return cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index)
 
 
@@ -54,7 +59,9 @@ def test_ssd_prefix_slower_to_restore_than_to_recompute_loses() -> None:
     (route,) = plan.routes
     assert [s.tier for s in route.segments] == ["ssd"] and route.segments[0].chunks == 8
     assert route.best.route == ()
-    view = predicted_ttft.WorkerView(slow_ssd, predicted_ttft.WorkerLoad(), predicted_ttft.reported_fingerprints(slow_ssd))
+    view = predicted_ttft.WorkerView(
+        slow_ssd, predicted_ttft.WorkerLoad(), predicted_ttft.reported_fingerprints(slow_ssd)
+    )
     alternatives = cand.alternatives(route, view, len(PROMPT), 4, 0.0)
     assert [c.cached_tokens for c in alternatives] == [0, 512]
     ssd = alternatives[1]
@@ -93,21 +100,28 @@ def test_a_lower_tier_on_an_idle_worker_beats_a_gpu_prefix_behind_a_queue() -> N
 
 def test_peer_and_object_tiers_extend_a_local_prefix() -> None:
     # w0 holds 3 chunks in gpu; w1 holds 6 in ram (servable to w0 as a peer); the object tier holds all 8.
-    plan = plan_for([heartbeat("w0"), heartbeat("w1", queue_delay_s=9.0)],
-                    [("w0", "gpu", 3), ("w1", "ram", 6), ("w1", "object", 8)])
+    plan = plan_for(
+        [heartbeat("w0"), heartbeat("w1", queue_delay_s=9.0)], [("w0", "gpu", 3), ("w1", "ram", 6), ("w1", "object", 8)]
+    )
     route = next(r for r in plan.routes if r.worker_id == "w0")
     assert [(s.tier, s.chunks, s.source) for s in route.segments] == [
-        ("gpu", 3, ""), ("peer", 3, "w1"), ("object", 2, "")]
+        ("gpu", 3, ""),
+        ("peer", 3, "w1"),
+        ("object", 2, ""),
+    ]
     assert route.best.cached_tokens == 512
 
 
 def test_hard_constraints_say_why_a_worker_was_removed() -> None:
-    plan = plan_for([
-        heartbeat("small", pages_free=2, pages_total=2),
-        heartbeat("short", context_limit=100),
-        heartbeat("other", models=("x",)),
-        heartbeat("ok"),
-    ], [])
+    plan = plan_for(
+        [
+            heartbeat("small", pages_free=2, pages_total=2),
+            heartbeat("short", context_limit=100),
+            heartbeat("other", models=("x",)),
+            heartbeat("ok"),
+        ],
+        [],
+    )
     assert exclusions.texts(plan.excluded) == {
         "small": "capacity",
         "short": "context limit 100 < 517",
@@ -200,12 +214,16 @@ def test_work_weight_prefers_the_start_that_leaves_device_time_to_others() -> No
     workers = [heartbeat("w0", queue_delay_s=0.52), heartbeat("w1")]
     index = ResidencyIndex()
     index.store("w0", "gpu", CHAIN)
-    views = [predicted_ttft.WorkerView(hb, predicted_ttft.WorkerLoad(), predicted_ttft.reported_fingerprints(hb)) for hb in workers]
+    views = [
+        predicted_ttft.WorkerView(hb, predicted_ttft.WorkerLoad(), predicted_ttft.reported_fingerprints(hb))
+        for hb in workers
+    ]
     by_ttft = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index).best()
     assert by_ttft is not None and by_ttft.worker_id == "w1"
     assert by_ttft.predicted_ttft_s == pytest.approx(0.533)
-    weighted = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, index,
-                         scoring=predicted_ttft.Scoring(work_weight=0.5)).best()
+    weighted = cand.plan(
+        "m", len(PROMPT), 4, CHAIN, b"m", 64, views, index, scoring=predicted_ttft.Scoring(work_weight=0.5)
+    ).best()
     assert weighted is not None and weighted.worker_id == "w0" and weighted.cached_tokens == 512
     assert weighted.predicted_ttft_s == pytest.approx(0.541)
     assert weighted.score_s == pytest.approx(0.541 + 0.5 * 1e-3)
@@ -215,11 +233,18 @@ def test_counted_interleave_sends_a_long_prefill_to_the_idle_worker_without_lane
     # Chunks of 128 tokens: 513 uncached tokens take 5 iterations, so w0 (1 lane, empty queue) runs 4 decode
     # steps between them: 0.513 + 4 * 0.02 + 0.02 = 0.613 s. w1 has no lanes: 0.533 s. w2 has lanes but a
     # queue of 10 ms, so the lanes its prefill will meet are unknown and not counted: 0.543 s.
-    workers = [heartbeat("w0", prefill_chunk_tokens=128), idle_heartbeat("w1", prefill_chunk_tokens=128),
-               heartbeat("w2", prefill_chunk_tokens=128, queue_delay_s=0.01)]
-    views = [predicted_ttft.WorkerView(hb, predicted_ttft.WorkerLoad(), predicted_ttft.reported_fingerprints(hb)) for hb in workers]
-    plan = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, ResidencyIndex(),
-                     scoring=predicted_ttft.Scoring(interleave=True))
+    workers = [
+        heartbeat("w0", prefill_chunk_tokens=128),
+        idle_heartbeat("w1", prefill_chunk_tokens=128),
+        heartbeat("w2", prefill_chunk_tokens=128, queue_delay_s=0.01),
+    ]
+    views = [
+        predicted_ttft.WorkerView(hb, predicted_ttft.WorkerLoad(), predicted_ttft.reported_fingerprints(hb))
+        for hb in workers
+    ]
+    plan = cand.plan(
+        "m", len(PROMPT), 4, CHAIN, b"m", 64, views, ResidencyIndex(), scoring=predicted_ttft.Scoring(interleave=True)
+    )
     by_worker = {r.worker_id: r.best for r in plan.routes}
     assert by_worker["w0"].predicted_ttft_s == pytest.approx(0.613)
     assert by_worker["w0"].terms.decode_s == pytest.approx(0.1)
@@ -236,7 +261,12 @@ def test_alternative_routes_stand_for_the_alternatives_also_after_the_load_chang
     index = ResidencyIndex()
     for wid, tier, n in [("w0", "gpu", 3), ("w1", "ram", 6), ("w1", "object", 8)]:
         index.store(wid, tier, CHAIN[:n])
-    views = {hb.worker_id: predicted_ttft.WorkerView(hb, predicted_ttft.WorkerLoad(), predicted_ttft.reported_fingerprints(hb)) for hb in workers}
+    views = {
+        hb.worker_id: predicted_ttft.WorkerView(
+            hb, predicted_ttft.WorkerLoad(), predicted_ttft.reported_fingerprints(hb)
+        )
+        for hb in workers
+    }
     plan = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, list(views.values()), index)
     route = next(r for r in plan.routes if r.worker_id == "w0")
     view = views["w0"]

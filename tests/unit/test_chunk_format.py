@@ -7,6 +7,7 @@ import mmap
 import pytest
 import torch
 
+from kvrelay.protocol.chunk_keys import chunk_chain
 from kvrelay.store.chunk_format import (
     PAYLOAD_ALIGN,
     ChunkCorrupt,
@@ -15,7 +16,6 @@ from kvrelay.store.chunk_format import (
     encode_chunk,
     encode_chunk_bytes,
 )
-from kvrelay.protocol.chunk_keys import chunk_chain
 
 FP = b"gemma3-270m|bf16|paged-v1|64"
 KEY = chunk_chain(FP, list(range(64)), 64)[0]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from kvrelay.router.cluster_router import ClusterRouter, Consumer
 from kvrelay.core.router.events import Outcome, Request
 from kvrelay.core.router.machine import RouterConfig, new_router
 from kvrelay.protocol.messages import Delta, Offer, OfferResult, Result, WireMessage
+from kvrelay.router.cluster_router import ClusterRouter, Consumer
 from tests.support.router_driver import heartbeat
 
 
@@ -55,8 +55,9 @@ def test_offer_timeout_fires_on_a_real_timer_and_reroutes() -> None:
         assert second.assignment.attempt == 2 and second_worker != first_worker
         router.receive(OfferResult(assignment=second.assignment, worker_id=second_worker, epoch=1, accepted=True))
         router.receive(Delta(assignment=second.assignment, worker_id=second_worker, seq=0, tokens=(4, 5)))
-        router.receive(Result(assignment=second.assignment, worker_id=second_worker, tokens=(4, 5, 6),
-                              finish_reason="length"))
+        router.receive(
+            Result(assignment=second.assignment, worker_id=second_worker, tokens=(4, 5, 6), finish_reason="length")
+        )
         outcome = await asyncio.wait_for(done, 2.0)
         assert tokens == [4, 5, 6] and outcome.tokens == (4, 5, 6) and outcome.attempts == 2
         await router.close()

@@ -14,13 +14,21 @@ from kvrelay.core.router.events import Record
 from kvrelay.facts import explain
 from kvrelay.facts.store import FactStore
 from kvrelay.testing.databases import sqlite_file_url
-from tests.support.fixtures import fact_db_url  # noqa: F401 (fixture)
 
 
-def cand(worker: str, route: list[list[Any]], cached: int, queue: float, restore: dict[str, float],
-         prefill: float, decode: float = 0.025) -> dict[str, Any]:
+def cand(
+    worker: str,
+    route: list[list[Any]],
+    cached: int,
+    queue: float,
+    restore: dict[str, float],
+    prefill: float,
+    decode: float = 0.025,
+) -> dict[str, Any]:
     return {
-        "worker_id": worker, "route": route, "cached_tokens": cached,
+        "worker_id": worker,
+        "route": route,
+        "cached_tokens": cached,
         "predicted_ttft_s": queue + sum(restore.values()) + prefill + decode,
         "terms": {"queue_s": queue, "restore_s": restore, "prefill_s": prefill, "decode_s": decode},
     }
@@ -34,9 +42,16 @@ W2_PEER = cand("w2", [["peer", 2, "w1"]], 128, 0.002, {"peer": 0.004}, 0.018)
 
 def write_history(url: str) -> None:
     """Attempt 1: w1 declines, the re-score picks w2 whose offer times out; attempt 2: w2 accepts."""
+
     def decision(attempt: int, now: float, chosen: dict[str, Any], candidates: list[dict[str, Any]]) -> Record:
-        data = {"policy": "kvrelay", "model": "tiny", "chosen": chosen, "candidates": candidates,
-                "excluded": {"w4": "no_capacity: needs 40 pages, 12 free", "w5": "wrong epoch"}, "extra": 1}
+        data = {
+            "policy": "kvrelay",
+            "model": "tiny",
+            "chosen": chosen,
+            "candidates": candidates,
+            "excluded": {"w4": "no_capacity: needs 40 pages, 12 free", "w5": "wrong epoch"},
+            "extra": 1,
+        }
         return Record("decision", "req-7", attempt, now, data)
 
     def offer(attempt: int, now: float, worker: str, outcome: str, reason: str | None) -> Record:
@@ -51,11 +66,23 @@ def write_history(url: str) -> None:
             offer(1, 102.01, "w2", "timed_out", "no answer in 2.0 s"),
             decision(2, 102.01, W2_PEER, [W3_ALL, W2_PEER]),
             offer(2, 102.02, "w2", "accepted", None),
-            Record("outcome", "req-7", 2, 103.0, {
-                "finish_reason": "length", "ttft_s": 2.09, "inter_token_s": [0.02, 0.03, 0.025],
-                "cached_tokens": {"peer": 128}, "recomputed_tokens": 100, "generated_tokens": 4,
-                "bytes_by_tier": {"peer": 2_097_152}, "attempts": 2, "error": None,
-            }),
+            Record(
+                "outcome",
+                "req-7",
+                2,
+                103.0,
+                {
+                    "finish_reason": "length",
+                    "ttft_s": 2.09,
+                    "inter_token_s": [0.02, 0.03, 0.025],
+                    "cached_tokens": {"peer": 128},
+                    "recomputed_tokens": 100,
+                    "generated_tokens": 4,
+                    "bytes_by_tier": {"peer": 2_097_152},
+                    "attempts": 2,
+                    "error": None,
+                },
+            ),
         ]:
             assert store.submit(record)
         assert store.flush(10)
@@ -69,7 +96,8 @@ def run_explain(request_id: str, db: str | None) -> int:
 
 
 def test_explain_prints_candidates_winner_losers_offers_and_outcome(
-    fact_db_url: str, capsys: pytest.CaptureFixture[str]  # noqa: F811
+    fact_db_url: str,
+    capsys: pytest.CaptureFixture[str],  # noqa: F811
 ) -> None:
     write_history(fact_db_url)
     assert run_explain("req-7", fact_db_url) == 0
@@ -97,10 +125,14 @@ def test_explain_prints_candidates_winner_losers_offers_and_outcome(
     ]
     assert "    offer: timed out by w2 (no answer in 2.0 s) at t=102.010" in lines
     assert lines.index("attempt 2") > lines.index("    offer: timed out by w2 (no answer in 2.0 s) at t=102.010")
-    assert "    * w2 [peer@w1 x2]: cached 128 tokens, predicted TTFT 49.0 ms = queue 2.0 ms, restore 4.0 ms " \
-           "(peer 4.0 ms), prefill 18.0 ms, decode 25.0 ms" in lines
-    assert "    lost: w3 [recompute all]: predicted TTFT +6.0 ms higher (queue -2.0 ms, restore -4.0 ms, " \
-           "prefill +12.0 ms)" in lines
+    assert (
+        "    * w2 [peer@w1 x2]: cached 128 tokens, predicted TTFT 49.0 ms = queue 2.0 ms, restore 4.0 ms "
+        "(peer 4.0 ms), prefill 18.0 ms, decode 25.0 ms" in lines
+    )
+    assert (
+        "    lost: w3 [recompute all]: predicted TTFT +6.0 ms higher (queue -2.0 ms, restore -4.0 ms, "
+        "prefill +12.0 ms)" in lines
+    )
     assert lines[-6:] == [
         "    offer: accepted by w2 at t=102.020",
         "measured outcome (attempt 2, 2 attempt(s) in all): finish length",
@@ -112,7 +144,8 @@ def test_explain_prints_candidates_winner_losers_offers_and_outcome(
 
 
 def test_an_unknown_request_exits_1_with_a_clear_message(
-    fact_db_url: str, capsys: pytest.CaptureFixture[str]  # noqa: F811
+    fact_db_url: str,
+    capsys: pytest.CaptureFixture[str],  # noqa: F811
 ) -> None:
     write_history(fact_db_url)
     assert run_explain("req-404", fact_db_url) == 1
@@ -137,10 +170,30 @@ def test_an_unroutable_decision_and_an_unanswered_offer_are_said_so(
 ) -> None:
     url = sqlite_file_url(tmp_path)
     with FactStore(url) as store:
-        store.submit(Record("decision", "r", 1, 1.0, {"policy": "kvrelay", "model": "m", "chosen": None,
-                                                       "candidates": [], "excluded": {"w1": "model not served"}}))
-        store.submit(Record("decision", "r", 2, 2.0, {"policy": "kvrelay", "model": "m", "chosen": W3_ALL,
-                                                       "candidates": [W3_ALL], "excluded": {}}))
+        store.submit(
+            Record(
+                "decision",
+                "r",
+                1,
+                1.0,
+                {
+                    "policy": "kvrelay",
+                    "model": "m",
+                    "chosen": None,
+                    "candidates": [],
+                    "excluded": {"w1": "model not served"},
+                },
+            )
+        )
+        store.submit(
+            Record(
+                "decision",
+                "r",
+                2,
+                2.0,
+                {"policy": "kvrelay", "model": "m", "chosen": W3_ALL, "candidates": [W3_ALL], "excluded": {}},
+            )
+        )
         assert store.flush(10)
     assert run_explain("r", url) == 0
     out = capsys.readouterr().out
@@ -153,7 +206,8 @@ def test_an_unroutable_decision_and_an_unanswered_offer_are_said_so(
 def test_why_lost_names_ties_and_other_policies_rules() -> None:
     assert explain.why_lost(W1_GPU, W1_GPU, "kvrelay") == "same predicted TTFT; lost the deterministic tie-break"
     assert explain.why_lost(W1_GPU, W2_SSD, "sglang_cache_aware") == (
-        "predicted TTFT 12.0 ms lower, but policy 'sglang_cache_aware' chose by its own rule")
+        "predicted TTFT 12.0 ms lower, but policy 'sglang_cache_aware' chose by its own rule"
+    )
 
 
 def test_the_real_routers_records_are_stored_and_explained(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -184,4 +238,5 @@ def test_why_lost_names_the_work_term_when_a_quicker_start_loses_on_score() -> N
     quicker = {**W2_SSD, "predicted_ttft_s": 0.533, "score_s": 1.046}
     assert explain.why_lost(quicker, winner, "kvrelay") == (
         "predicted TTFT 8.0 ms lower, but its score was 504.0 ms higher: it recomputes more on a busy "
-        "cluster (the score adds weighted prefill seconds)")
+        "cluster (the score adds weighted prefill seconds)"
+    )

@@ -36,7 +36,6 @@ from kvrelay.testing.databases import (
     postgres_schema_url,
     sqlite_file_url,
 )
-from tests.support.fixtures import fact_db_url  # noqa: F401 (a fixture)
 from tests.support.log_signal import LogSignal
 
 FP = b"model-fingerprint"
@@ -68,9 +67,16 @@ def offer_outcome(rid: str, attempt: int, worker: str, outcome: str, reason: str
 
 def outcome(rid: str, attempt: int = 1, ttft: float | None = 0.05, **extra: Any) -> Record:
     data = {
-        "finish_reason": "stop", "ttft_s": ttft, "inter_token_s": [0.03, 0.01, 0.02, 0.04],
-        "cached_tokens": {"gpu": 64, "ssd": 128}, "recomputed_tokens": 5, "generated_tokens": 5,
-        "bytes_by_tier": {"ssd": 4096}, "attempts": attempt, "error": None, **extra,
+        "finish_reason": "stop",
+        "ttft_s": ttft,
+        "inter_token_s": [0.03, 0.01, 0.02, 0.04],
+        "cached_tokens": {"gpu": 64, "ssd": 128},
+        "recomputed_tokens": 5,
+        "generated_tokens": 5,
+        "bytes_by_tier": {"ssd": 4096},
+        "attempts": attempt,
+        "error": None,
+        **extra,
     }
     return Record("outcome", rid, attempt, 3.0, data)
 
@@ -111,11 +117,16 @@ def test_lineage_and_live_replicas_come_back_in_one_chain_read(store: FactStore)
     }
     assert store.reader.replicas_for_chain([key(1), key(2), key(3)]) == facts.replicas
     assert event_replicas([key(3), key(1)], facts.replicas) == (
-        (key(3), "ssd", "w2"), (key(1), "ssd", "w1"), (key(1), "object", "bucket/kv"))
+        (key(3), "ssd", "w2"),
+        (key(1), "ssd", "w1"),
+        (key(1), "object", "bucket/kv"),
+    )
     assert store.reader.catalog_for_chain([key(2), key(4)]) == {key(2): facts.catalog[key(2)]}
     history = rows(store, schema.replicas, schema.replicas.c.id)
     assert [(r.key, r.tier, r.removed, r.reason) for r in history if r.removed is not None] == [
-        (key(2), "ssd", 2.0, "evicted"), (key(3), "ssd", 2.5, "evicted")]
+        (key(2), "ssd", 2.0, "evicted"),
+        (key(3), "ssd", 2.5, "evicted"),
+    ]
     models = [(m.name, m.architecture, m.source) for m in rows(store, schema.models)]
     assert models == [("tiny", "llama", "file:/models/tiny")]
     assert store.stats().written == 10 and store.stats().rejected == 0
@@ -161,8 +172,10 @@ def test_offer_outcomes_land_on_the_decision_they_answer(store: FactStore, flush
         if flush_each:
             assert store.flush(10)
     assert store.flush(10)
-    got = [(d.attempt, d.chosen_worker, d.predicted_ttft_s, d.outcome, d.outcome_reason)
-           for d in store.reader.request_history("r").decisions]
+    got = [
+        (d.attempt, d.chosen_worker, d.predicted_ttft_s, d.outcome, d.outcome_reason)
+        for d in store.reader.request_history("r").decisions
+    ]
     assert got == [
         (1, "w1", 0.05, "declined", "stale_route"),
         (1, "w1", 0.07, "worker_lost", "connection closed"),
@@ -211,8 +224,9 @@ def test_the_routers_own_candidate_structs_are_accepted(store: FactStore) -> Non
     from kvrelay.core.planning.predicted_ttft import Candidate, Terms
     from kvrelay.protocol.messages import RouteSegment
 
-    chosen = Candidate("w1", 3, (RouteSegment("gpu", 2), RouteSegment("ssd", 1)), 192, 0.05,
-                       Terms(0.01, {"ssd": 0.002}, 0.028, 0.01))
+    chosen = Candidate(
+        "w1", 3, (RouteSegment("gpu", 2), RouteSegment("ssd", 1)), 192, 0.05, Terms(0.01, {"ssd": 0.002}, 0.028, 0.01)
+    )
     data = {"policy": "kvrelay", "model": "m", "chosen": chosen, "candidates": [chosen], "excluded": {"w9": "epoch"}}
     assert store.submit(Record("decision", "r", 1, 1.0, data))
     assert store.flush(10)
@@ -235,8 +249,13 @@ class LazyCandidate:
 
 def test_lazy_candidates_are_materialized_for_the_record(store: FactStore) -> None:
     lazy = LazyCandidate(candidate("w2", 0.08))
-    data = {"policy": "kvrelay", "model": "m", "chosen": candidate("w1", 0.05),
-            "candidates": (LazyCandidate(candidate("w1", 0.05)), lazy), "excluded": {}}
+    data = {
+        "policy": "kvrelay",
+        "model": "m",
+        "chosen": candidate("w1", 0.05),
+        "candidates": (LazyCandidate(candidate("w1", 0.05)), lazy),
+        "excluded": {},
+    }
     assert store.submit(Record("decision", "r", 1, 1.0, data))
     assert store.flush(10)
     (row,) = store.reader.request_history("r").decisions
@@ -245,8 +264,13 @@ def test_lazy_candidates_are_materialized_for_the_record(store: FactStore) -> No
 
 BAD_RECORDS = [
     Record("decision", "r", 1, 1.0, {"policy": "p", "model": "m", "chosen": None, "candidates": [], "excluded": []}),
-    Record("decision", "r", 1, 1.0, {"policy": "p", "model": "m", "chosen": candidate("w", float("nan")),
-                                     "candidates": [], "excluded": {}}),
+    Record(
+        "decision",
+        "r",
+        1,
+        1.0,
+        {"policy": "p", "model": "m", "chosen": candidate("w", float("nan")), "candidates": [], "excluded": {}},
+    ),
     Record("offer_outcome", "r", 1, 1.0, {"worker_id": "w", "outcome": "maybe"}),
     Record("outcome", "r", 1, 1.0, {"finish_reason": "stop"}),
     Record("outcome", "r", 0, 1.0, {}),
@@ -280,7 +304,8 @@ def test_bad_records_are_rejected_with_the_field_named_and_the_writer_goes_on(
 
 
 def test_a_row_the_database_refuses_is_rejected_alone(
-    fact_db_url: str, caplog: pytest.LogCaptureFixture  # noqa: F811
+    fact_db_url: str,
+    caplog: pytest.LogCaptureFixture,  # noqa: F811
 ) -> None:
     if fact_db_url.startswith("sqlite"):
         pytest.skip("SQLite stores NUL characters in text; PostgreSQL refuses them, which this test needs")
@@ -455,8 +480,13 @@ def test_the_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
     out = tmp_path / "facts.json"
     env = {k: v for k, v in os.environ.items() if k != "KVRELAY_TEST_PG_URL"}
     bench = Path(__file__).resolve().parents[2] / "bench" / "facts.py"
-    done = subprocess.run([sys.executable, str(bench), "--quick", "--json", str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(bench), "--quick", "--json", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(out.read_text())
     assert {f["name"] for f in figures} >= {"sqlite_chain_facts_L32_us", "sqlite_decision_writes_per_s"}

@@ -15,12 +15,24 @@ from kvrelay.facts.statements import driver_statements, insert_columns
 
 
 def decision(rid: str, attempt: int, worker: str | None, ttft: float = 0.05) -> Record:
-    chosen = None if worker is None else {
-        "worker_id": worker, "route": [], "cached_tokens": 0, "predicted_ttft_s": ttft,
-        "terms": {"queue_s": 0.0, "restore_s": {}, "prefill_s": ttft - 0.01, "decode_s": 0.01},
+    chosen = (
+        None
+        if worker is None
+        else {
+            "worker_id": worker,
+            "route": [],
+            "cached_tokens": 0,
+            "predicted_ttft_s": ttft,
+            "terms": {"queue_s": 0.0, "restore_s": {}, "prefill_s": ttft - 0.01, "decode_s": 0.01},
+        }
+    )
+    data = {
+        "policy": "kvrelay",
+        "model": "m",
+        "chosen": chosen,
+        "candidates": [chosen] if chosen else [],
+        "excluded": {},
     }
-    data = {"policy": "kvrelay", "model": "m", "chosen": chosen, "candidates": [chosen] if chosen else [],
-            "excluded": {}}
     return Record("decision", rid, attempt, ttft, data)
 
 
@@ -37,8 +49,17 @@ def summary(writes: list[IndexedWrite]) -> list[tuple[Any, ...]]:
     for index, w in writes:
         p = w.params
         if w.op == "decision":
-            out.append((index, "insert", p["request_id"], p["attempt"], p["predicted_ttft_s"], p["outcome"],
-                        p["outcome_reason"]))
+            out.append(
+                (
+                    index,
+                    "insert",
+                    p["request_id"],
+                    p["attempt"],
+                    p["predicted_ttft_s"],
+                    p["outcome"],
+                    p["outcome_reason"],
+                )
+            )
         else:
             out.append((index, "update", p["p_request_id"], p["p_attempt"], p["p_outcome"]))
     return out
@@ -109,8 +130,13 @@ def test_a_routes_heartbeat_is_sent_as_it_was_when_the_route_was_planned() -> No
         routes += [c for c in record.data["candidates"] if isinstance(c, WorkerRoute)]
     assert len(routes) == 2 and routes[0].heartbeat is not routes[1].heartbeat
     for route in routes:
-        item = Record("decision", "r", 1, 1.0, {"policy": "p", "model": "m", "chosen": None, "candidates": [route],
-                                                 "excluded": {}})
+        item = Record(
+            "decision",
+            "r",
+            1,
+            1.0,
+            {"policy": "p", "model": "m", "chosen": None, "candidates": [route], "excluded": {}},
+        )
         (back,) = wire.decode_items(wire.batch_frame([wire.encode_item(item)])[4:])
         assert back.data["candidates"][0].best == route.best
     assert routes[0].best.terms.prefill_s * 3 == pytest.approx(routes[1].best.terms.prefill_s)

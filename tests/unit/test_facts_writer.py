@@ -23,10 +23,23 @@ from tests.support.log_signal import LogSignal
 
 
 def outcome(rid: str) -> Record:
-    return Record("outcome", rid, 1, 3.0, {
-        "finish_reason": "stop", "ttft_s": 0.05, "inter_token_s": [0.01], "cached_tokens": {"gpu": 64},
-        "recomputed_tokens": 5, "generated_tokens": 2, "bytes_by_tier": {}, "attempts": 1, "error": None,
-    })
+    return Record(
+        "outcome",
+        rid,
+        1,
+        3.0,
+        {
+            "finish_reason": "stop",
+            "ttft_s": 0.05,
+            "inter_token_s": [0.01],
+            "cached_tokens": {"gpu": 64},
+            "recomputed_tokens": 5,
+            "generated_tokens": 2,
+            "bytes_by_tier": {},
+            "attempts": 1,
+            "error": None,
+        },
+    )
 
 
 def test_the_routers_lazy_routes_are_written_as_the_candidates_they_stand_for(tmp_path: Path) -> None:
@@ -46,13 +59,16 @@ def test_the_routers_lazy_routes_are_written_as_the_candidates_they_stand_for(tm
     (decision,) = [e for e in driver.effects if isinstance(e, Record) and e.kind == "decision"]
     lazy = {i: c for i, c in enumerate(decision.data["candidates"]) if isinstance(c, WorkerRoute)}
     assert any(c.best.terms.restore_s for c in lazy.values()), "a lazy route restores from a lower tier"
-    expected = [(c.best.worker_id, c.best.cached_tokens, c.best.predicted_ttft_s, c.best.terms.restore_s)
-                for c in lazy.values()]
+    expected = [
+        (c.best.worker_id, c.best.cached_tokens, c.best.predicted_ttft_s, c.best.terms.restore_s) for c in lazy.values()
+    ]
     with FactStore(sqlite_file_url(tmp_path)) as store:
         assert store.submit(decision) and store.flush(10)
         (row,) = store.reader.request_history("r1").decisions
-    got = [(c["worker_id"], c["cached_tokens"], c["predicted_ttft_s"], c["terms"]["restore_s"])
-           for c in (row.candidates[i] for i in lazy)]
+    got = [
+        (c["worker_id"], c["cached_tokens"], c["predicted_ttft_s"], c["terms"]["restore_s"])
+        for c in (row.candidates[i] for i in lazy)
+    ]
     assert got == expected
 
 

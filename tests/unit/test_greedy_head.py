@@ -14,17 +14,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvrelay.models.kernels import greedy_head
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
+from kvrelay.models.kernels import greedy_head
 from kvrelay.models.kernels.greedy_head import GreedyHead
 from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.models.kernels.native import head_screen
 from kvrelay.models.kernels.native.linear_row import linear_row_native, linear_rows_at_native
 from kvrelay.models.registry import build_model
 from kvrelay.models.sampling import greedy_tokens
-from tests.support.bench_smoke import run_bench
 from kvrelay.testing.tiny_models import make_tiny_model
+from tests.support.bench_smoke import run_bench
 
 needs_kernel = pytest.mark.skipif(
     not head_screen.built(), reason="the native kernels do not run here (no AVX-512 BF16/VNNI or no C compiler)"

@@ -17,8 +17,8 @@ from kvrelay.models.config import ModelConfig
 from kvrelay.models.kernels.huge_pages import HUGE_PAGE, copy_to_huge_pages, huge_page_empty, huge_page_zeros
 from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.models.loading.loader import load_artifacts
-from tests.support.bench_smoke import run_bench
 from kvrelay.testing.tiny_models import make_tiny_model
+from tests.support.bench_smoke import run_bench
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_HUGEPAGE) is Linux's")
 

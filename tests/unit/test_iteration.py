@@ -141,7 +141,9 @@ def test_plan_invariants(num_lanes: int, budget: int, data: st.DataObject, waiti
     assert len(plan.admit) <= len(waiting)
     for chunk in plan.prefill:
         assert chunk.tokens >= 1
-        limit = lanes[chunk.lane].prompt_left if lanes[chunk.lane] is not None else waiting[plan.admit.index(chunk.lane)]
+        limit = (
+            lanes[chunk.lane].prompt_left if lanes[chunk.lane] is not None else waiting[plan.admit.index(chunk.lane)]
+        )
         assert chunk.tokens <= limit
     busy_decoders = [i for i, lane in enumerate(lanes) if lane is not None and lane.decoding]
     if num_lanes == 1 and busy_decoders:

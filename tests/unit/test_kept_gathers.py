@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from kvrelay.models.batch import ForwardBatch, LaneRef
 from kvrelay.models.kernels.attention import (
     KEPT_PAGE_QUANTUM,
     GatherBuffers,
     paged_attention,
     plan_attention,
 )
-from kvrelay.models.batch import ForwardBatch, LaneRef
 from kvrelay.models.kernels.kv_pages import write_kv
 from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
 from tests.unit.test_attention import DIM, HEADS, KV_HEADS, PAGE, SCALE, dense_attention

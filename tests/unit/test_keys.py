@@ -12,7 +12,9 @@ from kvrelay.protocol.chunk_keys import cacheable_chunks, chunk_chain, prompt_ch
 VECTORS = json.loads((Path(__file__).parent.parent / "data" / "chunk_key_vectors.json").read_text())["cases"]
 
 
-@pytest.mark.parametrize("case", VECTORS, ids=lambda c: f"{c['fingerprint_hex'][:8]}-{len(c['tokens'])}-{c['chunk_tokens']}")
+@pytest.mark.parametrize(
+    "case", VECTORS, ids=lambda c: f"{c['fingerprint_hex'][:8]}-{len(c['tokens'])}-{c['chunk_tokens']}"
+)
 def test_committed_vectors(case: dict) -> None:
     keys = chunk_chain(bytes.fromhex(case["fingerprint_hex"]), case["tokens"], case["chunk_tokens"])
     assert [k.hex() for k in keys] == case["expected_keys_hex"]

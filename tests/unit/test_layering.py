@@ -66,6 +66,7 @@ def _allowed_only(prefix: str, extra: tuple[str, ...], rule: str):
         if any(_in(target, ok) for ok in extra):
             return None
         return rule
+
     return check
 
 
@@ -74,6 +75,7 @@ def _forbidden(prefix: str, banned: tuple[str, ...], rule: str):
         if _in(module, prefix) and any(_in(target, bad) for bad in banned):
             return rule
         return None
+
     return check
 
 
@@ -84,16 +86,26 @@ def _cli_is_a_leaf(module: str, target: str) -> str | None:
 
 
 RULES = (
-    _allowed_only("kvrelay.protocol", ("kvrelay.protocol", "msgspec", "xxhash"),
-                  "kvrelay.protocol imports only the standard library, msgspec, xxhash and itself"),
-    _allowed_only("kvrelay.core", ("kvrelay.protocol", "kvrelay.core", "msgspec"),
-                  "kvrelay.core imports only the standard library, msgspec, kvrelay.protocol and itself"),
-    _forbidden("kvrelay.models", ("kvrelay.worker", "kvrelay.launch", "kvrelay.router", "kvrelay.api",
-                                  "kvrelay.transport", "kvrelay.sim"),
-               "kvrelay.models imports no worker, sim or serving package"),
-    _forbidden("kvrelay.sim", ("kvrelay.worker", "kvrelay.models", "kvrelay.launch", "kvrelay.router",
-                               "kvrelay.api", "kvrelay.transport"),
-               "kvrelay.sim imports no worker, model, launch or serving package"),
+    _allowed_only(
+        "kvrelay.protocol",
+        ("kvrelay.protocol", "msgspec", "xxhash"),
+        "kvrelay.protocol imports only the standard library, msgspec, xxhash and itself",
+    ),
+    _allowed_only(
+        "kvrelay.core",
+        ("kvrelay.protocol", "kvrelay.core", "msgspec"),
+        "kvrelay.core imports only the standard library, msgspec, kvrelay.protocol and itself",
+    ),
+    _forbidden(
+        "kvrelay.models",
+        ("kvrelay.worker", "kvrelay.launch", "kvrelay.router", "kvrelay.api", "kvrelay.transport", "kvrelay.sim"),
+        "kvrelay.models imports no worker, sim or serving package",
+    ),
+    _forbidden(
+        "kvrelay.sim",
+        ("kvrelay.worker", "kvrelay.models", "kvrelay.launch", "kvrelay.router", "kvrelay.api", "kvrelay.transport"),
+        "kvrelay.sim imports no worker, model, launch or serving package",
+    ),
     _cli_is_a_leaf,
 )
 
@@ -123,27 +135,35 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize(("rel", "text", "rule"), [
-    ("core/router/machine.py", "import torch\n", "kvrelay.core imports only"),
-    ("core/planning/index.py", "def f():\n    from kvrelay.store import files\n", "kvrelay.core imports only"),
-    ("core/policies/base.py", "from kvrelay.worker.page_pool import PagePool\n", "kvrelay.core imports only"),
-    ("protocol/messages.py", "from kvrelay.core.router import events\n", "kvrelay.protocol imports only"),
-    ("models/layers.py", "from kvrelay.worker.runtime import jobs\n", "kvrelay.models imports no"),
-    ("sim/workers.py", "from kvrelay.launch.child import ChildProcess\n", "kvrelay.sim imports no"),
-    ("sim/workers.py", "import kvrelay.worker.page_pool\n", "kvrelay.sim imports no"),
-    ("api/app.py", "from kvrelay.cli import serve\n", "nothing imports kvrelay.cli"),
-])
+@pytest.mark.parametrize(
+    ("rel", "text", "rule"),
+    [
+        ("core/router/machine.py", "import torch\n", "kvrelay.core imports only"),
+        ("core/planning/index.py", "def f():\n    from kvrelay.store import files\n", "kvrelay.core imports only"),
+        ("core/policies/base.py", "from kvrelay.worker.page_pool import PagePool\n", "kvrelay.core imports only"),
+        ("protocol/messages.py", "from kvrelay.core.router import events\n", "kvrelay.protocol imports only"),
+        ("models/layers.py", "from kvrelay.worker.runtime import jobs\n", "kvrelay.models imports no"),
+        ("sim/workers.py", "from kvrelay.launch.child import ChildProcess\n", "kvrelay.sim imports no"),
+        ("sim/workers.py", "import kvrelay.worker.page_pool\n", "kvrelay.sim imports no"),
+        ("api/app.py", "from kvrelay.cli import serve\n", "nothing imports kvrelay.cli"),
+    ],
+)
 def test_a_wrong_import_is_caught(tmp_path: Path, rel: str, text: str, rule: str) -> None:
     found = violations(_tree(tmp_path, {rel: text}))
     assert found and {v.rule[: len(rule)] for v in found} == {rule}, found
 
 
 def test_allowed_imports_pass(tmp_path: Path) -> None:
-    src = _tree(tmp_path, {
-        "core/router/machine.py": "import heapq\nfrom kvrelay.protocol.messages import Offer\nfrom kvrelay.core.planning import index\n",
-        "protocol/messages.py": "import msgspec\n",
-        "models/layers.py": "import torch\nfrom kvrelay.models.kernels import attention\n",
-        "sim/workers.py": "from kvrelay.core.worker import machine\n",
-        "cli/main.py": "from kvrelay.cli import serve\n",
-    })
+    src = _tree(
+        tmp_path,
+        {
+            "core/router/machine.py": (
+                "import heapq\nfrom kvrelay.protocol.messages import Offer\nfrom kvrelay.core.planning import index\n"
+            ),
+            "protocol/messages.py": "import msgspec\n",
+            "models/layers.py": "import torch\nfrom kvrelay.models.kernels import attention\n",
+            "sim/workers.py": "from kvrelay.core.worker import machine\n",
+            "cli/main.py": "from kvrelay.cli import serve\n",
+        },
+    )
     assert violations(src) == []

@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvrelay.models.loading.weight_layout import ModelLoadError, expected_tensor_shapes
 from kvrelay.models.config import ModelConfig
-from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS
 from kvrelay.models.loading.fingerprint import (
     DEFAULT_PAGE_LAYOUT,
     model_fingerprint,
 )
 from kvrelay.models.loading.loader import LoadedArtifacts, load_artifacts
+from kvrelay.models.loading.weight_layout import ModelLoadError, expected_tensor_shapes
+from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS
 from kvrelay.testing.tiny_models import TINY_ARCHITECTURES, make_tiny_model
 
 PROMPT = "The capital of France is Paris."
@@ -67,7 +67,9 @@ def test_directory_tokenizer_matches_transformers(tiny_dir: Path, cache: Path) -
     assert artifacts.tokenizer(text).input_ids == reference(text).input_ids
     assert artifacts.tokenizer.all_special_tokens == reference.all_special_tokens
     assert (artifacts.tokenizer.bos_token_id, artifacts.tokenizer.eos_token_id, artifacts.tokenizer.pad_token_id) == (
-        2, 1, 0
+        2,
+        1,
+        0,
     )
     assert artifacts.tokenizer.chat_template == reference.chat_template
     assert artifacts.tokenizer.decode(artifacts.tokenizer(PROMPT).input_ids) == PROMPT
@@ -106,8 +108,11 @@ def test_fingerprint_covers_every_input(tmp_path: Path, cache: Path) -> None:
     base = (artifacts.weights_digest, artifacts.config, "float32", DEFAULT_PAGE_LAYOUT, 64)
     variants = [
         (bytes(16), *base[1:]),
-        (base[0], ModelConfig.from_hf({**json.loads((tmp_path / "m" / "config.json").read_text()), "rms_norm_eps": 1e-5}),
-         *base[2:]),
+        (
+            base[0],
+            ModelConfig.from_hf({**json.loads((tmp_path / "m" / "config.json").read_text()), "rms_norm_eps": 1e-5}),
+            *base[2:],
+        ),
         (*base[:2], "bfloat16", *base[3:]),
         (*base[:3], "page[layer][k|v][page_tokens=32][kv_head][head_dim]", 64),
         (*base[:4], 128),

@@ -12,16 +12,16 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvrelay.models.loading.weight_layout import ModelLoadError
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.loading.loader import MANIFEST, load_artifacts
 from kvrelay.models.loading.tokenizer import GEMMA_CHAT_TEMPLATE
-from tests.support.tiny_gguf import write_tiny_gguf
+from kvrelay.models.loading.weight_layout import ModelLoadError
 from kvrelay.testing.tiny_models import (
     TINY_ARCHITECTURES,
     TINY_CHAT_TEMPLATE,
     make_tiny_model,
 )
+from tests.support.tiny_gguf import write_tiny_gguf
 
 GGUF_ARCHS = TINY_ARCHITECTURES
 TEXT = "the capital of France is Paris"
@@ -104,10 +104,25 @@ def test_gguf_config_follows_llama_cpp(hf_and_gguf: tuple[Path, Path], tmp_path:
     config = load_artifacts(path, cache_dir=tmp_path).config
     expected = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     assert config.architecture == expected.architecture
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                  "head_dim", "rope_theta", "tie_word_embeddings", "layer_types", "sliding_window",
-                  "rope_local_theta", "query_pre_attn_scalar", "qk_norm", "attention_bias", "bos_token_id",
-                  "hidden_activation"):
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "rope_theta",
+        "tie_word_embeddings",
+        "layer_types",
+        "sliding_window",
+        "rope_local_theta",
+        "query_pre_attn_scalar",
+        "qk_norm",
+        "attention_bias",
+        "bos_token_id",
+        "hidden_activation",
+    ):
         assert getattr(config, field) == getattr(expected, field), field
     assert config.rms_norm_eps == pytest.approx(expected.rms_norm_eps)
     expected_eos = (1, 5) if config.architecture == "gemma3" else (1,)  # Gemma adds <end_of_turn>
@@ -158,7 +173,9 @@ def test_second_load_reads_the_cache_not_the_gguf(tmp_path: Path) -> None:
         assert torch.equal(tensor, first.weights[name]), name
     # The cache entry is an ordinary Hugging Face directory.
     theirs = AutoModelForCausalLM.from_pretrained(entry, dtype=torch.float32).state_dict()
-    assert torch.equal(theirs["model.layers.0.input_layernorm.weight"], first.weights["model.layers.0.input_layernorm.weight"])
+    assert torch.equal(
+        theirs["model.layers.0.input_layernorm.weight"], first.weights["model.layers.0.input_layernorm.weight"]
+    )
 
 
 def test_incomplete_cache_entry_is_rebuilt(tmp_path: Path) -> None:

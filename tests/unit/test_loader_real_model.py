@@ -29,12 +29,13 @@ def test_default_model_is_gemma3_270m(artifacts: LoadedArtifacts) -> None:
     config = artifacts.config
     assert artifacts.name == "gemma-3-270m"
     assert (config.architecture, config.vocab_size, config.hidden_size, config.intermediate_size) == (
-        "gemma3", 262144, 640, 2048
+        "gemma3",
+        262144,
+        640,
+        2048,
     )
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (18, 4, 1, 256)
-    assert config.layer_types == tuple(
-        "full_attention" if i % 6 == 5 else "sliding_attention" for i in range(18)
-    )
+    assert config.layer_types == tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(18))
     assert (config.sliding_window, config.rope_theta, config.rope_local_theta) == (512, 1_000_000.0, 10_000.0)
     assert config.query_pre_attn_scalar == 256 and config.tie_word_embeddings and config.qk_norm
     assert config.bos_token_id == 2 and config.eos_token_ids == (1, 106)

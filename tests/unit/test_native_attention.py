@@ -19,17 +19,17 @@ import torch
 from safetensors.torch import load_file
 
 import kvrelay.models.kernels.native.attention as native
-from kvrelay.models.kernels import attention, window_mirror
-from kvrelay.models.kernels.attention import decode_attention
 from kvrelay.models.batch import ForwardBatch, LaneRef
 from kvrelay.models.config import ModelConfig
+from kvrelay.models.kernels import attention, window_mirror
+from kvrelay.models.kernels.attention import decode_attention
 from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.models.kernels.native import build
 from kvrelay.models.kernels.native.attention import decode_attention_native
 from kvrelay.models.registry import build_model
+from kvrelay.testing.tiny_models import make_tiny_model
 from tests.support.bench_smoke import run_bench
 from tests.support.bf16_close import assert_last_bit_close
-from kvrelay.testing.tiny_models import make_tiny_model
 
 needs_kernel = pytest.mark.skipif(
     build.load("decode_attention", native._SIGNATURES) is None,
@@ -205,8 +205,9 @@ def test_a_bfloat16_model_builds_every_kernel_before_its_first_forward(
 @needs_kernel
 def test_ring_attention_bench_smoke(tmp_path: Path) -> None:
     """bench/ring_attention.py runs on 2 lanes and writes every figure (values not asserted)."""
-    code, figures = run_bench("ring_attention.py", ["--lanes", "2", "--repeats", "1", "--threads", "1"],
-                              tmp_path / "figures.json")
+    code, figures = run_bench(
+        "ring_attention.py", ["--lanes", "2", "--repeats", "1", "--threads", "1"], tmp_path / "figures.json"
+    )
     assert code == 0
     assert {f["name"] for f in figures} >= {"rings_speedup_median", "full_speedup_median"}
     assert all(set(f) == {"name", "value", "unit", "baseline", "baseline_value"} for f in figures)

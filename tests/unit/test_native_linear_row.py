@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrelay.models.mlp import PackedLinear
 from kvrelay.models.kernels.native import build
 from kvrelay.models.kernels.native.linear_row import _SIGNATURES, linear_row_native
+from kvrelay.models.mlp import PackedLinear
 from tests.support.bf16_close import assert_last_bit_close
 
 needs_kernel = pytest.mark.skipif(

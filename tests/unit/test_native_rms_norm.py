@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kvrelay.models import layers
-from kvrelay.models.layers import RMSNorm, Rotary, apply_rope
 from kvrelay.models.kernels.native import build
 from kvrelay.models.kernels.native.rms_norm import _SIGNATURES, add_rms_norm_native, rms_norm_native
+from kvrelay.models.layers import RMSNorm, Rotary, apply_rope
 from tests.support.bf16_close import assert_last_bit_close
 
 needs_kernel = pytest.mark.skipif(

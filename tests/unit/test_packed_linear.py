@@ -38,7 +38,9 @@ def _reference(tensors: dict[str, torch.Tensor], activation: str, x: torch.Tenso
     """The MLP in float32 on the bfloat16-rounded weights."""
     w = {k.rsplit(".", 2)[-2]: v.bfloat16().float() for k, v in tensors.items() if "mlp" in k}
     xf = x.float()
-    return F.linear(ACTIVATIONS[activation].fn(F.linear(xf, w["gate_proj"])) * F.linear(xf, w["up_proj"]), w["down_proj"])
+    return F.linear(
+        ACTIVATIONS[activation].fn(F.linear(xf, w["gate_proj"])) * F.linear(xf, w["up_proj"]), w["down_proj"]
+    )
 
 
 @needs_packing

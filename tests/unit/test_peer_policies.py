@@ -17,9 +17,9 @@ import pytest
 
 from kvrelay.core.planning import candidates as cand
 from kvrelay.core.planning import predicted_ttft
-from kvrelay.core.router.events import Request
 from kvrelay.core.planning.index import ResidencyIndex
 from kvrelay.core.policies import POLICY_NAMES, make_policy
+from kvrelay.core.policies.base import RoutingContext
 from kvrelay.core.policies.dynamo_kv import DynamoKV
 from kvrelay.core.policies.kvrelay_ttft import PredictedTTFT
 from kvrelay.core.policies.llmd_scorer import LlmdScorer
@@ -28,9 +28,9 @@ from kvrelay.core.policies.sglang_cache_aware import (
     ApproximateTree,
     SGLangCacheAware,
 )
-from kvrelay.core.policies.base import RoutingContext
-from kvrelay.protocol.messages import Heartbeat
+from kvrelay.core.router.events import Request
 from kvrelay.protocol.chunk_keys import prompt_chain
+from kvrelay.protocol.messages import Heartbeat
 from tests.support.router_driver import Driver, offers
 from tests.support.router_driver import heartbeat as idle_heartbeat
 
@@ -39,26 +39,45 @@ CHAIN = prompt_chain(b"m", PROMPT, 64)
 PEERS = ("sglang_cache_aware", "dynamo", "llm_d", "mooncake")
 
 
-
 def heartbeat(worker_id: str, **overrides: object) -> Heartbeat:
     """A worker that is decoding (one 20 ms decode step per prefill iteration, prompts in one iteration)."""
     return idle_heartbeat(worker_id, **{"active_lanes": 1, **overrides})
 
-def context(workers: list[Heartbeat], residency: Sequence[tuple[str, str, int]] = (),
-            loads: dict[str, predicted_ttft.WorkerLoad] | None = None, prompt: tuple[int, ...] = PROMPT,
-            now: float = 0.0, seed: int = 0) -> RoutingContext:
+
+def context(
+    workers: list[Heartbeat],
+    residency: Sequence[tuple[str, str, int]] = (),
+    loads: dict[str, predicted_ttft.WorkerLoad] | None = None,
+    prompt: tuple[int, ...] = PROMPT,
+    now: float = 0.0,
+    seed: int = 0,
+) -> RoutingContext:
     """A routing context for ``prompt`` with ``(worker, tier, leading chunks)`` residency."""
     chain = prompt_chain(b"m", prompt, 64)
     index = ResidencyIndex()
     for wid, tier, n in residency:
         index.store(wid, tier, chain[:n])
     loads = loads or {}
-    views = [predicted_ttft.WorkerView(hb, loads.get(hb.worker_id, predicted_ttft.WorkerLoad(restore_backlog_s=hb.lower_tier_load_s)),
-                             predicted_ttft.reported_fingerprints(hb))
-             for hb in workers]
+    views = [
+        predicted_ttft.WorkerView(
+            hb,
+            loads.get(hb.worker_id, predicted_ttft.WorkerLoad(restore_backlog_s=hb.lower_tier_load_s)),
+            predicted_ttft.reported_fingerprints(hb),
+        )
+        for hb in workers
+    ]
     plan = cand.plan("m", len(prompt), 4, chain, b"m", 64, views, index)
-    return RoutingContext(Request("r", "m", prompt, 4), prompt, chain, 64, plan,
-                          {v.heartbeat.worker_id: v for v in views}, random.Random(seed), now, now)
+    return RoutingContext(
+        Request("r", "m", prompt, 4),
+        prompt,
+        chain,
+        64,
+        plan,
+        {v.heartbeat.worker_id: v for v in views},
+        random.Random(seed),
+        now,
+        now,
+    )
 
 
 def idle(*ids: str) -> list[Heartbeat]:
@@ -108,11 +127,14 @@ def test_sglang_below_the_threshold_picks_the_smallest_tree() -> None:
     assert chosen is not None and chosen.worker_id == "w0"
 
 
-@pytest.mark.parametrize(("loads", "winner"), [
-    ({"w0": 100, "w1": 10, "w2": 30}, "w1"),  # 90 > 64 and 100 > 15: imbalanced -> least loaded
-    ({"w0": 70, "w1": 10, "w2": 30}, "w0"),   # 60 <= 64: balanced -> cache
-    ({"w0": 300, "w1": 230, "w2": 250}, "w0"),  # 70 > 64 but 300 <= 345: balanced -> cache
-])
+@pytest.mark.parametrize(
+    ("loads", "winner"),
+    [
+        ({"w0": 100, "w1": 10, "w2": 30}, "w1"),  # 90 > 64 and 100 > 15: imbalanced -> least loaded
+        ({"w0": 70, "w1": 10, "w2": 30}, "w0"),  # 60 <= 64: balanced -> cache
+        ({"w0": 300, "w1": 230, "w2": 250}, "w0"),  # 70 > 64 but 300 <= 345: balanced -> cache
+    ],
+)
 def test_sglang_falls_back_to_least_loaded_only_under_imbalance(loads: dict[str, int], winner: str) -> None:
     policy = SGLangCacheAware()
     policy.tree.insert(PROMPT, "w0", 0.0)
@@ -180,16 +202,23 @@ def test_dynamo_prefers_a_device_hit_over_host_and_disk_hits_of_the_same_length(
     assert policy.choose(ctx).worker_id == "w2"  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize(("pages_in_use", "inflight", "winner"), [
-    (63, 0, "w0"),   # 63 * 16 / 64 = 15.75 active blocks: 0.015625 + 15.75 + 1 = 16.765625 < 17.015625
-    (65, 0, "w1"),   # 16.25 active blocks: 17.265625 > 17.015625
-    (0, 65, "w1"),   # the router's own in-flight pages count the same
-])
+@pytest.mark.parametrize(
+    ("pages_in_use", "inflight", "winner"),
+    [
+        (63, 0, "w0"),  # 63 * 16 / 64 = 15.75 active blocks: 0.015625 + 15.75 + 1 = 16.765625 < 17.015625
+        (65, 0, "w1"),  # 16.25 active blocks: 17.265625 > 17.015625
+        (0, 65, "w1"),  # the router's own in-flight pages count the same
+    ],
+)
 def test_dynamo_trades_overlap_against_decode_load_per_its_formula(
-        pages_in_use: int, inflight: int, winner: str) -> None:
+    pages_in_use: int, inflight: int, winner: str
+) -> None:
     warm = heartbeat("w0", pages_free=1000 - pages_in_use)
-    ctx = context([warm, heartbeat("w1")], residency=[("w0", "gpu", 8)],
-                  loads={"w0": predicted_ttft.WorkerLoad(inflight_pages=inflight)})
+    ctx = context(
+        [warm, heartbeat("w1")],
+        residency=[("w0", "gpu", 8)],
+        loads={"w0": predicted_ttft.WorkerLoad(inflight_pages=inflight)},
+    )
     policy = DynamoKV()
     cold = policy.cost(ctx, next(r for r in ctx.routes if r.worker_id == "w1"))
     assert cold.logit == pytest.approx(8.015625 + 9)  # no credit, 9 new blocks
@@ -198,8 +227,11 @@ def test_dynamo_trades_overlap_against_decode_load_per_its_formula(
 
 def test_dynamo_prefill_load_scale_and_outstanding_prefill_enter_the_prefill_term() -> None:
     # w0: 80 pages in use = 20 active blocks; w1: 64 ms of outstanding prefill = 64 queued tokens.
-    ctx = context([heartbeat("w0", pages_free=920), heartbeat("w1")], residency=[("w0", "gpu", 8)],
-                  loads={"w1": predicted_ttft.WorkerLoad(outstanding_s=0.064)})
+    ctx = context(
+        [heartbeat("w0", pages_free=920), heartbeat("w1")],
+        residency=[("w0", "gpu", 8)],
+        loads={"w1": predicted_ttft.WorkerLoad(outstanding_s=0.064)},
+    )
     scaled = DynamoKV(prefill_load_scale=2.0)
     w0, w1 = (scaled.cost(ctx, r) for r in sorted(ctx.routes, key=lambda r: r.worker_id))
     assert w1.raw_prefill_blocks == pytest.approx((64 + 513) / 64)
@@ -225,8 +257,11 @@ def test_dynamo_gives_no_credit_for_a_peer_copy_and_breaks_ties_by_worker_id() -
 
 
 def test_llmd_weighted_sum_on_a_hand_computed_case() -> None:
-    workers = [heartbeat("w0", pages_free=600, pages_evictable=100, active_lanes=1),
-               idle_heartbeat("w1", pages_free=900), idle_heartbeat("w2")]
+    workers = [
+        heartbeat("w0", pages_free=600, pages_evictable=100, active_lanes=1),
+        idle_heartbeat("w1", pages_free=900),
+        idle_heartbeat("w2"),
+    ]
     residency = [("w0", "gpu", 4), ("w0", "ram", 6), ("w1", "ssd", 8)]
     ctx = context(workers, residency, loads={"w0": active(3), "w1": active(5)})
     scores = LlmdScorer().scores(ctx)
@@ -243,8 +278,11 @@ def test_llmd_weighted_sum_on_a_hand_computed_case() -> None:
 
 
 def test_llmd_equal_queues_score_one_and_scores_stay_in_unit_range() -> None:
-    ctx = context([heartbeat("w0", pages_free=40), heartbeat("w1")],
-                  residency=[("w0", "gpu", 8)], loads={"w0": active(4), "w1": active(4)})
+    ctx = context(
+        [heartbeat("w0", pages_free=40), heartbeat("w1")],
+        residency=[("w0", "gpu", 8)],
+        loads={"w0": active(4), "w1": active(4)},
+    )
     scores = LlmdScorer().scores(ctx)
     assert scores["w0"].queue == scores["w1"].queue == 1.0
     for s in scores.values():
@@ -254,12 +292,14 @@ def test_llmd_equal_queues_score_one_and_scores_stay_in_unit_range() -> None:
 # --- Mooncake Conductor --------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("threshold", "cached", "ttft"), [
-    (3.0, 512, 6 * 64000 / 5e8 + 1e-3 + 0.02),  # 8 / 2 = 4 >= 3: fetch the 6 peer chunks
-    (5.0, 128, (513 - 128) * 1e-3 + 0.02),      # 4 < 5: prefill from the 2 local chunks
-])
-def test_mooncake_threshold_switches_between_local_and_remote_reuse(
-        threshold: float, cached: int, ttft: float) -> None:
+@pytest.mark.parametrize(
+    ("threshold", "cached", "ttft"),
+    [
+        (3.0, 512, 6 * 64000 / 5e8 + 1e-3 + 0.02),  # 8 / 2 = 4 >= 3: fetch the 6 peer chunks
+        (5.0, 128, (513 - 128) * 1e-3 + 0.02),  # 4 < 5: prefill from the 2 local chunks
+    ],
+)
+def test_mooncake_threshold_switches_between_local_and_remote_reuse(threshold: float, cached: int, ttft: float) -> None:
     workers = [heartbeat("w0"), heartbeat("w1", queue_delay_s=5.0)]
     ctx = context(workers, residency=[("w0", "gpu", 2), ("w1", "ram", 8)])
     chosen = MooncakeConductor(threshold).choose(ctx)

@@ -19,7 +19,9 @@ CHAIN = prompt_chain(b"m", PROMPT, 64)
 
 def view(worker_id: str, outstanding_s: float = 0.0, **overrides: object) -> predicted_ttft.WorkerView:
     hb = heartbeat(worker_id, **overrides)
-    return predicted_ttft.WorkerView(hb, predicted_ttft.WorkerLoad(outstanding_s=outstanding_s), predicted_ttft.reported_fingerprints(hb))
+    return predicted_ttft.WorkerView(
+        hb, predicted_ttft.WorkerLoad(outstanding_s=outstanding_s), predicted_ttft.reported_fingerprints(hb)
+    )
 
 
 def orders(roster: Roster) -> list[list[str]]:
@@ -62,26 +64,40 @@ def test_busy_share_follows_queues() -> None:
     assert roster.busy_share() == 0.0
 
 
-def random_case(rng: random.Random) -> tuple[list[predicted_ttft.WorkerView], ResidencyIndex, set[str], set[tuple[str, str]]]:
+def random_case(
+    rng: random.Random,
+) -> tuple[list[predicted_ttft.WorkerView], ResidencyIndex, set[str], set[tuple[str, str]]]:
     n = rng.randrange(1, 12)
     views = []
     for i in range(n):
-        views.append(view(
-            f"w{i:02d}", outstanding_s=rng.choice([0.0, rng.random()]),
-            queue_delay_s=rng.choice([0.0, 0.05, rng.random()]),
-            prefill_s_per_token=rng.choice([1e-3, 2e-3]),
-            active_lanes=rng.choice([0, 3]), prefill_chunk_tokens=rng.choice([0, 64, 256]),
-            pages_free=rng.choice([0, 3, 100]), pages_evictable=rng.choice([0, 10]),
-            models=rng.choice([("m",), ("m",), ("other",)]),
-            context_limit=rng.choice([100_000, 100_000, 500]),
-            restore_bytes_per_s=rng.choice([{"ram": 1e9, "ssd": 1e8, "peer": 5e8, "object": 1e8},
-                                            {"ram": 1e9, "ssd": 1e8, "peer": 5e8, "object": 1e8},
-                                            {"ram": 2e9, "ssd": 2e8, "peer": 1e7, "object": 1e7}]),
-        ))
+        views.append(
+            view(
+                f"w{i:02d}",
+                outstanding_s=rng.choice([0.0, rng.random()]),
+                queue_delay_s=rng.choice([0.0, 0.05, rng.random()]),
+                prefill_s_per_token=rng.choice([1e-3, 2e-3]),
+                active_lanes=rng.choice([0, 3]),
+                prefill_chunk_tokens=rng.choice([0, 64, 256]),
+                pages_free=rng.choice([0, 3, 100]),
+                pages_evictable=rng.choice([0, 10]),
+                models=rng.choice([("m",), ("m",), ("other",)]),
+                context_limit=rng.choice([100_000, 100_000, 500]),
+                restore_bytes_per_s=rng.choice(
+                    [
+                        {"ram": 1e9, "ssd": 1e8, "peer": 5e8, "object": 1e8},
+                        {"ram": 1e9, "ssd": 1e8, "peer": 5e8, "object": 1e8},
+                        {"ram": 2e9, "ssd": 2e8, "peer": 1e7, "object": 1e7},
+                    ]
+                ),
+            )
+        )
     index = ResidencyIndex()
     for _ in range(rng.randrange(0, 10)):
-        index.store(rng.choice(views).heartbeat.worker_id, rng.choice(["gpu", "ram", "ssd"]),
-                    CHAIN[: rng.randrange(1, len(CHAIN) + 1)])
+        index.store(
+            rng.choice(views).heartbeat.worker_id,
+            rng.choice(["gpu", "ram", "ssd"]),
+            CHAIN[: rng.randrange(1, len(CHAIN) + 1)],
+        )
     if rng.random() < 0.5:
         index.store("anyone", "object", CHAIN[: rng.randrange(1, len(CHAIN) + 1)])
     ids = [v.heartbeat.worker_id for v in views]

@@ -13,8 +13,8 @@ from kvrelay.core.router.events import (
     WorkerUnavailable,
 )
 from kvrelay.core.router.machine import RouterConfig
-from kvrelay.protocol.messages import Assignment, Residency
 from kvrelay.protocol.chunk_keys import prompt_chain
+from kvrelay.protocol.messages import Assignment, Residency
 from tests.support.router_driver import Driver, cancels, heartbeat, offers
 
 PROMPT = tuple(range(1, 64 * 8 + 2))  # 8 cacheable chunks

@@ -20,12 +20,12 @@ from kvrelay.models.config import ModelConfig
 from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.models.registry import build_model
 from kvrelay.protocol.messages import Sampling
+from kvrelay.testing.tiny_models import make_tiny_model
+from kvrelay.worker.page_pool import PagePool
 from kvrelay.worker.runtime.iteration import PolicyConfig
 from kvrelay.worker.runtime.jobs import Job, JobResult, QueueFullError, RuntimeClosedError, RuntimeEvent, TokenEvent
-from kvrelay.worker.page_pool import PagePool
 from kvrelay.worker.runtime.loop import PagedRuntime
 from tests.support.bench_smoke import run_bench
-from kvrelay.testing.tiny_models import make_tiny_model
 
 PAGE = 4
 WAIT = 30.0  # generous timeout for every event wait; the tests normally take milliseconds
@@ -315,13 +315,41 @@ def test_close_cancels_queued_and_running_jobs(gated: Any) -> None:
 def test_runtime_bench_smoke(tmp_path: Path) -> None:
     """bench/runtime.py runs end to end on a tiny model and writes every figure (values not asserted)."""
     model_dir = make_tiny_model("gemma3", tmp_path / "tiny", seed=1)
-    argv = ["--model", str(model_dir), "--dtype", "float32", "--sequences", "3", "--min-prompt", "8",
-            "--max-prompt", "24", "--new-tokens", "4", "--hf-batch", "2", "--prefill-tokens", "32",
-            "--ttft-tokens", "48", "--resident-tokens", "40", "--single-prompt", "12", "--single-new-tokens", "3"]
+    argv = [
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--sequences",
+        "3",
+        "--min-prompt",
+        "8",
+        "--max-prompt",
+        "24",
+        "--new-tokens",
+        "4",
+        "--hf-batch",
+        "2",
+        "--prefill-tokens",
+        "32",
+        "--ttft-tokens",
+        "48",
+        "--resident-tokens",
+        "40",
+        "--single-prompt",
+        "12",
+        "--single-new-tokens",
+        "3",
+    ]
     code, figures = run_bench("runtime.py", argv, tmp_path / "figures.json")
     assert code == 0
-    assert {f["name"] for f in figures} >= {"decode_tokens_per_s", "decode_batch1_tokens_per_s", "prefill_tokens_per_s", "warm_ttft_share",
-                                            "peak_rss_kvrelay"}
+    assert {f["name"] for f in figures} >= {
+        "decode_tokens_per_s",
+        "decode_batch1_tokens_per_s",
+        "prefill_tokens_per_s",
+        "warm_ttft_share",
+        "peak_rss_kvrelay",
+    }
     assert all(set(f) == {"name", "value", "unit", "baseline", "baseline_value"} for f in figures)
 
 
@@ -404,10 +432,13 @@ def test_waiting_jobs_are_admitted_by_priority_and_a_running_one_is_not_passed(t
         assert gated.entered.wait(WAIT)  # admitted to the only lane, its prefill blocked in the model
         finished: list[str] = []  # one lane: jobs finish in the order they were admitted
         handles = [
-            runtime.submit(job_for(pool, prompt_of(6, i + 1), 2, priority=p),
-                           on_event=lambda e, name=name: finished.append(name) if isinstance(e, JobResult) else None)
-            for i, (name, p) in enumerate([("late5", 5.0), ("first1", 1.0), ("later5", 5.0), ("second1", 1.0),
-                                           ("default0", 0.0)])
+            runtime.submit(
+                job_for(pool, prompt_of(6, i + 1), 2, priority=p),
+                on_event=lambda e, name=name: finished.append(name) if isinstance(e, JobResult) else None,
+            )
+            for i, (name, p) in enumerate(
+                [("late5", 5.0), ("first1", 1.0), ("later5", 5.0), ("second1", 1.0), ("default0", 0.0)]
+            )
         ]
         gated.release.set()
         assert running.result(WAIT).finish_reason == "length"

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvrelay.protocol.chunk_keys import chunk_chain
 from kvrelay.store.chunk_format import ChunkCorrupt, decode_header, encode_chunk
 from kvrelay.store.files import SharedDirTier, SsdTier
-from kvrelay.protocol.chunk_keys import chunk_chain
 from kvrelay.store.ram import RamTier
 from kvrelay.store.tier import ChunkTier, CorruptChunk, ResidencyEvent
 from kvrelay.store.tier_stack import TierStack
@@ -142,7 +142,9 @@ def test_lru_bound_in_bytes(tmp_path: Path, kind: str) -> None:
     assert rec.by_reason("evicted") == [KEYS[1]]
     assert tier.counters().evictions == 1
     if kind == "ssd":
-        assert sorted(p.name for p in (tmp_path / "ssd").iterdir()) == sorted(k.hex() + ".kvc" for k in (KEYS[0], KEYS[2]))
+        assert sorted(p.name for p in (tmp_path / "ssd").iterdir()) == sorted(
+            k.hex() + ".kvc" for k in (KEYS[0], KEYS[2])
+        )
 
 
 @pytest.mark.parametrize("kind", ["ram", "ssd"])
@@ -253,7 +255,9 @@ def test_concurrent_puts_and_gets_keep_the_bound_and_return_only_verified_chunks
             i = (offset + round_) % 8
             tier.put(blobs[i])
             view = tier.get(KEYS[i], FP)
-            if view is not None and not torch.equal(view.tensor(), torch.arange(i, i + 256, dtype=torch.float32).view(SHAPE)):
+            if view is not None and not torch.equal(
+                view.tensor(), torch.arange(i, i + 256, dtype=torch.float32).view(SHAPE)
+            ):
                 failures.append(f"chunk {i} read back wrong")
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
@@ -269,8 +273,6 @@ def test_concurrent_puts_and_gets_keep_the_bound_and_return_only_verified_chunks
         held -= set(event.removed)
     assert held == set(tier.keys())
     assert tier.counters().corrupt == 0
-
-
 
 
 def test_ram_checking_headers_only_verifies_the_payload_once_at_admission(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvrelay.protocol.chunk_keys import prompt_chain
 from kvrelay.sim.trace import (
     PromptSynthesizer,
     TraceError,
@@ -14,7 +15,6 @@ from kvrelay.sim.trace import (
     infinite_cache_bound,
     load_trace,
 )
-from kvrelay.protocol.chunk_keys import prompt_chain
 
 DEV_TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
 

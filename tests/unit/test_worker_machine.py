@@ -33,11 +33,23 @@ from kvrelay.protocol.messages import (
 )
 
 
-def offer(rid: str = "r1", attempt: int = 1, *, epoch: int = 2, model: str = "m", prompt_len: int = 10,
-          max_new: int = 4, worker_id: str = "w0") -> Offer:
+def offer(
+    rid: str = "r1",
+    attempt: int = 1,
+    *,
+    epoch: int = 2,
+    model: str = "m",
+    prompt_len: int = 10,
+    max_new: int = 4,
+    worker_id: str = "w0",
+) -> Offer:
     return Offer(
-        assignment=Assignment(rid, attempt), worker_id=worker_id, epoch=epoch, model=model,
-        prompt=tuple(range(prompt_len)), max_new_tokens=max_new,
+        assignment=Assignment(rid, attempt),
+        worker_id=worker_id,
+        epoch=epoch,
+        model=model,
+        prompt=tuple(range(prompt_len)),
+        max_new_tokens=max_new,
     )
 
 

@@ -46,8 +46,12 @@ def create_app(ingress: Ingress) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "kvrelay"} for name in sorted(ingress.models)]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": 0, "owned_by": "kvrelay"} for name in sorted(ingress.models)
+            ],
+        }
 
     @app.get("/health")
     async def health() -> Response:
@@ -75,8 +79,9 @@ def create_app(ingress: Ingress) -> FastAPI:
         events = ingress.generate(p)
         if stream:
             first = await _first(events)
-            return StreamingResponse(_sse(rid, created, p, chat, include_usage, first, events),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                _sse(rid, created, p, chat, include_usage, first, events), media_type="text/event-stream"
+            )
         return await _whole(request, rid, created, p, chat, events)
 
     return app
@@ -96,26 +101,47 @@ async def _first(events: AsyncIterator[TextDelta | Final]) -> TextDelta | Final:
 
 
 def _usage(final: Final) -> dict[str, Any]:
-    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
+    return {
+        "prompt_tokens": final.prompt_tokens,
+        "completion_tokens": final.completion_tokens,
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+    }
 
 
-def _chunk(rid: str, created: int, p: Prepared, chat: bool, text: str | None, finish: str | None,
-           first: bool) -> dict[str, Any]:
+def _chunk(
+    rid: str, created: int, p: Prepared, chat: bool, text: str | None, finish: str | None, first: bool
+) -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": p.model.name,
-                "choices": [choice]}
-    return {"id": rid, "object": "text_completion", "created": created, "model": p.model.name,
-            "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]}
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": p.model.name,
+            "choices": [choice],
+        }
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": p.model.name,
+        "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}],
+    }
 
 
-async def _sse(rid: str, created: int, p: Prepared, chat: bool, include_usage: bool,
-               first_event: TextDelta | Final, events: AsyncIterator[TextDelta | Final]) -> AsyncIterator[bytes]:
+async def _sse(
+    rid: str,
+    created: int,
+    p: Prepared,
+    chat: bool,
+    include_usage: bool,
+    first_event: TextDelta | Final,
+    events: AsyncIterator[TextDelta | Final],
+) -> AsyncIterator[bytes]:
     def line(obj: dict[str, Any]) -> bytes:
         return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
@@ -129,8 +155,16 @@ async def _sse(rid: str, created: int, p: Prepared, chat: bool, include_usage: b
             else:
                 yield line(_chunk(rid, created, p, chat, None if chat else "", event.finish_reason, first))
                 if include_usage:
-                    yield line({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                "created": created, "model": p.model.name, "choices": [], "usage": _usage(event)})
+                    yield line(
+                        {
+                            "id": rid,
+                            "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": created,
+                            "model": p.model.name,
+                            "choices": [],
+                            "usage": _usage(event),
+                        }
+                    )
                 break
             try:
                 event = await events.__anext__()
@@ -143,8 +177,9 @@ async def _sse(rid: str, created: int, p: Prepared, chat: bool, include_usage: b
     yield b"data: [DONE]\n\n"
 
 
-async def _whole(request: Request, rid: str, created: int, p: Prepared, chat: bool,
-                 events: AsyncIterator[TextDelta | Final]) -> JSONResponse:
+async def _whole(
+    request: Request, rid: str, created: int, p: Prepared, chat: bool, events: AsyncIterator[TextDelta | Final]
+) -> JSONResponse:
     async def collect() -> tuple[str, Final]:
         parts: list[str] = []
         async for event in events:
@@ -172,11 +207,23 @@ async def _whole(request: Request, rid: str, created: int, p: Prepared, chat: bo
         return JSONResponse({}, status_code=499)
     text, final = work.result()
     if chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "finish_reason": final.finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": final.finish_reason,
+            "logprobs": None,
+        }
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "finish_reason": final.finish_reason, "logprobs": None}
         obj = "text_completion"
-    return JSONResponse({"id": rid, "object": obj, "created": created, "model": p.model.name,
-                         "choices": [choice], "usage": _usage(final)})
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": p.model.name,
+            "choices": [choice],
+            "usage": _usage(final),
+        }
+    )

@@ -27,7 +27,7 @@ class IncrementalText:
         full = self.tokenizer.decode(self.tokens[self._prefix_offset :], skip_special_tokens=True)
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""
-        new = full[len(prefix):]
+        new = full[len(prefix) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.tokens)
         self._returned += len(new)
@@ -35,7 +35,7 @@ class IncrementalText:
 
     def flush(self) -> str:
         """At the end of the stream: whatever ``push`` held back (an incomplete character decodes as U+FFFD)."""
-        rest = self.text()[self._returned:]
+        rest = self.text()[self._returned :]
         self._returned += len(rest)
         return rest
 

@@ -8,8 +8,14 @@ from typing import Any
 class APIError(Exception):
     """An HTTP error with an OpenAI-style body; ``param`` names the offending field."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -31,8 +37,9 @@ def from_outcome_error(error: str, model: str) -> APIError:
     if kind == "no_worker":
         return APIError(503, error.split(": ", 1)[-1], "service_unavailable", "model", "no_worker")
     if kind == "no_capacity":
-        return APIError(429, f"every worker serving '{model}' is at capacity; retry later", "rate_limit_error",
-                        None, "no_capacity")
+        return APIError(
+            429, f"every worker serving '{model}' is at capacity; retry later", "rate_limit_error", None, "no_capacity"
+        )
     if kind == "over_context_limit":
         return APIError(413, error.split(": ", 1)[-1], "invalid_request_error", "messages", "context_length_exceeded")
     return APIError(500, f"the request failed: {error}", "server_error", None, "internal_error")

@@ -68,8 +68,9 @@ class Final:
 
 
 class Ingress:
-    def __init__(self, router: ClusterRouter, models: dict[str, ServedModel], metrics: Metrics,
-                 serving: Callable[[str], bool]) -> None:
+    def __init__(
+        self, router: ClusterRouter, models: dict[str, ServedModel], metrics: Metrics, serving: Callable[[str], bool]
+    ) -> None:
         self.router = router
         self.models = models
         self.metrics = metrics
@@ -80,19 +81,23 @@ class Ingress:
     def model(self, name: str) -> ServedModel:
         served = self.models.get(name)
         if served is None:
-            raise APIError(404, f"model '{name}' is not served; served models: {', '.join(sorted(self.models))}",
-                           "invalid_request_error", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"model '{name}' is not served; served models: {', '.join(sorted(self.models))}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
         return served
 
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
         model = self.model(body.model)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
+            ids = [t for t in prompt if isinstance(t, int)]
             bad = [t for t in ids if not 0 <= t < model.vocab_size]
             if bad:
-                raise invalid(f"prompt token ids {bad[:5]} are outside the vocabulary of {model.vocab_size}",
-                              "prompt")
+                raise invalid(f"prompt token ids {bad[:5]} are outside the vocabulary of {model.vocab_size}", "prompt")
         elif isinstance(prompt, list):
             if len(prompt) != 1:
                 raise invalid("only one prompt per request is supported (n = 1)", "prompt")
@@ -114,14 +119,24 @@ class Ingress:
             raise invalid("the prompt is empty", "prompt")
         room = model.context_limit - len(ids)
         if room < 1:
-            raise APIError(413, f"the prompt has {len(ids)} tokens; the context limit of '{model.name}' is "
-                                f"{model.context_limit}", "invalid_request_error", "prompt", "context_length_exceeded")
+            raise APIError(
+                413,
+                f"the prompt has {len(ids)} tokens; the context limit of '{model.name}' is {model.context_limit}",
+                "invalid_request_error",
+                "prompt",
+                "context_length_exceeded",
+            )
         asked = body.max_completion_tokens or body.max_tokens
         max_tokens = asked if asked is not None else (default_max or min(room, 1024))
         if len(ids) + max_tokens > model.context_limit:
-            raise APIError(413, f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the context limit "
-                                f"{model.context_limit} of '{model.name}'", "invalid_request_error", "max_tokens",
-                           "context_length_exceeded")
+            raise APIError(
+                413,
+                f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the context limit "
+                f"{model.context_limit} of '{model.name}'",
+                "invalid_request_error",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         stops = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
         stop_ids = tuple(s for s in stops if isinstance(s, int))
         bad = [t for t in stop_ids if not 0 <= t < model.vocab_size]
@@ -136,15 +151,18 @@ class Ingress:
 
     async def generate(self, p: Prepared) -> AsyncIterator[TextDelta | Final]:
         if not self.serving(p.model.name):
-            raise APIError(503, f"no worker serves model '{p.model.name}' right now", "service_unavailable",
-                           "model", "no_worker")
+            raise APIError(
+                503, f"no worker serves model '{p.model.name}' right now", "service_unavailable", "model", "no_worker"
+            )
         rid = "kv-" + hashlib.blake2b(uuid.uuid4().bytes, digest_size=10).hexdigest()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         started = time.monotonic()
         self.router.submit(
             Request(rid, p.model.name, tuple(p.prompt), p.max_tokens, p.sampling),
-            Consumer(lambda index, tokens: queue.put_nowait(("delta", tokens)),
-                     lambda outcome: queue.put_nowait(("done", outcome))),
+            Consumer(
+                lambda index, tokens: queue.put_nowait(("delta", tokens)),
+                lambda outcome: queue.put_nowait(("done", outcome)),
+            ),
         )
         self.series.requests.labels(model=p.model.name).inc()
         detok = IncrementalText(p.model.tokenizer)
@@ -190,8 +208,11 @@ class Ingress:
                 for tier, n in outcome.usage.cached_tokens.items():
                     self.series.cached_tokens.labels(tier=tier).inc(n)
                 self.series.recomputed_tokens.inc(outcome.usage.recomputed_tokens)
-                reason = "stop" if outcome.finish_reason == "stop" else (
-                    "length" if outcome.finish_reason == "length" else outcome.finish_reason)
+                reason = (
+                    "stop"
+                    if outcome.finish_reason == "stop"
+                    else ("length" if outcome.finish_reason == "length" else outcome.finish_reason)
+                )
                 yield Final(reason, len(p.prompt), len(outcome.tokens), cached, _since(started, first_token_at))
                 return
         finally:
@@ -208,7 +229,7 @@ def _cut_at_stop(emitted: str, held: str, stops: tuple[str, ...]) -> tuple[str, 
     """Split ``held`` into (text safe to emit, whether a stop string was hit, text still held back)."""
     if not stops:
         return held, False, ""
-    window = emitted[-max(len(s) for s in stops):] + held
+    window = emitted[-max(len(s) for s in stops) :] + held
     offset = len(window) - len(held)
     for stop in stops:
         at = window.find(stop)

@@ -87,14 +87,17 @@ class IngressSeries:
         series = cls(
             requests=Counter("kvrelay_requests_total", "requests submitted", ["model"], registry=registry),
             errors=Counter("kvrelay_request_errors_total", "requests that failed", ["reason"], registry=registry),
-            cached_tokens=Counter("kvrelay_cached_tokens_total", "prompt tokens served from cache", ["tier"],
-                                  registry=registry),
+            cached_tokens=Counter(
+                "kvrelay_cached_tokens_total", "prompt tokens served from cache", ["tier"], registry=registry
+            ),
             recomputed_tokens=Counter("kvrelay_recomputed_tokens_total", "prompt tokens computed", registry=registry),
-            disconnects=Counter("kvrelay_client_disconnects_total", "requests cancelled by their client",
-                                registry=registry),
+            disconnects=Counter(
+                "kvrelay_client_disconnects_total", "requests cancelled by their client", registry=registry
+            ),
             ttft=Histogram("kvrelay_ttft_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=registry),
-            inter_token=Histogram("kvrelay_inter_token_seconds", "time between tokens", buckets=LATENCY_BUCKETS,
-                                  registry=registry),
+            inter_token=Histogram(
+                "kvrelay_inter_token_seconds", "time between tokens", buckets=LATENCY_BUCKETS, registry=registry
+            ),
         )
         for tier in TIERS:
             series.cached_tokens.labels(tier=tier)

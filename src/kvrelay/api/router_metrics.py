@@ -16,8 +16,13 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from kvrelay.api.metrics import Metrics
 from kvrelay.router.cluster_router import ClusterRouter
 
-OUTCOME_COUNTERS = {"accepted": "accepted", "declined": "declines", "timed_out": "offer_timeouts",
-                    "worker_lost": "worker_lost_assignments", "no_progress": "progress_timeouts"}
+OUTCOME_COUNTERS = {
+    "accepted": "accepted",
+    "declined": "declines",
+    "timed_out": "offer_timeouts",
+    "worker_lost": "worker_lost_assignments",
+    "no_progress": "progress_timeouts",
+}
 PAGE_STATES = ("free", "cached", "in_use", "reserved")
 
 
@@ -30,34 +35,50 @@ class RouterCollector:
 
     def collect(self) -> Iterator[Metric]:
         counters = self.router.state.counters
-        decisions = CounterMetricFamily("kvrelay_routing_decisions_total", "offers sent, and how they ended",
-                                        labels=["outcome"])
+        decisions = CounterMetricFamily(
+            "kvrelay_routing_decisions_total", "offers sent, and how they ended", labels=["outcome"]
+        )
         for outcome, counter in OUTCOME_COUNTERS.items():
             decisions.add_metric([outcome], counters.get(counter, 0))
         decisions.add_metric(["offered"], counters.get("offers", 0))
         yield decisions
         yield _by_prefix(counters, "kvrelay_declines_total", "declined offers by reason", "declined_", "reason")
         yield CounterMetricFamily("kvrelay_retries_total", "attempts after the first", value=counters.get("retries", 0))
-        yield CounterMetricFamily("kvrelay_stale_messages_dropped_total", "messages of a stale attempt, dropped",
-                                  value=counters.get("stale_dropped", 0))
-        yield _by_prefix(counters, "kvrelay_requests_finished_total", "requests ended, by finish reason",
-                         "finished_", "reason")
+        yield CounterMetricFamily(
+            "kvrelay_stale_messages_dropped_total",
+            "messages of a stale attempt, dropped",
+            value=counters.get("stale_dropped", 0),
+        )
+        yield _by_prefix(
+            counters, "kvrelay_requests_finished_total", "requests ended, by finish reason", "finished_", "reason"
+        )
         views = self.router.state.views
         yield GaugeMetricFamily("kvrelay_workers_live", "live workers", value=len(views))
         if self.worker_pages:
-            pages = {state: GaugeMetricFamily(f"kvrelay_pages_{state}",
-                                              f"pages {state.replace('_', ' ')} per worker, from its last heartbeat",
-                                              labels=["worker"]) for state in PAGE_STATES}
+            pages = {
+                state: GaugeMetricFamily(
+                    f"kvrelay_pages_{state}",
+                    f"pages {state.replace('_', ' ')} per worker, from its last heartbeat",
+                    labels=["worker"],
+                )
+                for state in PAGE_STATES
+            }
             for wid, view in sorted(views.items()):
                 hb = view.heartbeat
                 in_use = max(0, hb.pages_total - hb.pages_free - hb.pages_evictable - hb.pages_reserved)
-                for state, value in (("free", hb.pages_free), ("cached", hb.pages_evictable), ("in_use", in_use),
-                                     ("reserved", hb.pages_reserved)):
+                for state, value in (
+                    ("free", hb.pages_free),
+                    ("cached", hb.pages_evictable),
+                    ("in_use", in_use),
+                    ("reserved", hb.pages_reserved),
+                ):
                     pages[state].add_metric([wid], value)
             yield from pages.values()
-        store = GaugeMetricFamily("kvrelay_chunk_store_bytes",
-                                  "bytes held per chunk tier per worker, from its last heartbeat",
-                                  labels=["worker", "tier"])
+        store = GaugeMetricFamily(
+            "kvrelay_chunk_store_bytes",
+            "bytes held per chunk tier per worker, from its last heartbeat",
+            labels=["worker", "tier"],
+        )
         for wid, view in sorted(views.items()):
             for tier, n in sorted(view.heartbeat.chunk_bytes_by_tier.items()):
                 store.add_metric([wid, tier], n)
@@ -68,7 +89,7 @@ def _by_prefix(counters: dict[str, int], name: str, help_: str, prefix: str, lab
     family = CounterMetricFamily(name, help_, labels=[label])
     for key, value in sorted(counters.items()):
         if key.startswith(prefix):
-            family.add_metric([key[len(prefix):]], value)
+            family.add_metric([key[len(prefix) :]], value)
     return family
 
 

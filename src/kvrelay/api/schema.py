@@ -37,8 +37,10 @@ class SamplingFields(BaseModel):
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
         if _has_lone_surrogate(value):
-            raise ValueError("the text holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not valid "
-                             "Unicode; send each character whole")
+            raise ValueError(
+                "the text holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not valid "
+                "Unicode; send each character whole"
+            )
         return value
 
 

@@ -91,9 +91,13 @@ class BenchCluster:
         spec.work_dir.mkdir(parents=True, exist_ok=True)
         self._log = spec.log_path.open("a")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_") or k == CACHE_ENV}
-        self.env.update({SECRET_ENV_VAR: secrets.token_urlsafe(32), DATA_ENV: str(spec.work_dir / "data")},
-                        PYTHONUNBUFFERED="1", AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                        AWS_DEFAULT_REGION="us-east-1")
+        self.env.update(
+            {SECRET_ENV_VAR: secrets.token_urlsafe(32), DATA_ENV: str(spec.work_dir / "data")},
+            PYTHONUNBUFFERED="1",
+            AWS_ACCESS_KEY_ID="testing",
+            AWS_SECRET_ACCESS_KEY="testing",
+            AWS_DEFAULT_REGION="us-east-1",
+        )
         self.env.pop("AWS_PROFILE", None)
         self.db_path = spec.work_dir / "facts.sqlite3"
         self.s3_endpoint = ""
@@ -108,10 +112,23 @@ class BenchCluster:
         self._start_moto()
         http_port, worker_port = free_port(), free_port()
         self.workers_url = f"ws://127.0.0.1:{worker_port}/workers"
-        argv = [sys.executable, "-m", "kvrelay.cli.main", "--log-level", "WARNING", "router", "--port", str(http_port),
-                "--worker-port", str(worker_port), "--db", f"sqlite:///{self.db_path}"]
-        router = ChildProcess("router", argv + (["--model", self.spec.model] if self.spec.model else []),
-                              self.env, stderr=self._log)
+        argv = [
+            sys.executable,
+            "-m",
+            "kvrelay.cli.main",
+            "--log-level",
+            "WARNING",
+            "router",
+            "--port",
+            str(http_port),
+            "--worker-port",
+            str(worker_port),
+            "--db",
+            f"sqlite:///{self.db_path}",
+        ]
+        router = ChildProcess(
+            "router", argv + (["--model", self.spec.model] if self.spec.model else []), self.env, stderr=self._log
+        )
         self._others.append(router)
         for wid in worker_ids:  # workers start loading at once and connect when the router listens
             self.launch_worker(wid)
@@ -122,8 +139,9 @@ class BenchCluster:
 
     def _start_moto(self) -> None:
         port = free_port()
-        moto = ChildProcess("moto_server", [_moto_command(), "-H", "127.0.0.1", "-p", str(port)], self.env,
-                            stderr=self._log)
+        moto = ChildProcess(
+            "moto_server", [_moto_command(), "-H", "127.0.0.1", "-p", str(port)], self.env, stderr=self._log
+        )
         self._others.append(moto)
         self.s3_endpoint = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60.0
@@ -133,8 +151,9 @@ class BenchCluster:
                 break
             except httpx.HTTPError:
                 if moto.process.poll() is not None or time.monotonic() > deadline:
-                    raise ClusterError(f"moto_server did not answer on {self.s3_endpoint}; log:\n"
-                                       f"{_tail(self.spec.log_path)}") from None
+                    raise ClusterError(
+                        f"moto_server did not answer on {self.s3_endpoint}; log:\n{_tail(self.spec.log_path)}"
+                    ) from None
                 time.sleep(0.1)
         self.s3_client().create_bucket(Bucket=BUCKET)
 
@@ -142,8 +161,13 @@ class BenchCluster:
         """A boto3 client of the cluster's moto_server (its dummy credentials)."""
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.s3_endpoint, region_name="us-east-1",
-                            aws_access_key_id="testing", aws_secret_access_key="testing")
+        return boto3.client(
+            "s3",
+            endpoint_url=self.s3_endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
 
     def object_bytes(self) -> int:
         """Bytes the object tier holds (every object of the bucket)."""
@@ -153,11 +177,33 @@ class BenchCluster:
     def launch_worker(self, worker_id: str) -> None:
         """Start a probed worker process (without waiting for it)."""
         spec = self.spec
-        argv = [sys.executable, "-m", "kvrelay.cli.probed_worker", "--worker-id", worker_id,
-                "--router", self.workers_url, "--dtype", spec.dtype, "--kv-tokens", str(spec.kv_tokens),
-                "--lanes", str(spec.lanes), "--ram-bytes", str(spec.ram_bytes),
-                "--chunk-dir", str(spec.work_dir / "chunks" / worker_id), "--s3-endpoint", self.s3_endpoint,
-                "--s3-bucket", BUCKET, "--heartbeat-s", str(spec.heartbeat_s), "--grace-s", "5"]
+        argv = [
+            sys.executable,
+            "-m",
+            "kvrelay.cli.probed_worker",
+            "--worker-id",
+            worker_id,
+            "--router",
+            self.workers_url,
+            "--dtype",
+            spec.dtype,
+            "--kv-tokens",
+            str(spec.kv_tokens),
+            "--lanes",
+            str(spec.lanes),
+            "--ram-bytes",
+            str(spec.ram_bytes),
+            "--chunk-dir",
+            str(spec.work_dir / "chunks" / worker_id),
+            "--s3-endpoint",
+            self.s3_endpoint,
+            "--s3-bucket",
+            BUCKET,
+            "--heartbeat-s",
+            str(spec.heartbeat_s),
+            "--grace-s",
+            "5",
+        ]
         if spec.model:
             argv += ["--model", spec.model]
         self.workers[worker_id] = ChildProcess(worker_id, argv, self.env, stderr=self._log)
@@ -186,8 +232,9 @@ class BenchCluster:
             child.signal(signal.SIGTERM)
         for child in children:
             child.stop(30.0)
-        self.wait_until(lambda: not set(worker_ids) & set(self.live_workers()), 30.0,
-                        f"workers {', '.join(worker_ids)} to leave")
+        self.wait_until(
+            lambda: not set(worker_ids) & set(self.live_workers()), 30.0, f"workers {', '.join(worker_ids)} to leave"
+        )
 
     def kill_worker(self, worker_id: str) -> None:
         self.probes.pop(worker_id, None)
@@ -218,8 +265,9 @@ class BenchCluster:
         deadline = time.monotonic() + timeout
         while not predicate():
             if time.monotonic() > deadline:
-                raise ClusterError(f"timed out after {timeout:.0f} s waiting for {what}; log:\n"
-                                   f"{_tail(self.spec.log_path)}")
+                raise ClusterError(
+                    f"timed out after {timeout:.0f} s waiting for {what}; log:\n{_tail(self.spec.log_path)}"
+                )
             threading.Event().wait(0.1)
 
     def close(self) -> None:

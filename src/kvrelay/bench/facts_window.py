@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +51,9 @@ class FactsWindow:
             with self.engine.connect() as conn:
                 rows = conn.execute(sa.select(o).where(o.c.time >= start, o.c.time <= end)).all()
                 chosen = conn.execute(
-                    sa.select(d.c.chosen_worker, sa.func.count()).where(
-                        d.c.time >= start, d.c.time <= end, d.c.outcome == "accepted"
-                    ).group_by(d.c.chosen_worker)
+                    sa.select(d.c.chosen_worker, sa.func.count())
+                    .where(d.c.time >= start, d.c.time <= end, d.c.outcome == "accepted")
+                    .group_by(d.c.chosen_worker)
                 ).all()
             if len(rows) >= expect or time.monotonic() > deadline:
                 break
@@ -63,7 +64,7 @@ class FactsWindow:
         self.engine.dispose()
 
 
-def summarize(rows: list[Any], chosen: dict[str, int]) -> OutcomeFacts:
+def summarize(rows: Sequence[Any], chosen: dict[str, int]) -> OutcomeFacts:
     finish: dict[str, int] = {}
     cached: dict[str, int] = {}
     hits: dict[int, int] = {}

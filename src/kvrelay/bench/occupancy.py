@@ -35,8 +35,16 @@ class OccupancySampler:
     def record(self, worker_id: str, snap: dict[str, Any], at: float | None = None) -> None:
         """Keep the pages of one probe snapshot (taken at ``at``, default the snapshot's own time)."""
         pages = snap["pages"]
-        self.samples.append(OccupancySample(snap["time"] if at is None else at, worker_id, pages["total"],
-                                            pages["free"], pages["cached"], pages["referenced"] + pages["reserved"]))
+        self.samples.append(
+            OccupancySample(
+                snap["time"] if at is None else at,
+                worker_id,
+                pages["total"],
+                pages["free"],
+                pages["cached"],
+                pages["referenced"] + pages["reserved"],
+            )
+        )
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -43,13 +43,19 @@ class StreamRecord:
         return self.error is None and not self.cancelled and self.finish_reason in ("length", "stop")
 
 
-async def _one(client: object, model: str, prompt: Sequence[int], max_tokens: int, record: StreamRecord,
-               cancel_at: int | None) -> None:
+async def _one(
+    client: object, model: str, prompt: Sequence[int], max_tokens: int, record: StreamRecord, cancel_at: int | None
+) -> None:
     record.sent = time.monotonic()
     try:
         stream = await client.completions.create(  # type: ignore[attr-defined]
-            model=model, prompt=list(prompt), max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True})
+            model=model,
+            prompt=list(prompt),
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         try:
             async for chunk in stream:
                 if chunk.usage is not None:
@@ -71,13 +77,21 @@ async def _one(client: object, model: str, prompt: Sequence[int], max_tokens: in
         record.error = f"{type(exc).__name__}: {exc}"
 
 
-async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int,
-               cancel_after: dict[int, int], on_done: Callable[[StreamRecord], None],
-               records: list[StreamRecord]) -> list[StreamRecord]:
+async def _run(
+    base_url: str,
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    concurrency: int,
+    cancel_after: dict[int, int],
+    on_done: Callable[[StreamRecord], None],
+    records: list[StreamRecord],
+) -> list[StreamRecord]:
     from openai import AsyncOpenAI
 
     gate = asyncio.Semaphore(max(1, concurrency))
     async with AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300.0) as client:
+
         async def guarded(i: int) -> None:
             async with gate:
                 await _one(client, model, prompts[i], max_tokens, records[i], cancel_after.get(i))
@@ -87,10 +101,16 @@ async def _run(base_url: str, model: str, prompts: Sequence[Sequence[int]], max_
     return records
 
 
-def run_streams(base_url: str, model: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int,
-                cancel_after: dict[int, int] | None = None,
-                on_done: Callable[[StreamRecord], None] = lambda r: None,
-                records: list[StreamRecord] | None = None) -> list[StreamRecord]:
+def run_streams(
+    base_url: str,
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    concurrency: int,
+    cancel_after: dict[int, int] | None = None,
+    on_done: Callable[[StreamRecord], None] = lambda r: None,
+    records: list[StreamRecord] | None = None,
+) -> list[StreamRecord]:
     """Run the streams (see the module contract) on a private event loop; blocks until all have ended.
 
     ``records`` (one per prompt, from ``new_records``) lets another thread watch the streams as they run.

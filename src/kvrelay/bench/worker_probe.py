@@ -3,7 +3,8 @@
 ``python -m kvrelay.cli.probed_worker WORKER-ARGS`` runs exactly
 ``kvrelay worker WORKER-ARGS``, except that once the worker's parts are built
 (``launch.worker.build_worker``) a ``WorkerProbe`` observes them and
-answers ``GET /probe`` (``/probe/pages``: without the interval lists) on a loopback port with JSON; its URL is printed as
+answers ``GET /probe`` (``/probe/pages``: without the interval lists) on a loopback port with JSON;
+its URL is printed as
 ``kvrelay probe ready id=<worker id> url=<url>``. The probe changes no decision
 of the worker; it only wraps two seams to time them:
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import threading
 import time
 from collections import Counter
@@ -52,8 +52,15 @@ class _TimedRestore:
     def restore(self, offer: Any, keys: Any, pages: Any) -> Any:
         start = time.monotonic()
         report = self._inner.restore(offer, keys, pages)
-        self._log.append({"start": start, "end": time.monotonic(), "request_id": offer.assignment.request_id,
-                          "bytes": dict(report.bytes_by_tier), "chunks": len(report.tiers)})
+        self._log.append(
+            {
+                "start": start,
+                "end": time.monotonic(),
+                "request_id": offer.assignment.request_id,
+                "bytes": dict(report.bytes_by_tier),
+                "chunks": len(report.tiers),
+            }
+        )
         return report
 
 
@@ -74,8 +81,9 @@ class WorkerProbe:
             controller.restorer = _TimedRestore(controller.restorer, self.restores)
         submit = parts.runtime.submit
 
-        def timed_submit(job: Job, on_event: Callable[[RuntimeEvent], None] | None = None,
-                         timeout: float | None = None) -> Any:
+        def timed_submit(
+            job: Job, on_event: Callable[[RuntimeEvent], None] | None = None, timeout: float | None = None
+        ) -> Any:
             times: list[float] = [time.monotonic()]
             self.jobs.append(times)
 
@@ -99,7 +107,7 @@ class WorkerProbe:
         pool = self.parts.pool
         if len(pool.evictions) < self._evictions_seen:  # the owner drained the list
             self._evictions_seen = 0
-        for ev in pool.evictions[self._evictions_seen:]:
+        for ev in pool.evictions[self._evictions_seen :]:
             self._evictions[ev.reason] += 1
         self._evictions_seen = len(pool.evictions)
         controller = self.parts.controller
@@ -108,12 +116,20 @@ class WorkerProbe:
         evictions = {f"gpu:{reason}": n for reason, n in self._evictions.items()}
         evictions |= {f"{t.name}:capacity": t.counters().evictions for t in tiers}
         snap = {
-            "time": time.monotonic(), "worker_id": controller.worker_id, "epoch": controller.epoch,
-            "pages": {"total": pool.num_pages, "free": pool.num_free, "cached": pool.num_cached,
-                      "referenced": pool.num_referenced, "reserved": pool.num_reserved},
+            "time": time.monotonic(),
+            "worker_id": controller.worker_id,
+            "epoch": controller.epoch,
+            "pages": {
+                "total": pool.num_pages,
+                "free": pool.num_free,
+                "cached": pool.num_cached,
+                "referenced": pool.num_referenced,
+                "reserved": pool.num_reserved,
+            },
             "evictions": evictions,
             "tier_bytes": {t.name: t.used_bytes for t in tiers},
-            "running": len(controller.runs), "kv_bytes_per_token": controller.kv_bytes_per_token,
+            "running": len(controller.runs),
+            "kv_bytes_per_token": controller.kv_bytes_per_token,
         }
         if full:
             snap["restores"] = list(self.restores)

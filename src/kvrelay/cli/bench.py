@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "scenarios": ("kvrelay.cli.bench_scenarios",
-                  "run a local cluster through cold, resident, partial, ssd, object, cancellation and restart cases"),
+    "scenarios": (
+        "kvrelay.cli.bench_scenarios",
+        "run a local cluster through cold, resident, partial, ssd, object, cancellation and restart cases",
+    ),
 }
 
 

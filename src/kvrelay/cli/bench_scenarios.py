@@ -33,13 +33,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--kv-tokens", type=int, default=8192, help="KV capacity per worker in tokens (default 8192)")
     add("--lanes", type=int, default=defaults.LANES, help=f"concurrent sequences per worker (default {defaults.LANES})")
     add("--ram-bytes", type=int, default=32 << 20, help="bytes of each worker's ram tier (default 32 MiB)")
-    add("--flood-factor", type=float, default=1.5,
-        help="the flood before the ssd case sends this many times every worker's KV capacity (default 1.5)")
+    add(
+        "--flood-factor",
+        type=float,
+        default=1.5,
+        help="the flood before the ssd case sends this many times every worker's KV capacity (default 1.5)",
+    )
     add("--seed", type=int, default=0, help="seed of the synthetic prompts (default 0)")
     add("--out-dir", default=DEFAULT_OUT, help=f"where the report and plots go (default {DEFAULT_OUT})")
     add("--json", default=None, metavar="PATH", help="the figures' JSON file (default <out-dir>/scenarios.json)")
-    add("--work-dir", default=None, help="directory for the cluster's database, chunks and log (default: a "
-                                         "temporary directory, removed afterwards)")
+    add(
+        "--work-dir",
+        default=None,
+        help="directory for the cluster's database, chunks and log (default: a "
+        "temporary directory, removed afterwards)",
+    )
     add("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -72,8 +80,15 @@ def run(args: argparse.Namespace) -> int:
 
     for noisy in ("httpx", "httpx2", "httpcore", "openai"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    sizes = ScenarioSizes(args.requests, args.concurrency, args.prefix_tokens, args.suffix_tokens, args.new_tokens,
-                          args.flood_factor, args.seed)
+    sizes = ScenarioSizes(
+        args.requests,
+        args.concurrency,
+        args.prefix_tokens,
+        args.suffix_tokens,
+        args.new_tokens,
+        args.flood_factor,
+        args.seed,
+    )
     work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="kvrelay-scenarios-"))
     spec = ClusterSpec(work_dir, args.model, args.dtype, args.kv_tokens, args.lanes, args.ram_bytes)
     vocab: list[int] = []
@@ -127,18 +142,20 @@ def _write_outputs(args: argparse.Namespace, summaries: list[Any], samples: list
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(figure_list, indent=1) + "\n")
     plots = write_plots(summaries, samples, out_dir, "scenarios")
-    given = sys.argv[sys.argv.index("scenarios") + 1:] if "scenarios" in sys.argv else []
+    given = sys.argv[sys.argv.index("scenarios") + 1 :] if "scenarios" in sys.argv else []
     header = {
         "command": f"`flock /tmp/kvrelay-bench.lock .venv/bin/kvrelay bench scenarios {' '.join(given)}`".replace(
-            " `", "`"),
-        "model": args.model or "Gemma 3 270M (default)", "dtype": args.dtype,
+            " `", "`"
+        ),
+        "model": args.model or "Gemma 3 270M (default)",
+        "dtype": args.dtype,
         "sizes": f"{args.requests} requests per case, concurrency {args.concurrency}, prefix {args.prefix_tokens} "
-                 f"+ suffix {args.suffix_tokens} tokens, {args.new_tokens} new tokens, {args.kv_tokens} KV tokens "
-                 f"and {args.lanes} lanes per worker, ram tier {args.ram_bytes >> 20} MiB, seed {args.seed}",
+        f"+ suffix {args.suffix_tokens} tokens, {args.new_tokens} new tokens, {args.kv_tokens} KV tokens "
+        f"and {args.lanes} lanes per worker, ram tier {args.ram_bytes >> 20} MiB, seed {args.seed}",
         "cluster": "router + 2 worker processes, SQLite fact store, local ssd tier per worker, S3 object tier on "
-                   "moto_server",
+        "moto_server",
         "machine": f"{platform.machine()}, {_cores()} cores, Python {platform.python_version()}, "
-                   f"{platform.system()} {platform.release()}",
+        f"{platform.system()} {platform.release()}",
         "wall time": f"{wall_s:.0f} s",
         "load average at the end (1, 5, 15 min)": ", ".join(f"{v:.1f}" for v in os.getloadavg()),
     }

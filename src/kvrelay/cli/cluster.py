@@ -20,8 +20,9 @@ OPTIONS = (
     Option("kv_tokens", int, defaults.KV_TOKENS, "KV cache capacity in tokens per worker"),
     Option("lanes", int, defaults.LANES, "concurrent sequences per worker"),
     Option("db", str, None, "fact store URL of the router (none: SQLite under the data directory)"),
-    Option("grace_s", float, defaults.GRACE_S, "on shutdown, seconds running requests may take before they are "
-                                               "handed over"),
+    Option(
+        "grace_s", float, defaults.GRACE_S, "on shutdown, seconds running requests may take before they are handed over"
+    ),
 )
 
 
@@ -40,10 +41,25 @@ def run(args: argparse.Namespace) -> int:
     shared = ["--config", args.config] if args.config else []
     model = ["--model", values["model"]] if values["model"] else []
     router_args = [*shared, *model, *(["--db", values["db"]] if values["db"] else [])]
-    worker_args = [*shared, *model, "--dtype", values["dtype"], "--kv-tokens", str(values["kv_tokens"]),
-                   "--lanes", str(values["lanes"])]
-    options = ClusterOptions(values["workers"], values["host"], values["port"], values["worker_port"],
-                             tuple(router_args), tuple(worker_args), values["grace_s"])
+    worker_args = [
+        *shared,
+        *model,
+        "--dtype",
+        values["dtype"],
+        "--kv-tokens",
+        str(values["kv_tokens"]),
+        "--lanes",
+        str(values["lanes"]),
+    ]
+    options = ClusterOptions(
+        values["workers"],
+        values["host"],
+        values["port"],
+        values["worker_port"],
+        tuple(router_args),
+        tuple(worker_args),
+        values["grace_s"],
+    )
 
     def ready(http_url: str, workers: list[str]) -> None:
         print(f"kvrelay cluster ready http={http_url} workers={','.join(workers)}", flush=True)

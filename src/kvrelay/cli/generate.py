@@ -73,13 +73,13 @@ def run(args: argparse.Namespace) -> int:
         while isinstance(event, TokenEvent):
             generated.append(event.token)
             # hold back a trailing partial UTF-8 character until the next token completes it
-            text = tokenizer.decode(generated, skip_special_tokens=True).rstrip("\ufffd")
+            text = _text(tokenizer.decode(generated, skip_special_tokens=True)).rstrip("\ufffd")
             if text.startswith(shown):
                 sys.stdout.write(text[len(shown) :])
                 sys.stdout.flush()
                 shown = text
             event = events.get()
-    final = tokenizer.decode(generated, skip_special_tokens=True)
+    final = _text(tokenizer.decode(generated, skip_special_tokens=True))
     sys.stdout.write((final[len(shown) :] if final.startswith(shown) else "") + "\n")
     assert isinstance(event, JobResult)
     if event.finish_reason == "error":
@@ -90,3 +90,9 @@ def run(args: argparse.Namespace) -> int:
 def _fail(message: str) -> int:
     print(f"kvrelay generate: {message}", file=sys.stderr)
     return 2
+
+
+def _text(decoded: str | list[str]) -> str:
+    """One decoded sequence's text (``decode`` of one id list gives a str)."""
+    assert isinstance(decoded, str)
+    return decoded

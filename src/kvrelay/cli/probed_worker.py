@@ -30,5 +30,6 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     return kvrelay_main(["--log-level", "WARNING", "worker", *args])
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,21 +17,37 @@ ROUTER_DEFAULTS = RouterConfig()
 OPTIONS = (
     Option("host", str, defaults.HOST, "address for HTTP and the worker WebSocket"),
     Option("port", int, defaults.HTTP_PORT, "HTTP port of the OpenAI-compatible API (0: any free port)"),
-    Option("worker_port", int, defaults.WORKER_PORT, "port where workers connect, at path /workers (0: any free "
-                                                      "port)"),
-    Option("model", str, [], "model source (directory or .gguf) whose tokenizer the router loads; repeat for "
-                             "several; none: the default Gemma 3 270M", repeated=True),
+    Option("worker_port", int, defaults.WORKER_PORT, "port where workers connect, at path /workers (0: any free port)"),
+    Option(
+        "model",
+        str,
+        [],
+        "model source (directory or .gguf) whose tokenizer the router loads; repeat for "
+        "several; none: the default Gemma 3 270M",
+        repeated=True,
+    ),
     Option("db", str, None, "fact store URL (none: SQLite under the data directory)"),
-    Option("secret_file", str, None, "file holding the shared secret workers must present "
-                                     f"(else ${SECRET_ENV_VAR})"),
+    Option("secret_file", str, None, f"file holding the shared secret workers must present (else ${SECRET_ENV_VAR})"),
     Option("policy", str, defaults.POLICY, "routing policy"),
     Option("chunk_tokens", int, ROUTER_DEFAULTS.chunk_tokens, "tokens per routed KV chunk"),
-    Option("offer_timeout_s", float, ROUTER_DEFAULTS.offer_timeout_s,
-           "seconds an offer may go unanswered before it is re-routed"),
-    Option("progress_timeout_s", float, ROUTER_DEFAULTS.progress_timeout_s,
-           "seconds an accepted request may go silent before it is re-routed"),
-    Option("worker_expiry_s", float, ROUTER_DEFAULTS.worker_expiry_s,
-           "seconds without heartbeats after which a worker is fenced"),
+    Option(
+        "offer_timeout_s",
+        float,
+        ROUTER_DEFAULTS.offer_timeout_s,
+        "seconds an offer may go unanswered before it is re-routed",
+    ),
+    Option(
+        "progress_timeout_s",
+        float,
+        ROUTER_DEFAULTS.progress_timeout_s,
+        "seconds an accepted request may go silent before it is re-routed",
+    ),
+    Option(
+        "worker_expiry_s",
+        float,
+        ROUTER_DEFAULTS.worker_expiry_s,
+        "seconds without heartbeats after which a worker is fenced",
+    ),
 )
 
 
@@ -50,11 +66,21 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, SecretError) as exc:
         print(f"kvrelay router: {exc}", file=sys.stderr)
         return 2
-    config = RouterConfig(offer_timeout_s=values["offer_timeout_s"], progress_timeout_s=values["progress_timeout_s"],
-                          worker_expiry_s=values["worker_expiry_s"], chunk_tokens=values["chunk_tokens"])
+    config = RouterConfig(
+        offer_timeout_s=values["offer_timeout_s"],
+        progress_timeout_s=values["progress_timeout_s"],
+        worker_expiry_s=values["worker_expiry_s"],
+        chunk_tokens=values["chunk_tokens"],
+    )
     options = RouterOptions(
-        secret=secret, host=values["host"], port=values["port"], worker_port=values["worker_port"],
-        model_sources=tuple(values["model"]) or (None,), db_url=values["db"], policy=values["policy"], config=config,
+        secret=secret,
+        host=values["host"],
+        port=values["port"],
+        worker_port=values["worker_port"],
+        model_sources=tuple(values["model"]) or (None,),
+        db_url=values["db"],
+        policy=values["policy"],
+        config=config,
     )
 
     def ready(http_url: str, workers_url: str) -> None:
@@ -66,8 +92,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvrelay router: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"kvrelay router: cannot listen on {options.host} (HTTP port {options.port}, worker port "
-              f"{options.worker_port}): {exc.strerror or exc}; pick free ports with --port and --worker-port",
-              file=sys.stderr)
+        print(
+            f"kvrelay router: cannot listen on {options.host} (HTTP port {options.port}, worker port "
+            f"{options.worker_port}): {exc.strerror or exc}; pick free ports with --port and --worker-port",
+            file=sys.stderr,
+        )
         return 2
     return 0

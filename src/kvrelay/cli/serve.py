@@ -11,16 +11,27 @@ from kvrelay.models.dtypes import DTYPE_NAMES
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=defaults.HOST, help=f"address to listen on (default {defaults.HOST})")
-    parser.add_argument("--port", type=int, default=defaults.HTTP_PORT,
-                        help=f"HTTP port (default {defaults.HTTP_PORT})")
-    parser.add_argument("--model", default=None,
-                        help="model directory (config.json + safetensors) or GGUF file; default: Gemma 3 270M")
-    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=defaults.DTYPE,
-                        help=f"weights and KV dtype (default {defaults.DTYPE})")
-    parser.add_argument("--kv-tokens", type=int, default=defaults.KV_TOKENS,
-                        help=f"KV cache capacity in tokens (default {defaults.KV_TOKENS})")
-    parser.add_argument("--lanes", type=int, default=defaults.LANES,
-                        help=f"concurrent sequences on the device (default {defaults.LANES})")
+    parser.add_argument(
+        "--port", type=int, default=defaults.HTTP_PORT, help=f"HTTP port (default {defaults.HTTP_PORT})"
+    )
+    parser.add_argument(
+        "--model", default=None, help="model directory (config.json + safetensors) or GGUF file; default: Gemma 3 270M"
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPE_NAMES, default=defaults.DTYPE, help=f"weights and KV dtype (default {defaults.DTYPE})"
+    )
+    parser.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=defaults.KV_TOKENS,
+        help=f"KV cache capacity in tokens (default {defaults.KV_TOKENS})",
+    )
+    parser.add_argument(
+        "--lanes",
+        type=int,
+        default=defaults.LANES,
+        help=f"concurrent sequences on the device (default {defaults.LANES})",
+    )
     parser.add_argument("--db", default=None, help="fact store URL (default: SQLite under the data directory)")
 
 
@@ -28,8 +39,9 @@ def run(args: argparse.Namespace) -> int:
     from kvrelay.launch.serve import ServeOptions, serve
     from kvrelay.launch.worker_assembly import WorkerSettings
 
-    worker = WorkerSettings(defaults.SERVE_WORKER_ID, model=args.model, dtype=args.dtype, kv_tokens=args.kv_tokens,
-                            lanes=args.lanes)
+    worker = WorkerSettings(
+        defaults.SERVE_WORKER_ID, model=args.model, dtype=args.dtype, kv_tokens=args.kv_tokens, lanes=args.lanes
+    )
     options = ServeOptions(host=args.host, port=args.port, db_url=args.db, worker=worker)
     asyncio.run(serve(options))
     return 0

@@ -26,17 +26,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-scale", type=float, default=1.0, help="replay X times faster (default 1)")
     parser.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block (default 512)")
     parser.add_argument("--config", default=None, help="cluster config TOML (default configs/cluster-default.toml)")
-    parser.add_argument("--calibration", default=None,
-                        help="calibration TOML of measured costs laid over the cluster config "
-                             "(e.g. configs/calibration-gemma3-270m-cpu.toml, written by bench/calibrate.py)")
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        help="calibration TOML of measured costs laid over the cluster config "
+        "(e.g. configs/calibration-gemma3-270m-cpu.toml, written by bench/calibrate.py)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--delta-tokens", type=int, default=16, help="tokens per streamed delta (default 16)")
-    parser.add_argument("--plot", dest="plot_path", default=None,
-                        help="write a PNG of the TTFT distribution per policy (default with --json and several "
-                             "policies: the JSON path with .png)")
+    parser.add_argument(
+        "--plot",
+        dest="plot_path",
+        default=None,
+        help="write a PNG of the TTFT distribution per policy (default with --json and several "
+        "policies: the JSON path with .png)",
+    )
     parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this path")
-    parser.add_argument("--log", dest="log_path", default=None,
-                        help="write the byte-stable event log to this path (one policy only)")
+    parser.add_argument(
+        "--log", dest="log_path", default=None, help="write the byte-stable event log to this path (one policy only)"
+    )
 
 
 def _policies(name: str) -> tuple[str, ...]:
@@ -52,8 +60,10 @@ def _policies(name: str) -> tuple[str, ...]:
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     """The comparison table, one row per policy, then the load per worker."""
     width = max(14, *(len(name) + 2 for name in results))
-    head = (f"{'policy':<{width}}{'requests':>9}{'done':>7}{'ttft mean':>11}{'p50':>9}{'p90':>9}{'p99':>9}"
-            f"{'hit share':>10}{'of bound':>9}{'recomputed':>13}{'imbalance':>10}{'wall s':>8}")
+    head = (
+        f"{'policy':<{width}}{'requests':>9}{'done':>7}{'ttft mean':>11}{'p50':>9}{'p90':>9}{'p99':>9}"
+        f"{'hit share':>10}{'of bound':>9}{'recomputed':>13}{'imbalance':>10}{'wall s':>8}"
+    )
     lines = [head, "-" * len(head)]
     for name, m in results.items():
         t = {k: "-" if v is None else f"{v:.3f}s" for k, v in m["ttft_s"].items()}
@@ -103,14 +113,21 @@ def run(args: argparse.Namespace) -> int:
             cluster = apply_calibration(cluster, load_calibration(args.calibration))
         cluster = with_workers(cluster, args.workers)
         requests = load_trace(args.trace, args.block_tokens, args.limit)
-        options = ReplayOptions(seed=args.seed, rate_scale=args.rate_scale, block_tokens=args.block_tokens,
-                                delta_tokens=args.delta_tokens, log_path=args.log_path)
+        options = ReplayOptions(
+            seed=args.seed,
+            rate_scale=args.rate_scale,
+            block_tokens=args.block_tokens,
+            delta_tokens=args.delta_tokens,
+            log_path=args.log_path,
+        )
         results = {name: replay(requests, cluster, name, options) for name in policies}
     except (TraceError, ClusterConfigError, CalibrationError, ValueError) as exc:
         print(f"kvrelay sim: {exc}", file=sys.stderr)
         return 2
-    print(f"trace {args.trace}: {len(requests)} requests, {cluster.workers} workers, seed {args.seed}, "
-          f"rate x{args.rate_scale:g}")
+    print(
+        f"trace {args.trace}: {len(requests)} requests, {cluster.workers} workers, seed {args.seed}, "
+        f"rate x{args.rate_scale:g}"
+    )
     print(format_table(results))
     samples = {name: m.pop("ttft_samples_s") for name, m in results.items()}
     if args.plot_path or (args.json_path and len(policies) > 1):

@@ -14,8 +14,9 @@ from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS, DEFAULT_PAGE_TOKEN
 from kvrelay.transport.auth import SECRET_ENV_VAR
 
 COMMAND = "worker"
-ROUTER = Option("router", str, [], "router WebSocket URL, e.g. ws://127.0.0.1:8001/workers; repeat for several",
-                repeated=True)
+ROUTER = Option(
+    "router", str, [], "router WebSocket URL, e.g. ws://127.0.0.1:8001/workers; repeat for several", repeated=True
+)
 OPTIONS = (
     ROUTER,
     Option("worker_id", str, socket.gethostname(), "stable id of this worker (give each worker on a host its own)"),
@@ -26,8 +27,12 @@ OPTIONS = (
     Option("chunk_tokens", int, DEFAULT_CHUNK_TOKENS, "tokens per routed KV chunk"),
     Option("lanes", int, defaults.LANES, "concurrent sequences on the device"),
     Option("token_budget", int, defaults.TOKEN_BUDGET, "tokens per device iteration (chunked prefill budget)"),
-    Option("chunk_dir", str, None, "local chunk directory, the ssd tier (default: chunks/<worker id> under the "
-           "data directory)"),
+    Option(
+        "chunk_dir",
+        str,
+        None,
+        "local chunk directory, the ssd tier (default: chunks/<worker id> under the data directory)",
+    ),
     Option("ram_bytes", int, defaults.RAM_BYTES, "bytes of host RAM for the ram chunk tier"),
     Option("ssd_bytes", int, defaults.SSD_BYTES, "bytes of the local chunk directory"),
     Option("object_dir", str, None, "a directory shared by all workers, used as the object tier"),
@@ -35,8 +40,12 @@ OPTIONS = (
     Option("s3_bucket", str, None, "S3 bucket of the object tier"),
     Option("s3_prefix", str, defaults.S3_PREFIX, "key prefix of chunks in the S3 bucket"),
     Option("heartbeat_s", float, defaults.HEARTBEAT_S, "seconds between heartbeats"),
-    Option("grace_s", float, defaults.GRACE_S, "on SIGTERM, seconds running requests may take to finish before "
-                                               "they are handed over to other workers"),
+    Option(
+        "grace_s",
+        float,
+        defaults.GRACE_S,
+        "on SIGTERM, seconds running requests may take to finish before they are handed over to other workers",
+    ),
     Option("secret_file", str, None, f"file holding the shared secret (else ${SECRET_ENV_VAR})"),
 )
 
@@ -62,12 +71,25 @@ def run(args: argparse.Namespace) -> int:
     from kvrelay.launch.worker_assembly import StoreSpec, WorkerSettings
     from kvrelay.models.loading.weight_layout import ModelLoadError
 
-    settings = WorkerSettings(values["worker_id"], values["model"], values["dtype"], values["kv_tokens"],
-                              values["page_tokens"], values["chunk_tokens"], values["lanes"], values["token_budget"],
-                              StoreSpec(values["chunk_dir"] or defaults.chunk_dir(values["worker_id"]),
-                                        values["ram_bytes"], values["ssd_bytes"], values["object_dir"],
-                                        s3_endpoint=values["s3_endpoint"], s3_bucket=values["s3_bucket"],
-                                        s3_prefix=values["s3_prefix"]))
+    settings = WorkerSettings(
+        values["worker_id"],
+        values["model"],
+        values["dtype"],
+        values["kv_tokens"],
+        values["page_tokens"],
+        values["chunk_tokens"],
+        values["lanes"],
+        values["token_budget"],
+        StoreSpec(
+            values["chunk_dir"] or defaults.chunk_dir(values["worker_id"]),
+            values["ram_bytes"],
+            values["ssd_bytes"],
+            values["object_dir"],
+            s3_endpoint=values["s3_endpoint"],
+            s3_bucket=values["s3_bucket"],
+            s3_prefix=values["s3_prefix"],
+        ),
+    )
     options = WorkerOptions(settings, tuple(values["router"]), secret, values["heartbeat_s"], values["grace_s"])
 
     def ready(worker_id: str, epoch: int, model: str) -> None:

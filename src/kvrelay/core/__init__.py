@@ -1,1 +1,5 @@
-"""The pure core: routing, planning, policies and the worker protocol, as functions and state machines over protocol data. Imports only ``kvrelay.protocol``, ``kvrelay.core`` and the standard library (enforced by ``tests/unit/test_layering.py``)."""
+"""The pure core: routing, planning, policies and the worker protocol, as functions and state machines.
+
+Imports only the standard library, ``msgspec`` (plain data), ``kvrelay.protocol`` and ``kvrelay.core``
+(enforced by ``tests/unit/test_layering.py``).
+"""

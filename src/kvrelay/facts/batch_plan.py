@@ -44,8 +44,11 @@ def fold_offer_outcomes(writes: list[IndexedWrite]) -> list[IndexedWrite]:
                 target = next((i for i in reversed(slots) if out[i][1].params["outcome"] == "accepted"), None)
             if target is not None:
                 answered = out[target]
-                folded = {"outcome": params["p_outcome"], "outcome_reason": params["p_reason"],
-                          "outcome_time": params["p_time"]}
+                folded = {
+                    "outcome": params["p_outcome"],
+                    "outcome_reason": params["p_reason"],
+                    "outcome_time": params["p_time"],
+                }
                 out[target] = (answered[0], Write("decision", {**answered[1].params, **folded}))
                 continue
         out.append((index, write))

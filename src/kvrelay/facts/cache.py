@@ -118,9 +118,7 @@ class ChainFactsCache:
                 self._read_errors += 1
             log.warning("fact store read failed; routing without stored facts for %.1fs: %s", self._retry_after_s, exc)
             return {}
-        fetched = {
-            key: _Entry(now, read.catalog.get(key), tuple(read.replicas.get(key, ()))) for key in missing
-        }
+        fetched = {key: _Entry(now, read.catalog.get(key), tuple(read.replicas.get(key, ()))) for key in missing}
         with self._lock:
             self._failed_at = None
             self._entries.update(fetched)
@@ -136,14 +134,29 @@ class ChainFactsCache:
             for write in writes:
                 p = write.params
                 if write.op == "replica_stored":
-                    self._update(p["key"], lambda e: _with_replica(e, Replica(
-                        p["key"], p["tier"], p["location"], p["bytes"], p["created"])))
+                    self._update(
+                        p["key"],
+                        lambda e: _with_replica(
+                            e, Replica(p["key"], p["tier"], p["location"], p["bytes"], p["created"])
+                        ),
+                    )
                 elif write.op == "replica_removed":
-                    self._update(p["p_key"], lambda e: replace(e, replicas=tuple(
-                        r for r in e.replicas if (r.tier, r.location) != (p["p_tier"], p["p_location"]))))
+                    self._update(
+                        p["p_key"],
+                        lambda e: replace(
+                            e,
+                            replicas=tuple(
+                                r for r in e.replicas if (r.tier, r.location) != (p["p_tier"], p["p_location"])
+                            ),
+                        ),
+                    )
                 elif write.op == "lineage":
-                    self._update(p["key"], lambda e: replace(e, lineage=LineageEntry(
-                        p["key"], p["parent"], p["model_fingerprint"], p["position"])))
+                    self._update(
+                        p["key"],
+                        lambda e: replace(
+                            e, lineage=LineageEntry(p["key"], p["parent"], p["model_fingerprint"], p["position"])
+                        ),
+                    )
 
     def _update(self, key: bytes, change: Callable[[_Entry], _Entry]) -> None:
         entry = self._entries.get(key)

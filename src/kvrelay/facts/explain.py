@@ -71,16 +71,16 @@ def why_lost(candidate: dict[str, Any], winner: dict[str, Any], policy: str) -> 
     if gap > 0:
         mine, theirs = _term_values(candidate["terms"]), _term_values(winner["terms"])
         diffs = [
-            f"{label} {_signed_ms(mine[k] - theirs[k])}"
-            for k, label in TERM_NAMES
-            if abs(mine[k] - theirs[k]) >= 5e-8
+            f"{label} {_signed_ms(mine[k] - theirs[k])}" for k, label in TERM_NAMES if abs(mine[k] - theirs[k]) >= 5e-8
         ]
         return f"predicted TTFT {_signed_ms(gap)} higher" + (f" ({', '.join(diffs)})" if diffs else "")
     if gap == 0:
         return "same predicted TTFT; lost the deterministic tie-break"
     if candidate.get("score_s", 0.0) > winner.get("score_s", 0.0) > 0.0:
-        return (f"predicted TTFT {_ms(-gap)} lower, but its score was {_ms(candidate['score_s'] - winner['score_s'])}"
-                " higher: it recomputes more on a busy cluster (the score adds weighted prefill seconds)")
+        return (
+            f"predicted TTFT {_ms(-gap)} lower, but its score was {_ms(candidate['score_s'] - winner['score_s'])}"
+            " higher: it recomputes more on a busy cluster (the score adds weighted prefill seconds)"
+        )
     return f"predicted TTFT {_ms(-gap)} lower, but policy {policy!r} chose by its own rule"
 
 
@@ -163,4 +163,3 @@ def explain_lines(history: RequestHistory) -> list[str]:
     else:
         lines.extend(_outcome_lines(history.outcome, history.decisions))
     return lines
-

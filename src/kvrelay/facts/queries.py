@@ -140,11 +140,13 @@ def _chain_statement() -> sa.CompoundSelect[Any]:
 
 
 CHAIN_FACTS = _chain_statement()
-REPLICAS = (
-    sa.select(schema.replicas.c.key, schema.replicas.c.tier, schema.replicas.c.location, schema.replicas.c.bytes,
-              schema.replicas.c.created)
-    .where(schema.replicas.c.key.in_(sa.bindparam("keys", expanding=True)), schema.LIVE_REPLICA)
-)
+REPLICAS = sa.select(
+    schema.replicas.c.key,
+    schema.replicas.c.tier,
+    schema.replicas.c.location,
+    schema.replicas.c.bytes,
+    schema.replicas.c.created,
+).where(schema.replicas.c.key.in_(sa.bindparam("keys", expanding=True)), schema.LIVE_REPLICA)
 CATALOG = sa.select(
     schema.chunks.c.key, schema.chunks.c.parent, schema.chunks.c.model_fingerprint, schema.chunks.c.position
 ).where(schema.chunks.c.key.in_(sa.bindparam("keys", expanding=True)))

@@ -17,15 +17,15 @@ data, each with a message naming the record and the offending field.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
 
 from kvrelay.core.router.events import OfferOutcome, Record
-from kvrelay.protocol.messages import FinishReason, RouteSegment, Tier
 from kvrelay.protocol.chunk_keys import DIGEST_BYTES
+from kvrelay.protocol.messages import FinishReason, RouteSegment, Tier
 
 OPS: tuple[str, ...] = (
     "model",
@@ -364,11 +364,14 @@ def fact_writes(fact: Fact) -> list[Write]:
         return [Write("replica_removed", {**where, "p_reason": clip(d.reason, REASON_CHARS), "p_time": d.now})]
     if fact.kind == "replica_changes":
         c = _convert(fact.params, ReplicaChangesFact, what)
-        stored = [{"key": k, "tier": c.tier, "location": c.location, "bytes": c.bytes, "created": c.now}
-                  for k in c.stored]
+        stored = [
+            {"key": k, "tier": c.tier, "location": c.location, "bytes": c.bytes, "created": c.now} for k in c.stored
+        ]
         reason = clip(c.reason, REASON_CHARS)
-        removed = [{"p_key": k, "p_tier": c.tier, "p_location": c.location, "p_reason": reason, "p_time": c.now}
-                   for k in c.removed]
+        removed = [
+            {"p_key": k, "p_tier": c.tier, "p_location": c.location, "p_reason": reason, "p_time": c.now}
+            for k in c.removed
+        ]
         return [Write("replica_stored", row) for row in stored] + [Write("replica_removed", row) for row in removed]
     raise UnknownKind(f"fact kind {fact.kind!r} is not stored; see FactStore.record_* for the stored facts")
 
@@ -376,4 +379,3 @@ def fact_writes(fact: Fact) -> list[Write]:
 def to_writes(item: Record | Fact) -> list[Write]:
     """Validate one buffered item and return its writes."""
     return fact_writes(item) if isinstance(item, Fact) else [record_write(item)]
-

@@ -69,11 +69,13 @@ class ReplicaMap:
     def held_by(self, location: str) -> tuple[Replica, ...]:
         """Every live replica at ``location`` (a worker id or a bucket), tier by tier."""
         with self._lock:
-            return tuple((key, tier, loc) for (tier, loc), keys in self._by_place.items() if loc == location
-                         for key in keys)
+            return tuple(
+                (key, tier, loc) for (tier, loc), keys in self._by_place.items() if loc == location for key in keys
+            )
 
     def of_tier(self, tier: str) -> tuple[Replica, ...]:
         """Every live replica on ``tier``, location by location."""
         with self._lock:
-            return tuple((key, t, location) for (t, location), keys in self._by_place.items() if t == tier
-                         for key in keys)
+            return tuple(
+                (key, t, location) for (t, location), keys in self._by_place.items() if t == tier for key in keys
+            )

@@ -119,12 +119,19 @@ def build_statements(dialect: str) -> dict[str, Any]:
     }
 
 
-_DRIVER_DIALECTS: dict[str, Callable[[], sa.Dialect]] = {"sqlite": lambda: pysqlite.dialect(paramstyle="named"), "postgresql": psycopg.dialect}
+_DRIVER_DIALECTS: dict[str, Callable[[], sa.Dialect]] = {
+    "sqlite": lambda: pysqlite.dialect(paramstyle="named"),
+    "postgresql": psycopg.dialect,
+}
 """Compilers with named parameters (``:name`` for sqlite3, ``%(name)s`` with casts for psycopg)."""
 
 _INSERTED = {
-    "model": schema.models, "worker": schema.workers, "lineage": schema.chunks, "replica_stored": schema.replicas,
-    "decision": schema.decisions, "outcome": schema.outcomes,
+    "model": schema.models,
+    "worker": schema.workers,
+    "lineage": schema.chunks,
+    "replica_stored": schema.replicas,
+    "decision": schema.decisions,
+    "outcome": schema.outcomes,
 }
 _NOT_INSERTED = {"replica_stored": ("removed", "reason")}
 """Columns an insert leaves NULL besides ``id``: a stored replica is live."""

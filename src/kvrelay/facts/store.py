@@ -119,8 +119,14 @@ class FactStore:
         self._closing = False
         self._overflow_logged = 0
         self._overflow_notes = 0
-        config = WriterConfig(self.url, connect_timeout_s, settings.batch_size, settings.max_retries,
-                              settings.backoff_s, settings.backoff_max_s)
+        config = WriterConfig(
+            self.url,
+            connect_timeout_s,
+            settings.batch_size,
+            settings.max_retries,
+            settings.backoff_s,
+            settings.backoff_max_s,
+        )
         self._link = WriterLink(config, self._take, self._on_report, self._on_lost, settings.linger_s)
 
     def submit(self, item: Record | Fact) -> bool:
@@ -175,13 +181,26 @@ class FactStore:
         return self.submit(Fact("replica_removed", {**params, "now": time.time() if now is None else now}))
 
     def record_replica_changes(
-        self, tier: str, location: str, stored: Sequence[bytes], removed: Sequence[bytes], reason: str,
-        bytes: int = 0, now: float | None = None,
+        self,
+        tier: str,
+        location: str,
+        stored: Sequence[bytes],
+        removed: Sequence[bytes],
+        reason: str,
+        bytes: int = 0,
+        now: float | None = None,
     ) -> bool:
         """Replicas of many keys at one ``(tier, location)`` stored, then others removed (with ``reason``):
         one buffered item in all, written as one replica fact per key."""
-        params = {"tier": tier, "location": location, "stored": stored, "removed": removed, "reason": reason,
-                  "bytes": bytes, "now": time.time() if now is None else now}
+        params = {
+            "tier": tier,
+            "location": location,
+            "stored": stored,
+            "removed": removed,
+            "reason": reason,
+            "bytes": bytes,
+            "now": time.time() if now is None else now,
+        }
         return self.submit(Fact("replica_changes", params))
 
     @property
@@ -251,5 +270,9 @@ class FactStore:
         self._overflow_logged = overflow
         self._overflow_notes += 1
         if final or self._overflow_notes <= 5 or self._overflow_notes % 1000 == 0:
-            log.warning("fact buffer full (%d items): %d items dropped so far (overflow #%d)",
-                        self._bound, overflow, self._overflow_notes)
+            log.warning(
+                "fact buffer full (%d items): %d items dropped so far (overflow #%d)",
+                self._bound,
+                overflow,
+                self._overflow_notes,
+            )

@@ -36,9 +36,9 @@ from typing import Any
 import msgspec
 
 from kvrelay.core.planning.candidates import WorkerRoute
-from kvrelay.core.router.events import Record
 from kvrelay.core.planning.predicted_ttft import Candidate, Scoring, make_candidate
 from kvrelay.core.planning.routes import Boundary
+from kvrelay.core.router.events import Record
 from kvrelay.facts.records import DecisionData, Fact
 from kvrelay.protocol.messages import Heartbeat, RouteSegment
 
@@ -164,7 +164,7 @@ class FrameBuffer:
             end = start + _LENGTH.size + size
             if end > len(buf):
                 break
-            out.append(bytes(buf[start + _LENGTH.size:end]))
+            out.append(bytes(buf[start + _LENGTH.size : end]))
             start = end
         del buf[:start]
         return out
@@ -181,9 +181,11 @@ class LazyRoute:
     @property
     def best(self) -> Candidate:
         heartbeat, base_queue, lower_load, segments, boundary, prompt_len, chunk_tokens, scoring = (
-            _route_decoder.decode(self._data))
-        return make_candidate(_heartbeat_of(heartbeat), base_queue, lower_load, segments, boundary, prompt_len,
-                              chunk_tokens, scoring)
+            _route_decoder.decode(self._data)
+        )
+        return make_candidate(
+            _heartbeat_of(heartbeat), base_queue, lower_load, segments, boundary, prompt_len, chunk_tokens, scoring
+        )
 
 
 def _ext_hook(code: int, data: memoryview) -> Any:
@@ -200,7 +202,7 @@ def decode_items(payload: bytes) -> list[Record | Fact | Invalid]:
     (count,) = _LENGTH.unpack_from(payload)
     try:
         out: list[Record | Fact | Invalid] = []
-        for entry in _decoder.decode(memoryview(payload)[_LENGTH.size:]):
+        for entry in _decoder.decode(memoryview(payload)[_LENGTH.size :]):
             tag = entry[0]
             if tag == "r":
                 out.append(Record(entry[1], entry[2], entry[3], entry[4], entry[5]))

@@ -170,8 +170,9 @@ class WriterLink:
                 items = self._take()
                 if items:
                     sent += len(items)
-                    pending = memoryview(b"".join(batch_frame(items[i:i + batch])
-                                                  for i in range(0, len(items), batch)))
+                    pending = memoryview(
+                        b"".join(batch_frame(items[i : i + batch]) for i in range(0, len(items), batch))
+                    )
                 elif self._stop.is_set():
                     proc.stdin.close()
                     input_open, asked = False, True
@@ -192,7 +193,7 @@ class WriterLink:
                     self._on_report(report)
             if can_write:
                 try:
-                    pending = pending[os.write(in_fd, pending):]
+                    pending = pending[os.write(in_fd, pending) :]
                 except BlockingIOError:
                     pass
                 except (BrokenPipeError, OSError):

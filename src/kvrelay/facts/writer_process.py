@@ -70,7 +70,6 @@ class WriterConfig(msgspec.Struct, frozen=True):
     backoff_max_s: float
 
 
-
 def is_data_error(exc: BaseException) -> bool:
     """True for errors that retrying the same rows cannot fix: constraints, bad values, unbindable parameters."""
     if isinstance(exc, (sa.exc.IntegrityError, sa.exc.DataError)):
@@ -154,8 +153,13 @@ class Writer:
                     self.counts["dropped"] += len(items)
                     where = self.engine.url.render_as_string(hide_password=True)
                     self._throttle.log(
-                        logging.ERROR, "dropped", "fact store %s unavailable; dropped %d items after %d attempts: %s",
-                        where, len(items), attempt + 1, exc,
+                        logging.ERROR,
+                        "dropped",
+                        "fact store %s unavailable; dropped %d items after %d attempts: %s",
+                        where,
+                        len(items),
+                        attempt + 1,
+                        exc,
                     )
                     return
                 delay = min(self.config.backoff_max_s, self.config.backoff_s * 2**attempt)
@@ -201,7 +205,7 @@ def _read_frames(fd: int, frames: FrameBuffer, inbox: queue.SimpleQueue[Any], cl
 def _send(fd: int, message: Any) -> None:
     view = memoryview(frame(msgspec.msgpack.encode(message)))
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _read_config(fd: int, frames: FrameBuffer) -> tuple[bytes | None, list[bytes]]:

@@ -45,8 +45,10 @@ def load_served_model(source: str | None, cache_dir: Path | None = None) -> Serv
         return _from_directory(path, path.name)
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _from_directory(_gguf_entry(path, cache, source), path.stem)
-    raise ModelLoadError(f"model source {path} is neither a model directory nor a .gguf file; pass a directory "
-                         "with config.json and tokenizer.json, or a .gguf file")
+    raise ModelLoadError(
+        f"model source {path} is neither a model directory nor a .gguf file; pass a directory "
+        "with config.json and tokenizer.json, or a .gguf file"
+    )
 
 
 def _gguf_entry(path: Path, cache: Path, source: str | None) -> Path:
@@ -62,9 +64,16 @@ def _from_directory(directory: Path, name: str) -> ServedModel:
     try:
         config = ModelConfig.from_hf(json.loads(config_path.read_text()))
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{config_path} cannot be read ({exc}); pass the model directory the workers load")
-    return ServedModel(name, load_tokenizer(directory), config.architecture, config.max_position_embeddings,
-                       tuple(config.eos_token_ids))
+        raise ModelLoadError(
+            f"{config_path} cannot be read ({exc}); pass the model directory the workers load"
+        ) from exc
+    return ServedModel(
+        name,
+        load_tokenizer(directory),
+        config.architecture,
+        config.max_position_embeddings,
+        tuple(config.eos_token_ids),
+    )
 
 
 class ModelCatalog:
@@ -80,13 +89,16 @@ class ModelCatalog:
             if known is None:
                 if name not in self._warned:
                     self._warned.add(name)
-                    log.warning("worker %s serves model '%s' but this router has no tokenizer for it; restart the "
-                                "router with --model SOURCE for it (loaded: %s)", heartbeat.worker_id, name,
-                                ", ".join(sorted(self.loaded)) or "none")
+                    log.warning(
+                        "worker %s serves model '%s' but this router has no tokenizer for it; restart the "
+                        "router with --model SOURCE for it (loaded: %s)",
+                        heartbeat.worker_id,
+                        name,
+                        ", ".join(sorted(self.loaded)) or "none",
+                    )
                 continue
             current = self.served.get(name)
-            limit = heartbeat.context_limit if current is None else max(current.context_limit,
-                                                                        heartbeat.context_limit)
+            limit = heartbeat.context_limit if current is None else max(current.context_limit, heartbeat.context_limit)
             if current is None or current.context_limit != limit:
                 self.served[name] = replace(known, context_limit=min(limit, known.context_limit))
                 if current is None:

@@ -73,18 +73,48 @@ def run_cluster(options: ClusterOptions, on_ready: Callable[[str, list[str]], No
     previous = {sig: signal.signal(sig, lambda s, f: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     children: list[ChildProcess] = []
     try:
-        router = ChildProcess("router", child_argv("router", ["--host", options.host, "--port", str(options.port),
-                                                              "--worker-port", str(options.worker_port),
-                                                              *options.router_args]), env, stderr=None, echo=True)
+        router = ChildProcess(
+            "router",
+            child_argv(
+                "router",
+                [
+                    "--host",
+                    options.host,
+                    "--port",
+                    str(options.port),
+                    "--worker-port",
+                    str(options.worker_port),
+                    *options.router_args,
+                ],
+            ),
+            env,
+            stderr=None,
+            echo=True,
+        )
         children.append(router)
         router_ready = _wait_ready(router, ROUTER_READY, stop)
         if router_ready is None:
             return _stop_all(children, options.grace_s) or 1
         http_url, workers_url = router_ready.group(1), router_ready.group(2)
         workers = [
-            ChildProcess(f"w{i}", child_argv("worker", ["--worker-id", f"w{i}", "--router", workers_url,
-                                                        "--grace-s", str(options.grace_s), *options.worker_args]),
-                         env, stderr=None, echo=True)
+            ChildProcess(
+                f"w{i}",
+                child_argv(
+                    "worker",
+                    [
+                        "--worker-id",
+                        f"w{i}",
+                        "--router",
+                        workers_url,
+                        "--grace-s",
+                        str(options.grace_s),
+                        *options.worker_args,
+                    ],
+                ),
+                env,
+                stderr=None,
+                echo=True,
+            )
             for i in range(1, options.workers + 1)
         ]
         children.extend(workers)

@@ -56,20 +56,31 @@ class Option:
 
 def add_options(parser: argparse.ArgumentParser, command: str, options: Sequence[Option]) -> None:
     """Register ``--config`` and one flag per option (see the module contract)."""
-    parser.add_argument("--config", default=None, metavar="PATH",
-                        help=f"TOML file whose [{command}] table sets options (env {CONFIG_ENV}); "
-                             "precedence: flag > environment variable > TOML > default")
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="PATH",
+        help=f"TOML file whose [{command}] table sets options (env {CONFIG_ENV}); "
+        "precedence: flag > environment variable > TOML > default",
+    )
     for option in options:
         default = ", ".join(option.default) if option.repeated else option.default
         default = "none" if default in (None, "") else default
         text = f"{option.help} (env {option.env}; TOML {command}.{option.name}; default {default})"
-        parser.add_argument(option.flag, dest=option.name, default=None, metavar=option.name.upper(),
-                            action="append" if option.repeated else "store", help=text,
-                            choices=option.choices)
+        parser.add_argument(
+            option.flag,
+            dest=option.name,
+            default=None,
+            metavar=option.name.upper(),
+            action="append" if option.repeated else "store",
+            help=text,
+            choices=option.choices,
+        )
 
 
-def resolve(args: argparse.Namespace, command: str, options: Sequence[Option],
-            environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+def resolve(
+    args: argparse.Namespace, command: str, options: Sequence[Option], environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """Each option's value by precedence flag > ``KVRELAY_*`` > TOML ``[command]`` > default."""
     env = os.environ if environ is None else environ
     table = _toml_table(getattr(args, "config", None) or env.get(CONFIG_ENV) or None, command, options)
@@ -77,18 +88,25 @@ def resolve(args: argparse.Namespace, command: str, options: Sequence[Option],
     for option in options:
         given = getattr(args, option.name, None)
         if given is not None:
-            values[option.name] = [_parse(option, v, option.flag) for v in given] if option.repeated \
+            values[option.name] = (
+                [_parse(option, v, option.flag) for v in given]
+                if option.repeated
                 else _parse(option, given, option.flag)
+            )
         elif env.get(option.env):
             raw = env[option.env]
             source = f"${option.env}"
-            values[option.name] = [_parse(option, v.strip(), source) for v in raw.split(",") if v.strip()] \
-                if option.repeated else _parse(option, raw, source)
+            values[option.name] = (
+                [_parse(option, v.strip(), source) for v in raw.split(",") if v.strip()]
+                if option.repeated
+                else _parse(option, raw, source)
+            )
         elif option.name in table:
             values[option.name] = table[option.name]
         else:
-            values[option.name] = list(option.default) if option.repeated and option.default is not None \
-                else option.default
+            values[option.name] = (
+                list(option.default) if option.repeated and option.default is not None else option.default
+            )
     return values
 
 
@@ -117,8 +135,9 @@ def _toml_table(path: str | None, command: str, options: Sequence[Option]) -> di
     known = {o.name: o for o in options}
     unknown = sorted(set(table) - set(known))
     if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join(unknown)} in [{command}] of {path!r}; "
-                          f"known keys: {', '.join(sorted(known))}")
+        raise ConfigError(
+            f"unknown key(s) {', '.join(unknown)} in [{command}] of {path!r}; known keys: {', '.join(sorted(known))}"
+        )
     values: dict[str, Any] = {}
     for key, raw in table.items():
         option = known[key]

@@ -71,17 +71,27 @@ class _HeartbeatTap:
 def cluster_snapshot(router: ClusterRouter, endpoint: RouterEndpoint) -> dict[str, Any]:
     """What ``/cluster`` answers: live workers (from their last heartbeat), requests in flight, counters."""
     workers = {
-        wid: {"epoch": v.heartbeat.epoch, "seq": v.heartbeat.seq, "models": list(v.heartbeat.models),
-              "pages_total": v.heartbeat.pages_total, "pages_free": v.heartbeat.pages_free,
-              "pages_evictable": v.heartbeat.pages_evictable, "active_lanes": v.heartbeat.active_lanes}
+        wid: {
+            "epoch": v.heartbeat.epoch,
+            "seq": v.heartbeat.seq,
+            "models": list(v.heartbeat.models),
+            "pages_total": v.heartbeat.pages_total,
+            "pages_free": v.heartbeat.pages_free,
+            "pages_evictable": v.heartbeat.pages_evictable,
+            "active_lanes": v.heartbeat.active_lanes,
+        }
         for wid, v in sorted(router.state.views.items())
     }
     requests = {
         rid: {"worker_id": rs.worker_id, "attempt": rs.attempt, "phase": rs.phase, "delivered": len(rs.delivered)}
         for rid, rs in sorted(router.state.requests.items())
     }
-    return {"workers": workers, "requests": requests, "router_counters": dict(router.state.counters),
-            "endpoint_counters": dict(endpoint.counters)}
+    return {
+        "workers": workers,
+        "requests": requests,
+        "router_counters": dict(router.state.counters),
+        "endpoint_counters": dict(endpoint.counters),
+    }
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -105,12 +115,15 @@ async def run_router(options: RouterOptions, on_ready: Callable[[str, str], None
         loaded[served.name] = served
     catalog = ModelCatalog(loaded)
     endpoint = RouterEndpoint(options.secret, host=options.host, port=options.worker_port)
-    stack = build_router_stack(config=options.config, policy=options.policy, db_url=options.db_url,
-                               send=endpoint.send, models=catalog.served)
+    stack = build_router_stack(
+        config=options.config, policy=options.policy, db_url=options.db_url, send=endpoint.send, models=catalog.served
+    )
     router = stack.router
-    stack.metrics.gauge("kvrelay_endpoint_events",
-                        lambda: {(("counter", k),): v for k, v in endpoint.counters.items()},
-                        "worker endpoint counters (connections, refused handshakes, dropped frames by reason, ...)")
+    stack.metrics.gauge(
+        "kvrelay_endpoint_events",
+        lambda: {(("counter", k),): v for k, v in endpoint.counters.items()},
+        "worker endpoint counters (connections, refused handshakes, dropped frames by reason, ...)",
+    )
     app = stack.app
     app.add_api_route("/cluster", lambda: cluster_snapshot(router, endpoint), methods=["GET"])
     router.start()

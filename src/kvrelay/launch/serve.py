@@ -103,21 +103,36 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
     def to_router(message: WireMessage) -> None:
         loop.call_soon(router.receive, message)
 
-    served = ServedModel(artifacts.name, artifacts.tokenizer, config.architecture, worker.context_limit,
-                         tuple(config.eos_token_ids))
-    stack = build_router_stack(config=RouterConfig(chunk_tokens=settings.chunk_tokens), policy=defaults.POLICY,
-                               db_url=options.db_url, send=to_worker, models={served.name: served},
-                               worker_pages=False)
+    served = ServedModel(
+        artifacts.name, artifacts.tokenizer, config.architecture, worker.context_limit, tuple(config.eos_token_ids)
+    )
+    stack = build_router_stack(
+        config=RouterConfig(chunk_tokens=settings.chunk_tokens),
+        policy=defaults.POLICY,
+        db_url=options.db_url,
+        send=to_worker,
+        models={served.name: served},
+        worker_pages=False,
+    )
     router = stack.router
     controller.publish = to_router
     metrics = stack.metrics
-    metrics.gauge("kvrelay_pages_reserved", lambda: {(("worker", identity.worker_id),): pool.num_reserved},
-                  "pages held by reservations")
+    metrics.gauge(
+        "kvrelay_pages_reserved",
+        lambda: {(("worker", identity.worker_id),): pool.num_reserved},
+        "pages held by reservations",
+    )
     metrics.gauge("kvrelay_pages_free", lambda: {(("worker", identity.worker_id),): pool.num_free}, "free pages")
-    metrics.gauge("kvrelay_pages_cached", lambda: {(("worker", identity.worker_id),): pool.num_cached},
-                  "unreferenced pages holding cached chunks")
-    metrics.gauge("kvrelay_pages_in_use", lambda: {(("worker", identity.worker_id),): pool.num_referenced},
-                  "pages referenced by running sequences")
+    metrics.gauge(
+        "kvrelay_pages_cached",
+        lambda: {(("worker", identity.worker_id),): pool.num_cached},
+        "unreferenced pages holding cached chunks",
+    )
+    metrics.gauge(
+        "kvrelay_pages_in_use",
+        lambda: {(("worker", identity.worker_id),): pool.num_referenced},
+        "pages referenced by running sequences",
+    )
     router.start()
     router.receive(controller.heartbeat())
     beat = loop.create_task(_heartbeats(router, controller, options.heartbeat_s))

@@ -56,13 +56,17 @@ async def run_worker(options: WorkerOptions, on_ready: Callable[[str, int, str],
         loop.add_signal_handler(sig, stop.set)
     parts = await build_worker(options.settings)
     controller = parts.controller
-    endpoint = WorkerEndpoint(controller, options.router_urls, options.secret,
-                              heartbeat_interval_s=options.heartbeat_s)
+    endpoint = WorkerEndpoint(controller, options.router_urls, options.secret, heartbeat_interval_s=options.heartbeat_s)
     controller.publish = endpoint.publish
     await endpoint.start()
     on_ready(controller.worker_id, controller.epoch, parts.artifacts.name)
-    log.info("worker %s (epoch %d) serves %s; routers: %s", controller.worker_id, controller.epoch,
-             parts.artifacts.name, ", ".join(options.router_urls))
+    log.info(
+        "worker %s (epoch %d) serves %s; routers: %s",
+        controller.worker_id,
+        controller.epoch,
+        parts.artifacts.name,
+        ", ".join(options.router_urls),
+    )
     try:
         await stop.wait()
         await drain(parts, endpoint, options.grace_s)
@@ -76,16 +80,21 @@ async def drain(parts: WorkerParts, endpoint: WorkerEndpoint, grace_s: float) ->
     """Decline new offers, let running work finish within ``grace_s``, hand the rest over, close the link."""
     controller = parts.controller
     controller.shut_down()
-    log.info("worker %s shutting down: %d assignments running, grace %.1f s", controller.worker_id,
-             len(controller.runs), grace_s)
+    log.info(
+        "worker %s shutting down: %d assignments running, grace %.1f s",
+        controller.worker_id,
+        len(controller.runs),
+        grace_s,
+    )
     if not await _quiesce(controller, grace_s):
         handed = controller.hand_over()
         log.info("worker %s handed over %d assignments as continuations", controller.worker_id, handed)
         await _quiesce(controller, QUIESCE_S)
     await endpoint.close()
     if not await _quiesce(controller, QUIESCE_S):
-        log.warning("worker %s: work still in flight after %.0f s; stopping the runtime anyway",
-                    controller.worker_id, QUIESCE_S)
+        log.warning(
+            "worker %s: work still in flight after %.0f s; stopping the runtime anyway", controller.worker_id, QUIESCE_S
+        )
 
 
 async def _quiesce(controller: WorkerController, timeout_s: float) -> bool:

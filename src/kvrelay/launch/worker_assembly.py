@@ -26,6 +26,7 @@ from kvrelay.models.config import ModelConfig
 from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.models.loading.loader import LoadedArtifacts, load_artifacts
 from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS, DEFAULT_PAGE_TOKENS
+from kvrelay.protocol.messages import Tier
 from kvrelay.store.files import SharedDirTier, SsdTier
 from kvrelay.store.peer import PeerServer
 from kvrelay.store.ram import RamTier
@@ -60,8 +61,13 @@ class WorkerSettings:
     def engine_options(self) -> EngineOptions:
         """The worker's engine: ``kv_tokens`` rounded down to whole pages (at least one), chunks of ``chunk_tokens``."""
         pages = max(1, self.kv_tokens // self.page_tokens)
-        return EngineOptions(kv_tokens=pages * self.page_tokens, page_tokens=self.page_tokens, num_lanes=self.lanes,
-                             token_budget=self.token_budget, chunk_tokens=self.chunk_tokens)
+        return EngineOptions(
+            kv_tokens=pages * self.page_tokens,
+            page_tokens=self.page_tokens,
+            num_lanes=self.lanes,
+            token_budget=self.token_budget,
+            chunk_tokens=self.chunk_tokens,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,14 +86,15 @@ class StoreSpec:
     def object_tier(self, on_residency: Callable[[ResidencyEvent], None]) -> ChunkTier | None:
         """The object tier: S3 when an endpoint and bucket are given, else a shared directory, else none."""
         if self.s3_endpoint and self.s3_bucket:
-            return S3Tier(S3Tier.make_client(self.s3_endpoint), self.s3_bucket, self.s3_prefix,
-                          on_residency=on_residency)
+            return S3Tier(
+                S3Tier.make_client(self.s3_endpoint), self.s3_bucket, self.s3_prefix, on_residency=on_residency
+            )
         if self.object_dir:
             return SharedDirTier(self.object_dir, on_residency=on_residency)
         return None
 
 
-INITIAL_RESTORE_RATES = {"ram": 2e9, "ssd": 1e9, "peer": 2e8, "object": 1e8}
+INITIAL_RESTORE_RATES: dict[Tier, float] = {"ram": 2e9, "ssd": 1e9, "peer": 2e8, "object": 1e8}
 """Bytes per second per tier until the worker has measured its own restores (conservative for a CPU host)."""
 
 
@@ -124,12 +131,12 @@ async def build_worker(settings: WorkerSettings) -> WorkerParts:
     engine = Engine.from_artifacts(artifacts, dtype, settings.engine_options())
     runtime, pool, kv = engine.runtime, engine.pool, engine.runtime.kv
     context_limit = min(config.max_position_embeddings, settings.kv_tokens)
-    identity = WorkerIdentity(settings.worker_id, new_epoch(), artifacts.name, artifacts.fingerprint, context_limit,
-                              settings.chunk_tokens)
+    identity = WorkerIdentity(
+        settings.worker_id, new_epoch(), artifacts.name, artifacts.fingerprint, context_limit, settings.chunk_tokens
+    )
     controller = WorkerController(identity, pool, runtime, config.kv_bytes_per_token(kv.k.element_size()))
     pool.on_residency = controller.publish_residency
-    peer = (attach_store(settings.store, controller, kv, artifacts.fingerprint) if settings.store is not None
-            else None)
+    peer = attach_store(settings.store, controller, kv, artifacts.fingerprint) if settings.store is not None else None
     return WorkerParts(artifacts, config, runtime, pool, controller, context_limit, peer)
 
 
@@ -149,8 +156,9 @@ def attach_store(store: StoreSpec, controller: WorkerController, kv: KVPages, fi
     )
     controller.restorer = StoreRestore(kv, stack, fingerprint)
     controller.checkpointer = Checkpointer(kv, controller.pool, stack, fingerprint, store.staging_bytes)
-    controller.restore_bytes_per_s = {t: r for t, r in INITIAL_RESTORE_RATES.items()
-                                      if t != "object" or stack.object_tier is not None}
+    controller.restore_bytes_per_s = {
+        t: r for t, r in INITIAL_RESTORE_RATES.items() if t != "object" or stack.object_tier is not None
+    }
     peer = PeerServer(stack.local_tiers)
     controller.peer_url = peer.url
     return peer

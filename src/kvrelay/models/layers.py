@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvrelay.models.batch import ForwardBatch
+from kvrelay.models.config import ModelConfig
 from kvrelay.models.kernels import native
 from kvrelay.models.kernels.attention import (
     AttentionPlan,
@@ -26,14 +28,12 @@ from kvrelay.models.kernels.attention import (
     paged_attention,
     plan_attention,
 )
-from kvrelay.models.batch import ForwardBatch
-from kvrelay.models.config import ModelConfig
 from kvrelay.models.kernels.greedy_head import GreedyHead
 from kvrelay.models.kernels.kv_pages import KVPages, write_kv
-from kvrelay.models.mlp import PackedLinear
 from kvrelay.models.kernels.native.rms_norm import add_rms_norm_native, rms_norm_native
-from kvrelay.models.sampling import greedy_tokens
 from kvrelay.models.kernels.window_mirror import MirrorStep, WindowMirror
+from kvrelay.models.mlp import PackedLinear
+from kvrelay.models.sampling import greedy_tokens
 
 _TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 

@@ -29,9 +29,7 @@ _decoder = msgspec.msgpack.Decoder(WireMessage)
 
 
 def _reject_local_only(obj: Any) -> Any:
-    raise ProtocolError(
-        f"{type(obj).__module__}.{type(obj).__qualname__} is local-only and never crosses the wire"
-    )
+    raise ProtocolError(f"{type(obj).__module__}.{type(obj).__qualname__} is local-only and never crosses the wire")
 
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_reject_local_only)

@@ -225,4 +225,4 @@ class Residency(Message, frozen=True, kw_only=True, tag="residency"):
 
 
 WireMessage = Offer | Cancel | OfferResult | Delta | Result | Heartbeat | Residency
-WIRE_TYPES: tuple[type, ...] = (Offer, Cancel, OfferResult, Delta, Result, Heartbeat, Residency)
+WIRE_TYPES: tuple[type[Message], ...] = (Offer, Cancel, OfferResult, Delta, Result, Heartbeat, Residency)

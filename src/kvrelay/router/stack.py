@@ -70,7 +70,10 @@ def build_router_stack(
 
     metrics = Metrics()
     add_router_metrics(metrics, router, worker_pages=worker_pages)
-    metrics.gauge("kvrelay_router_events", lambda: {(("counter", k),): v for k, v in router.state.counters.items()},
-                  "every router counter")
+    metrics.gauge(
+        "kvrelay_router_events",
+        lambda: {(("counter", k),): v for k, v in router.state.counters.items()},
+        "every router counter",
+    )
     ingress = Ingress(router, models, metrics, serving)
     return RouterStack(router, facts, replicas, metrics, ingress, create_app(ingress))

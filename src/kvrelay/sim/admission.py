@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvrelay.sim.cluster_config import ClusterConfig
-from kvrelay.sim.cache import WorkerCaches
-from kvrelay.protocol.messages import DeclineReason, Offer
 from kvrelay.protocol.chunk_keys import cacheable_chunks
+from kvrelay.protocol.messages import DeclineReason, Offer
+from kvrelay.sim.cache import WorkerCaches
+from kvrelay.sim.cluster_config import ClusterConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,11 +48,15 @@ class AdmissionDecline:
 
 
 def _tier_rates(cluster: ClusterConfig) -> dict[str, float]:
-    return {"gpu": float("inf"), **cluster.worker.restore_bytes_per_s}
+    return {"gpu": float("inf"), **{str(tier): rate for tier, rate in cluster.worker.restore_bytes_per_s.items()}}
 
 
 def _source_for(
-    key: bytes, planned: str, source: str, caches: WorkerCaches, peers: dict[str, WorkerCaches],
+    key: bytes,
+    planned: str,
+    source: str,
+    caches: WorkerCaches,
+    peers: dict[str, WorkerCaches],
     rates: dict[str, float],
 ) -> str | None:
     """The fastest tier holding ``key`` that is at least as fast as ``planned``, or None."""
@@ -66,7 +70,10 @@ def _source_for(
 
 
 def plan_admission(
-    offer: Offer, chain: tuple[bytes, ...], caches: WorkerCaches, peers: dict[str, WorkerCaches],
+    offer: Offer,
+    chain: tuple[bytes, ...],
+    caches: WorkerCaches,
+    peers: dict[str, WorkerCaches],
     cluster: ClusterConfig,
 ) -> AdmissionPlan | AdmissionDecline:
     """Decide an offer against the worker's caches; touches nothing.
@@ -83,8 +90,9 @@ def plan_admission(
             break
         planned.extend([(seg.tier, seg.source)] * seg.chunks)
     if len(planned) > usable:
-        return AdmissionDecline(DeclineReason.STALE_ROUTE,
-                                f"route covers {len(planned)} chunks but the chain has {usable}")
+        return AdmissionDecline(
+            DeclineReason.STALE_ROUTE, f"route covers {len(planned)} chunks but the chain has {usable}"
+        )
     rates = _tier_rates(cluster)
     gpu_keys: list[bytes] = []
     restore: list[tuple[bytes, str]] = []
@@ -103,7 +111,7 @@ def plan_admission(
     while i < usable and chain[i] in caches.gpu and not restore:
         gpu_keys.append(chain[i])
         i += 1
-    computed = tuple(chain[len(gpu_keys) + len(restore):usable])
+    computed = tuple(chain[len(gpu_keys) + len(restore) : usable])
     shared_tokens = len(gpu_keys) * cluster.chunk_tokens
     pages = -(-(len(offer.prompt) + offer.max_new_tokens) // cluster.page_tokens)
     cow = 1 if shared_tokens % cluster.page_tokens else 0
@@ -123,5 +131,12 @@ def plan_admission(
         restore_s += cluster.chunk_bytes / rates[tier]
     uncached = len(offer.prompt) - (len(gpu_keys) + len(restore)) * cluster.chunk_tokens
     return AdmissionPlan(
-        tuple(gpu_keys), tuple(restore), computed, cached, uncached, demand, restore_s, restore_bytes,
+        tuple(gpu_keys),
+        tuple(restore),
+        computed,
+        cached,
+        uncached,
+        demand,
+        restore_s,
+        restore_bytes,
     )

@@ -113,8 +113,13 @@ class WorkerCaches:
     """The gpu, ram and ssd tiers of one worker and its view of the shared object tier."""
 
     def __init__(
-        self, gpu_pages: int, chunk_pages: int, ram_chunks: int, ssd_chunks: int,
-        shared: SharedObjectTier, object_write_through: bool,
+        self,
+        gpu_pages: int,
+        chunk_pages: int,
+        ram_chunks: int,
+        ssd_chunks: int,
+        shared: SharedObjectTier,
+        object_write_through: bool,
     ) -> None:
         self.gpu = GpuPool(gpu_pages, chunk_pages)
         self.ram = LruTier(ram_chunks)

@@ -110,18 +110,21 @@ def parse_calibration(document: dict[str, Any], path: str = "calibration") -> Ca
         if not isinstance(table, dict):
             raise CalibrationError(f"{path}: [{name}] must be a table")
     table = worker.get(TABLE_KEY, [])
-    if not isinstance(table, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-                                              for v in table):
+    if not isinstance(table, list) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in table
+    ):
         raise CalibrationError(f"{path}: worker.{TABLE_KEY} must be a list of positive seconds (batch 1, 2, ...)")
     forward = worker.get(FORWARD_KEY, 0.0)
     if not isinstance(forward, (int, float)) or isinstance(forward, bool) or forward < 0:
         raise CalibrationError(f"{path}: worker.{FORWARD_KEY} must be non-negative seconds, got {forward!r}")
     top = {k: v for k, v in document.items() if k not in ("worker", "network", "measured")}
     return Calibration(
-        path=path, top=_scalars(ClusterConfig, top, path), worker=_scalars(WorkerSpec, worker, f"{path}.worker",
-                                                                           skip=(TABLE_KEY, FORWARD_KEY)),
+        path=path,
+        top=_scalars(ClusterConfig, top, path),
+        worker=_scalars(WorkerSpec, worker, f"{path}.worker", skip=(TABLE_KEY, FORWARD_KEY)),
         network=_scalars(NetworkSpec, network, f"{path}.network"),
-        decode_step_table_s=tuple(float(v) for v in table), prefill_forward_s=float(forward),
+        decode_step_table_s=tuple(float(v) for v in table),
+        prefill_forward_s=float(forward),
         measured=dict(measured),
     )
 
@@ -132,8 +135,9 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
     try:
         document = tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CalibrationError(f"calibration file {str(p)!r} does not exist; write one with bench/calibrate.py") \
-            from None
+        raise CalibrationError(
+            f"calibration file {str(p)!r} does not exist; write one with bench/calibrate.py"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise CalibrationError(f"calibration file {str(p)!r} is not valid TOML: {exc}") from None
     return parse_calibration(document, p.name)
@@ -151,20 +155,28 @@ def scale_costs(calibration: Calibration, factor: float) -> Calibration:
     for key in ("prefill_s_per_token", "decode_step_s"):
         if key in worker:
             worker[key] = worker[key] * factor
-    return replace(calibration, worker=worker, prefill_forward_s=calibration.prefill_forward_s * factor,
-                   decode_step_table_s=tuple(v * factor for v in calibration.decode_step_table_s))
+    return replace(
+        calibration,
+        worker=worker,
+        prefill_forward_s=calibration.prefill_forward_s * factor,
+        decode_step_table_s=tuple(v * factor for v in calibration.decode_step_table_s),
+    )
 
 
 def apply_calibration(cluster: ClusterConfig, calibration: Calibration) -> ClusterConfig:
     """``cluster`` with the calibration's figures (see the module contract)."""
     worker_values = dict(calibration.worker)
     if "restore_bytes_per_s" in worker_values:
-        worker_values["restore_bytes_per_s"] = {**cluster.worker.restore_bytes_per_s,
-                                                **worker_values["restore_bytes_per_s"]}
+        worker_values["restore_bytes_per_s"] = {
+            **cluster.worker.restore_bytes_per_s,
+            **worker_values["restore_bytes_per_s"],
+        }
     base = replace(cluster.worker, **worker_values)
-    worker = CalibratedWorkerSpec(**{f.name: getattr(base, f.name) for f in fields(WorkerSpec)},
-                                  decode_step_table_s=calibration.decode_step_table_s,
-                                  prefill_forward_s=calibration.prefill_forward_s)
+    worker = CalibratedWorkerSpec(
+        **{f.name: getattr(base, f.name) for f in fields(WorkerSpec)},
+        decode_step_table_s=calibration.decode_step_table_s,
+        prefill_forward_s=calibration.prefill_forward_s,
+    )
     network = replace(cluster.network, **calibration.network)
     try:
         return validate(replace(cluster, **calibration.top, worker=worker, network=network))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS, DEFAULT_PAGE_TOKENS
+from kvrelay.protocol.messages import Tier
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[3] / "configs" / "cluster-default.toml"
 
@@ -37,7 +38,7 @@ class WorkerSpec:
     decode_step_s: float = 0.025
     decode_step_s_per_lane: float = 0.0
     context_limit: int = 200_000
-    restore_bytes_per_s: dict[str, float] = field(
+    restore_bytes_per_s: dict[Tier, float] = field(
         default_factory=lambda: {"ram": 20e9, "ssd": 5e9, "peer": 10e9, "object": 2e9}
     )
 
@@ -94,7 +95,8 @@ def _build(cls: type, table: dict[str, Any], where: str) -> Any:
             bad = sorted(set(value) - set(RESTORE_TIERS)) if isinstance(value, dict) else ["(not a table)"]
             if bad:
                 raise ClusterConfigError(
-                    f"{where}.{name}: unknown tier(s) {', '.join(bad)}; tiers: {', '.join(RESTORE_TIERS)}")
+                    f"{where}.{name}: unknown tier(s) {', '.join(bad)}; tiers: {', '.join(RESTORE_TIERS)}"
+                )
             values[name] = {**current, **{k: float(v) for k, v in value.items()}}
         elif isinstance(current, bool) != isinstance(value, bool) or not isinstance(value, (type(current), int)):
             raise ClusterConfigError(f"{where}.{name}: expected {type(current).__name__}, got {value!r}")
@@ -110,8 +112,10 @@ def validate(config: ClusterConfig) -> ClusterConfig:
         (config.workers >= 1, "workers must be at least 1"),
         (config.chunk_tokens % config.page_tokens == 0, "chunk_tokens must be a multiple of page_tokens"),
         (w.gpu_kv_tokens >= config.chunk_tokens, "worker.gpu_kv_tokens must hold at least one chunk"),
-        (w.max_lanes >= 1 and w.prefill_chunk_tokens >= 1,
-         "worker.max_lanes and prefill_chunk_tokens must be positive"),
+        (
+            w.max_lanes >= 1 and w.prefill_chunk_tokens >= 1,
+            "worker.max_lanes and prefill_chunk_tokens must be positive",
+        ),
         (all(v > 0 for v in w.restore_bytes_per_s.values()), "restore rates must be positive"),
         (0.0 <= config.network.loss < 1.0, "network.loss must be in [0, 1)"),
     ]

@@ -28,8 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import assert_never
 
-from kvrelay.core.worker import machine
-from kvrelay.sim.cluster_config import ClusterConfig
 from kvrelay.core.router.events import (
     CancelTimer,
     ConsumerCancelled,
@@ -52,7 +50,18 @@ from kvrelay.core.router.events import (
     WorkerUnavailable,
 )
 from kvrelay.core.router.machine import RouterConfig, new_router, step
+from kvrelay.core.worker import machine
+from kvrelay.protocol.messages import (
+    Assignment,
+    Cancel,
+    Delta,
+    Offer,
+    Result,
+    RouteSegment,
+    WireMessage,
+)
 from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
+from kvrelay.sim.cluster_config import ClusterConfig
 from kvrelay.sim.events import (
     Arrival,
     ConnectionLost,
@@ -72,15 +81,6 @@ from kvrelay.sim.log import describe
 from kvrelay.sim.network import ROUTER, NetworkModel
 from kvrelay.sim.tokens import token_value
 from kvrelay.sim.workers import SimWorker
-from kvrelay.protocol.messages import (
-    Assignment,
-    Cancel,
-    Delta,
-    Offer,
-    Result,
-    RouteSegment,
-    WireMessage,
-)
 
 
 @dataclass(slots=True)
@@ -114,15 +114,24 @@ class Simulation:
     """A cluster of simulated workers behind one router, under logical time."""
 
     def __init__(
-        self, cluster: ClusterConfig, *, router_config: RouterConfig | None = None, policy: str = "kvrelay",
-        seed: int = 0, log: bool = True, delta_tokens: int = 1, tick_s: float = 0.25,
-        detect_s: float | None = 0.05, admission_s: float = 0.0,
+        self,
+        cluster: ClusterConfig,
+        *,
+        router_config: RouterConfig | None = None,
+        policy: str = "kvrelay",
+        seed: int = 0,
+        log: bool = True,
+        delta_tokens: int = 1,
+        tick_s: float = 0.25,
+        detect_s: float | None = 0.05,
+        admission_s: float = 0.0,
     ) -> None:
         self.cluster = cluster
         config = router_config or RouterConfig(chunk_tokens=cluster.chunk_tokens)
         if config.chunk_tokens != cluster.chunk_tokens:
             raise ValueError(
-                f"router chunk_tokens {config.chunk_tokens} != cluster chunk_tokens {cluster.chunk_tokens}")
+                f"router chunk_tokens {config.chunk_tokens} != cluster chunk_tokens {cluster.chunk_tokens}"
+            )
         fps = {**dict(config.model_fingerprints), cluster.model: cluster.fingerprint}
         self.router = new_router(replace(config, model_fingerprints=fps), policy, seed)
         self.network = NetworkModel(cluster.network, seed)
@@ -146,8 +155,17 @@ class Simulation:
         self.workers: dict[str, SimWorker] = {}
         for i in range(cluster.workers):
             wid = f"w{i}"
-            self.workers[wid] = SimWorker(wid, cluster, self.shared, self.peers, self._schedule_worker,
-                                          self._send_to_router, delta_tokens, self.known_chains, admission_s)
+            self.workers[wid] = SimWorker(
+                wid,
+                cluster,
+                self.shared,
+                self.peers,
+                self._schedule_worker,
+                self._send_to_router,
+                delta_tokens,
+                self.known_chains,
+                admission_s,
+            )
             self._start_worker(wid, 0.0, offset=cluster.heartbeat_interval_s * i / cluster.workers)
         self._push(0.0, RouterTick())
 
@@ -190,8 +208,9 @@ class Simulation:
 
     def quiescent(self) -> bool:
         """Every request has its outcome, nothing is on its way to a worker, no worker holds a reservation."""
-        return self._open == 0 and self._to_workers == 0 and not any(
-            w.holds_reservations() for w in self.workers.values())
+        return (
+            self._open == 0 and self._to_workers == 0 and not any(w.holds_reservations() for w in self.workers.values())
+        )
 
     def run(self, until: float = math.inf) -> bool:
         """Process events until quiescent (True) or until logical time ``until`` (False)."""
@@ -249,8 +268,18 @@ class Simulation:
         match effect:
             case SendOffer(worker_id=worker_id, offer=o):
                 self.current[o.assignment.request_id] = o.assignment
-                self.offers.append(OfferSent(self.now, worker_id, o.epoch, o.assignment, o.route,
-                                             len(o.prompt), o.generated_before, o.priority))
+                self.offers.append(
+                    OfferSent(
+                        self.now,
+                        worker_id,
+                        o.epoch,
+                        o.assignment,
+                        o.route,
+                        len(o.prompt),
+                        o.generated_before,
+                        o.priority,
+                    )
+                )
                 self._send_to_worker(worker_id, o)
             case SendCancel(worker_id=worker_id, cancel=cancel):
                 self.cancelled.add(cancel.assignment)

@@ -49,8 +49,10 @@ def describe(obj: RouterEvent | Effect | WireMessage) -> str:
     match obj:
         case Offer():
             route = ",".join(f"{s.tier}:{s.chunks}" for s in obj.route) or "-"
-            return (f"offer {_a(obj.assignment)} {obj.worker_id} e{obj.epoch} prompt={len(obj.prompt)} "
-                    f"max_new={obj.max_new_tokens} before={obj.generated_before} route={route}")
+            return (
+                f"offer {_a(obj.assignment)} {obj.worker_id} e{obj.epoch} prompt={len(obj.prompt)} "
+                f"max_new={obj.max_new_tokens} before={obj.generated_before} route={route}"
+            )
         case Cancel():
             return f"cancel {_a(obj.assignment)} {obj.worker_id} ({obj.reason})"
         case OfferResult():
@@ -61,11 +63,14 @@ def describe(obj: RouterEvent | Effect | WireMessage) -> str:
         case Result():
             return f"result {_a(obj.assignment)} {obj.worker_id} {obj.finish_reason} n={len(obj.tokens)}"
         case Heartbeat():
-            return (f"heartbeat {obj.worker_id} e{obj.epoch} s{obj.seq} free={obj.pages_free} "
-                    f"queue={obj.queue_delay_s:.6f} lanes={obj.active_lanes}")
+            return (
+                f"heartbeat {obj.worker_id} e{obj.epoch} s{obj.seq} free={obj.pages_free} "
+                f"queue={obj.queue_delay_s:.6f} lanes={obj.active_lanes}"
+            )
         case Residency():
-            return (f"residency {obj.worker_id} e{obj.epoch} s{obj.seq} {obj.tier} "
-                    f"+{len(obj.stored)} -{len(obj.removed)}")
+            return (
+                f"residency {obj.worker_id} e{obj.epoch} s{obj.seq} {obj.tier} +{len(obj.stored)} -{len(obj.removed)}"
+            )
         case RequestArrived():
             r = obj.request
             return f"arrived {r.request_id} prompt={len(r.prompt)} max_new={r.max_new_tokens}"

@@ -70,7 +70,8 @@ class NetworkModel:
         if loss_draw < loss or (self.partitions and self.partitioned(src, dst, now)):
             self.lost += 1
             return None
-        arrival = max(now + self.spec.delay_s + jitter_draw * self.spec.jitter_s,
-                      self.last_arrival.get((src, dst), 0.0))
+        arrival = max(
+            now + self.spec.delay_s + jitter_draw * self.spec.jitter_s, self.last_arrival.get((src, dst), 0.0)
+        )
         self.last_arrival[(src, dst)] = arrival
         return arrival

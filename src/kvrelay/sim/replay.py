@@ -11,15 +11,15 @@ itself (``trace.infinite_cache_bound``).
 from __future__ import annotations
 
 import time
-from functools import partial
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvrelay.sim.cluster_config import ClusterConfig
 from kvrelay.core.router.machine import RouterConfig
+from kvrelay.sim.cluster_config import ClusterConfig
 from kvrelay.sim.interpreter import Simulation
 from kvrelay.sim.trace import (
     PromptSynthesizer,
@@ -51,19 +51,27 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
 
 
 def replay(
-    requests: list[TraceRequest], cluster: ClusterConfig, policy: str, options: ReplayOptions,
+    requests: list[TraceRequest],
+    cluster: ClusterConfig,
+    policy: str,
+    options: ReplayOptions,
     router_config: RouterConfig | None = None,
 ) -> dict[str, Any]:
     """Replay ``requests`` under ``policy``; return the metrics (the JSON shape of ``kvrelay sim``)."""
     if options.rate_scale <= 0:
         raise ValueError(f"rate scale must be positive, got {options.rate_scale}")
     wall = time.perf_counter()
-    sim = Simulation(cluster, router_config=router_config or RouterConfig(chunk_tokens=cluster.chunk_tokens),
-                     policy=policy, seed=options.seed, log=options.log_path is not None,
-                     delta_tokens=options.delta_tokens)
+    sim = Simulation(
+        cluster,
+        router_config=router_config or RouterConfig(chunk_tokens=cluster.chunk_tokens),
+        policy=policy,
+        seed=options.seed,
+        log=options.log_path is not None,
+        delta_tokens=options.delta_tokens,
+    )
     synth = PromptSynthesizer(cluster.fingerprint, options.block_tokens, cluster.chunk_tokens)
     last = 0.0
-    for i, r in enumerate(requests):
+    for r in requests:
         rid = f"t{r.line}"
         at = options.start_s + r.timestamp_ms / 1000.0 / options.rate_scale
         last = max(last, at)
@@ -75,8 +83,9 @@ def replay(
     return _metrics(sim, requests, options, finished, wall)
 
 
-def _metrics(sim: Simulation, requests: list[TraceRequest], options: ReplayOptions, finished: bool,
-             wall_s: float) -> dict[str, Any]:
+def _metrics(
+    sim: Simulation, requests: list[TraceRequest], options: ReplayOptions, finished: bool, wall_s: float
+) -> dict[str, Any]:
     prompt_tokens = sum(r.input_length for r in requests)
     ttfts: list[float] = []
     completed = cached = recomputed = 0
@@ -105,20 +114,32 @@ def _metrics(sim: Simulation, requests: list[TraceRequest], options: ReplayOptio
         st = w.stats
         for source, n in st.restored_bytes.items():
             restored[source] = restored.get(source, 0) + n
-        workers[wid] = {"accepted": st.accepted, "finished": st.finished, "prefill_tokens": st.prefill_tokens,
-                        "generated_tokens": st.generated_tokens, "busy_s": round(st.busy_s, 6)}
+        workers[wid] = {
+            "accepted": st.accepted,
+            "finished": st.finished,
+            "prefill_tokens": st.prefill_tokens,
+            "generated_tokens": st.generated_tokens,
+            "busy_s": round(st.busy_s, 6),
+        }
     busy = [w["busy_s"] for w in workers.values()]
     mean_busy = sum(busy) / len(busy) if busy else 0.0
     return {
-        "requests": len(requests), "completed": completed, "ttft_s": _percentiles(ttfts),
-        "prefix_hit_share": share, "infinite_cache_bound": bound,
-        "bound_ratio": share / bound if bound else 0.0, "recomputed_tokens": recomputed,
+        "requests": len(requests),
+        "completed": completed,
+        "ttft_s": _percentiles(ttfts),
+        "prefix_hit_share": share,
+        "infinite_cache_bound": bound,
+        "bound_ratio": share / bound if bound else 0.0,
+        "recomputed_tokens": recomputed,
         "cached_tokens_by_tier": dict(sorted(cached_by_tier.items())),
         "bytes_restored_by_tier": dict(sorted(restored.items())),
         "load_imbalance": max(busy) / mean_busy if mean_busy else 0.0,
-        "per_worker": workers, "errors": errors, "drained": finished,
+        "per_worker": workers,
+        "errors": errors,
+        "drained": finished,
         "router_counters": dict(sorted(sim.router.counters.items())),
-        "simulated_s": sim.now, "wall_s": wall_s,
+        "simulated_s": sim.now,
+        "wall_s": wall_s,
         "ttft_samples_s": sorted(ttfts),
     }
 

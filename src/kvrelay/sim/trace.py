@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from kvrelay.core.router.events import Request
-from kvrelay.protocol.messages import Sampling
 from kvrelay.protocol.chunk_keys import DIGEST_BYTES, cacheable_chunks, root_key
+from kvrelay.protocol.messages import Sampling
 
 DEFAULT_BLOCK_TOKENS = 512
 SYNTHETIC_VOCAB = 128_000
@@ -90,7 +90,8 @@ def parse_trace_line(text: str, line: int, block_tokens: int, source: str = "tra
     missing = [f for f in _FIELDS if f not in obj]
     if missing:
         raise TraceError(
-            f"{where}: missing field(s) {', '.join(missing)}; a Mooncake trace line has {', '.join(_FIELDS)}")
+            f"{where}: missing field(s) {', '.join(missing)}; a Mooncake trace line has {', '.join(_FIELDS)}"
+        )
     ts = obj["timestamp"]
     if not isinstance(ts, (int, float)) or isinstance(ts, bool) or ts < 0 or not math.isfinite(ts):
         raise TraceError(f"{where}: 'timestamp' must be non-negative milliseconds, got {ts!r}")
@@ -111,7 +112,9 @@ def parse_trace_line(text: str, line: int, block_tokens: int, source: str = "tra
 
 
 def load_trace(
-    path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS, limit: int | None = None,
+    path: str | Path,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    limit: int | None = None,
 ) -> list[TraceRequest]:
     """The first ``limit`` requests of a trace file (blank lines skipped), ordered by timestamp (stable)."""
     if block_tokens < 1:
@@ -179,7 +182,7 @@ class PromptSynthesizer:
             key = parent
             for start in range(0, len(raw), width):
                 h = hashlib.blake2b(key, digest_size=DIGEST_BYTES)
-                h.update(raw[start:start + width])
+                h.update(raw[start : start + width])
                 key = h.digest()
                 keys.append(key)
             memo = self._keys[(parent, block_id)] = tuple(keys)
@@ -206,6 +209,10 @@ class PromptSynthesizer:
     def request(self, r: TraceRequest, request_id: str, model: str) -> Request:
         """The request ingress would submit for ``r``; its sampling seed is the trace line number."""
         return Request(
-            request_id=request_id, model=model, prompt=self.prompt(r), max_new_tokens=r.output_length,
-            sampling=Sampling(seed=r.line), chain=self.chain(r),
+            request_id=request_id,
+            model=model,
+            prompt=self.prompt(r),
+            max_new_tokens=r.output_length,
+            sampling=Sampling(seed=r.line),
+            chain=self.chain(r),
         )

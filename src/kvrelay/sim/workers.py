@@ -29,31 +29,32 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import assert_never
+from typing import assert_never, cast
 
+from kvrelay.core.planning.prefill_order import queue_position
 from kvrelay.core.worker import machine
-from kvrelay.sim.calibration import CalibratedWorkerSpec
-from kvrelay.sim.cluster_config import ClusterConfig, WorkerSpec
-from kvrelay.sim.admission import (
-    AdmissionDecline,
-    AdmissionPlan,
-    plan_admission,
-)
-from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
-from kvrelay.sim.events import AdmissionDue, IterationDone, RestoreDone, WorkerDue
-from kvrelay.sim.tokens import token_value
+from kvrelay.protocol.chunk_keys import prompt_chain
 from kvrelay.protocol.messages import (
     Assignment,
     FinishReason,
     Heartbeat,
     Offer,
     Residency,
+    Tier,
     Timings,
     Usage,
     WireMessage,
 )
-from kvrelay.protocol.chunk_keys import prompt_chain
-from kvrelay.core.planning.prefill_order import queue_position
+from kvrelay.sim.admission import (
+    AdmissionDecline,
+    AdmissionPlan,
+    plan_admission,
+)
+from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
+from kvrelay.sim.calibration import CalibratedWorkerSpec
+from kvrelay.sim.cluster_config import ClusterConfig, WorkerSpec
+from kvrelay.sim.events import AdmissionDue, IterationDone, RestoreDone, WorkerDue
+from kvrelay.sim.tokens import token_value
 
 
 @dataclass(slots=True)
@@ -104,9 +105,16 @@ class SimWorker:
     """One simulated worker process across crashes (each start is a new epoch)."""
 
     def __init__(
-        self, worker_id: str, cluster: ClusterConfig, shared: SharedObjectTier,
-        peers: dict[str, WorkerCaches], schedule: Schedule, send: Send, delta_tokens: int = 1,
-        known_chains: dict[str, tuple[bytes, ...]] | None = None, admission_s: float = 0.0,
+        self,
+        worker_id: str,
+        cluster: ClusterConfig,
+        shared: SharedObjectTier,
+        peers: dict[str, WorkerCaches],
+        schedule: Schedule,
+        send: Send,
+        delta_tokens: int = 1,
+        known_chains: dict[str, tuple[bytes, ...]] | None = None,
+        admission_s: float = 0.0,
     ) -> None:
         w = cluster.worker
         self.worker_id, self.cluster, self.spec = worker_id, cluster, w
@@ -117,8 +125,12 @@ class SimWorker:
         self._chain_memo: dict[tuple[str, int], tuple[bytes, ...]] = {}
         chunk_pages = cluster.chunk_tokens // cluster.page_tokens
         self.caches = WorkerCaches(
-            w.gpu_kv_tokens // cluster.page_tokens, chunk_pages, w.ram_kv_tokens // cluster.chunk_tokens,
-            w.ssd_kv_tokens // cluster.chunk_tokens, shared, cluster.object_write_through,
+            w.gpu_kv_tokens // cluster.page_tokens,
+            chunk_pages,
+            w.ram_kv_tokens // cluster.chunk_tokens,
+            w.ssd_kv_tokens // cluster.chunk_tokens,
+            shared,
+            cluster.object_write_through,
         )
         self.epoch = 0
         self.alive = False
@@ -167,15 +179,25 @@ class SimWorker:
         if self.heartbeat_seq == 2 and self.epoch > 1:
             self.caches.announce_durable()  # once the router knows this epoch (after the first heartbeat)
         return Heartbeat(
-            worker_id=self.worker_id, epoch=self.epoch, seq=self.heartbeat_seq, models=(self.cluster.model,),
-            model_fingerprints=(self.cluster.fingerprint.hex(),), pages_total=gpu.pages_total,
-            pages_free=max(gpu.free_pages, 0), pages_evictable=gpu.evictable_pages,
-            page_tokens=self.cluster.page_tokens, chunk_tokens=self.cluster.chunk_tokens,
+            worker_id=self.worker_id,
+            epoch=self.epoch,
+            seq=self.heartbeat_seq,
+            models=(self.cluster.model,),
+            model_fingerprints=(self.cluster.fingerprint.hex(),),
+            pages_total=gpu.pages_total,
+            pages_free=max(gpu.free_pages, 0),
+            pages_evictable=gpu.evictable_pages,
+            page_tokens=self.cluster.page_tokens,
+            chunk_tokens=self.cluster.chunk_tokens,
             queue_delay_s=sum(x.prefill_left for x in waiting) * w.prefill_s_per_token,
-            lower_tier_load_s=max(0.0, self.restore_free_at - now), active_lanes=len(self.decoding),
-            max_lanes=w.max_lanes, prefill_s_per_token=w.prefill_s_per_token,
-            decode_s_per_token=w.decode_step(len(self.decoding)), prefill_chunk_tokens=w.prefill_chunk_tokens,
-            restore_bytes_per_s=dict(w.restore_bytes_per_s), kv_bytes_per_token=self.cluster.kv_bytes_per_token,
+            lower_tier_load_s=max(0.0, self.restore_free_at - now),
+            active_lanes=len(self.decoding),
+            max_lanes=w.max_lanes,
+            prefill_s_per_token=w.prefill_s_per_token,
+            decode_s_per_token=w.decode_step(len(self.decoding)),
+            prefill_chunk_tokens=w.prefill_chunk_tokens,
+            restore_bytes_per_s=dict(w.restore_bytes_per_s),
+            kv_bytes_per_token=self.cluster.kv_bytes_per_token,
             context_limit=w.context_limit,
         )
 
@@ -187,11 +209,19 @@ class SimWorker:
             if not delta:
                 continue
             self.residency_seq += 1
-            self.send(now, self.worker_id, Residency(
-                worker_id=self.worker_id, epoch=self.epoch, seq=self.residency_seq, tier=tier,
-                model=self.cluster.model, stored=tuple(k for k, s in delta.items() if s),
-                removed=tuple(k for k, s in delta.items() if not s),
-            ))
+            self.send(
+                now,
+                self.worker_id,
+                Residency(
+                    worker_id=self.worker_id,
+                    epoch=self.epoch,
+                    seq=self.residency_seq,
+                    tier=tier,
+                    model=self.cluster.model,
+                    stored=tuple(k for k, s in delta.items() if s),
+                    removed=tuple(k for k, s in delta.items() if not s),
+                ),
+            )
 
     # --- the machine and its effects -------------------------------------------------
 
@@ -238,7 +268,8 @@ class SimWorker:
         chain = self._chain_memo.get(memo_key)
         if chain is None:
             chain = self._chain_memo[memo_key] = prompt_chain(
-                self.cluster.fingerprint, offer.prompt, self.cluster.chunk_tokens)
+                self.cluster.fingerprint, offer.prompt, self.cluster.chunk_tokens
+            )
         return chain
 
     def _admit(self, now: float, offer: Offer) -> machine.AdmissionDecided:
@@ -405,15 +436,18 @@ class SimWorker:
             self.decoding.remove(work)
             self.stats.finished += 1
             self.stats.generated_tokens += work.generated
-            events.append(machine.WorkFinished(now, offer.assignment, FinishReason.LENGTH, self._usage(work),
-                                               self._timings(work)))
+            events.append(
+                machine.WorkFinished(now, offer.assignment, FinishReason.LENGTH, self._usage(work), self._timings(work))
+            )
         return events
 
     def _usage(self, work: Work) -> Usage:
         plan = work.plan
         return Usage(
-            prompt_tokens=len(work.offer.prompt), cached_tokens=dict(plan.cached_tokens),
-            recomputed_tokens=plan.uncached_tokens, generated_tokens=work.generated,
+            prompt_tokens=len(work.offer.prompt),
+            cached_tokens=cast(dict[Tier, int], dict(plan.cached_tokens)),
+            recomputed_tokens=plan.uncached_tokens,
+            generated_tokens=work.generated,
         )
 
     def _timings(self, work: Work) -> Timings:
@@ -421,6 +455,7 @@ class SimWorker:
         first = work.first_token_at if work.first_token_at is not None else start
         return Timings(
             queue_s=max(0.0, start - max(work.accepted_at, work.restore_done_at)),
-            restore_s=work.plan.restore_s, prefill_s=work.plan.uncached_tokens * self.spec.prefill_s_per_token,
+            restore_s=work.plan.restore_s,
+            prefill_s=work.plan.uncached_tokens * self.spec.prefill_s_per_token,
             ttft_s=first - work.accepted_at,
         )

@@ -115,7 +115,9 @@ class ChunkView:
         dtype = getattr(torch, self.header.dtype)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            flat = torch.frombuffer(self.payload, dtype=dtype) if self.header.payload_len else torch.empty(0, dtype=dtype)
+            flat = (
+                torch.frombuffer(self.payload, dtype=dtype) if self.header.payload_len else torch.empty(0, dtype=dtype)
+            )
         return flat.view(self.header.shape)
 
     def copy_into(self, dest: torch.Tensor) -> None:
@@ -123,7 +125,8 @@ class ChunkView:
         src = self.tensor()
         if dest.dtype != src.dtype or tuple(dest.shape) != tuple(src.shape):
             raise ValueError(
-                f"chunk {self.key.hex()} holds {tuple(src.shape)} {src.dtype}; the destination is {tuple(dest.shape)} {dest.dtype}"
+                f"chunk {self.key.hex()} holds {tuple(src.shape)} {src.dtype}; "
+                f"the destination is {tuple(dest.shape)} {dest.dtype}"
             )
         dest.copy_(src, non_blocking=dest.device.type != "cpu")
 
@@ -166,7 +169,15 @@ def encode_header(key: bytes, fingerprint: bytes, shape: tuple[int, ...], dtype:
     dtype_bytes = dtype.encode("ascii")
     body = (
         _FIXED.pack(
-            MAGIC, FORMAT_VERSION, header_len, key, payload_len, payload_digest(payload), len(fingerprint), len(dtype_bytes), len(shape)
+            MAGIC,
+            FORMAT_VERSION,
+            header_len,
+            key,
+            payload_len,
+            payload_digest(payload),
+            len(fingerprint),
+            len(dtype_bytes),
+            len(shape),
         )
         + fingerprint
         + dtype_bytes
@@ -187,7 +198,9 @@ def encode_chunk(key: bytes, fingerprint: bytes, kv: torch.Tensor) -> bytearray:
     out = bytearray(header_len + nbytes)
     payload = memoryview(out)[header_len:]
     if nbytes:
-        torch.frombuffer(out, dtype=torch.uint8, offset=header_len).copy_(kv.detach().contiguous().view(-1).view(torch.uint8))
+        torch.frombuffer(out, dtype=torch.uint8, offset=header_len).copy_(
+            kv.detach().contiguous().view(-1).view(torch.uint8)
+        )
     out[:header_len] = encode_header(key, fingerprint, shape, dtype, payload)
     return out
 

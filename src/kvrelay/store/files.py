@@ -17,8 +17,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from kvrelay.store.chunk_format import ChunkView, decode_whole_header
 from kvrelay.protocol.chunk_keys import DIGEST_BYTES
+from kvrelay.store.chunk_format import ChunkView, decode_whole_header
 from kvrelay.store.tier import (
     ChunkTier,
     CorruptionListener,

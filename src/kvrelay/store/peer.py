@@ -22,8 +22,8 @@ import urllib.parse
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from kvrelay.store.chunk_format import ChunkView
 from kvrelay.protocol.chunk_keys import DIGEST_BYTES
+from kvrelay.store.chunk_format import ChunkView
 from kvrelay.store.tier import ChunkSource, CorruptionListener, Counters, TierCounters
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,9 @@ class PeerServer:
         self._counters = Counters()
         self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
         self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), name="kvrelay-peer-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, args=(0.05,), name="kvrelay-peer-server", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -157,7 +159,7 @@ class PeerTier(ChunkSource):
             while pos < length:
                 n = response.readinto(view[pos:])
                 if not n:
-                    raise http.client.IncompleteRead(bytes(), length - pos)
+                    raise http.client.IncompleteRead(b"", length - pos)
                 pos += n
             return 200, buffer
         finally:

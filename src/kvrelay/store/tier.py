@@ -129,7 +129,9 @@ class ChunkSource(ABC):
         try:
             return decode_chunk(buffer, key, fingerprint, verify_payload=check_payload)
         except ChunkCorrupt as err:
-            log.warning("corrupt chunk %s in tier %s%s: %s", key.hex(), self.name, f" ({source})" if source else "", err.reason)
+            log.warning(
+                "corrupt chunk %s in tier %s%s: %s", key.hex(), self.name, f" ({source})" if source else "", err.reason
+            )
             self._counters.add(corrupt=1, misses=1)
             if self._on_corrupt is not None:
                 self._on_corrupt(CorruptChunk(self.name, key, err.reason, source))

@@ -19,8 +19,7 @@ import sqlalchemy as sa
 
 PG_ENV = "KVRELAY_TEST_PG_URL"
 ENABLE_PG = (
-    f"set {PG_ENV} to run the PostgreSQL variant: export {PG_ENV}=$(bash scripts/start_postgres.sh) "
-    "(.ci/run does this)"
+    f"set {PG_ENV} to run the PostgreSQL variant: export {PG_ENV}=$(bash scripts/start_postgres.sh) (.ci/run does this)"
 )
 
 

@@ -76,15 +76,23 @@ TINY_DEFAULTS: dict[str, dict[str, Any]] = {
         },
     ),
     "llama": dict(
-        _COMMON, num_hidden_layers=2, head_dim=16, tie_word_embeddings=False,
+        _COMMON,
+        num_hidden_layers=2,
+        head_dim=16,
+        tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
     ),
     "qwen2": dict(
-        _COMMON, num_hidden_layers=2, tie_word_embeddings=False,
+        _COMMON,
+        num_hidden_layers=2,
+        tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
     ),
     "qwen3": dict(
-        _COMMON, num_hidden_layers=2, head_dim=32, tie_word_embeddings=True,
+        _COMMON,
+        num_hidden_layers=2,
+        head_dim=32,
+        tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
     ),
 }

@@ -64,7 +64,6 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from kvrelay.router.cluster_router import ClusterRouter
 from kvrelay.protocol.codec import DEFAULT_MAX_FRAME_BYTES, encode
 from kvrelay.protocol.messages import (
     Cancel,
@@ -74,6 +73,7 @@ from kvrelay.protocol.messages import (
     Residency,
     WireMessage,
 )
+from kvrelay.router.cluster_router import ClusterRouter
 from kvrelay.transport.auth import check_authorization
 from kvrelay.transport.connections import ConnectionTable
 from kvrelay.transport.frames import Extension, Malformed, Outbox, read_frame
@@ -175,9 +175,13 @@ class RouterEndpoint:
         self._sink = sink
         self._is_live = is_live or (registry_liveness(sink) if isinstance(sink, ClusterRouter) else None)
         self._server = await serve(
-            self._serve_connection, self.host, self.port,
-            process_request=self._check_handshake, max_size=self.max_frame_bytes,
-            compression=None, server_header=None,
+            self._serve_connection,
+            self.host,
+            self.port,
+            process_request=self._check_handshake,
+            max_size=self.max_frame_bytes,
+            compression=None,
+            server_header=None,
         )
         self.port = self._server.sockets[0].getsockname()[1]
         if self._is_live is not None:
@@ -203,8 +207,9 @@ class RouterEndpoint:
     def _check_handshake(self, connection: ServerConnection, request: Request) -> Response | None:
         if request.path != self.path:
             self.count("handshake_wrong_path")
-            log.warning("refused handshake from %s: path %r is not %r", connection.remote_address, request.path,
-                        self.path)
+            log.warning(
+                "refused handshake from %s: path %r is not %r", connection.remote_address, request.path, self.path
+            )
             return connection.respond(HTTPStatus.NOT_FOUND, f"workers connect at {self.path}\n")
         refusal = check_authorization(request.headers.get("Authorization"), self._secret)
         if refusal is None:
@@ -254,8 +259,11 @@ class RouterEndpoint:
                     self._reject(cid, peer, claim.reason.value, f"heartbeat {item.worker_id} {(item.epoch, item.seq)}")
                     return
                 if claim.displaced is not None:
-                    self._close_peer(claim.displaced, CLOSE_REPLACED,
-                                     f"replaced by a newer connection of {item.worker_id} (epoch {item.epoch})")
+                    self._close_peer(
+                        claim.displaced,
+                        CLOSE_REPLACED,
+                        f"replaced by a newer connection of {item.worker_id} (epoch {item.epoch})",
+                    )
                 self.count("heartbeats")
                 self._feed(item)
             case Offer() | Cancel():
@@ -337,4 +345,3 @@ class RouterEndpoint:
                     self.count("routes_expired")
                     log.info("worker %s epoch %d expired; closing connection %d", worker_id, epoch, cid)
                     self._close_peer(cid, CLOSE_EXPIRED, f"worker {worker_id} epoch {epoch} expired")
-

@@ -135,8 +135,7 @@ class WorkerEndpoint:
             try:
                 parse_uri(url)
             except InvalidURI as exc:
-                raise ValueError(f"router URL {url!r} is not usable: {exc}; "
-                                 "expected ws://HOST:PORT/workers") from None
+                raise ValueError(f"router URL {url!r} is not usable: {exc}; expected ws://HOST:PORT/workers") from None
         self._host = host
         self.router_urls = tuple(router_urls)
         self._secret = secret
@@ -200,15 +199,23 @@ class WorkerEndpoint:
         while not self._closing:
             try:
                 async with connect(
-                    url, additional_headers=[bearer_header(self._secret)], max_size=self.max_frame_bytes,
-                    compression=None, proxy=None, open_timeout=self._open_timeout_s, close_timeout=1.0,
+                    url,
+                    additional_headers=[bearer_header(self._secret)],
+                    max_size=self.max_frame_bytes,
+                    compression=None,
+                    proxy=None,
+                    open_timeout=self._open_timeout_s,
+                    close_timeout=1.0,
                 ) as connection:
                     failures = 0
                     await self._serve_link(url, connection)
             except InvalidStatus as exc:
                 self.count("handshake_refused")
-                log.error("router %s refused the handshake: HTTP %d; check the shared secret and the path",
-                          url, exc.response.status_code)
+                log.error(
+                    "router %s refused the handshake: HTTP %d; check the shared secret and the path",
+                    url,
+                    exc.response.status_code,
+                )
             except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed) as exc:
                 self.count("connect_failed")
                 log.info("cannot reach router %s: %s", url, exc)
@@ -235,8 +242,9 @@ class WorkerEndpoint:
             await link.outbox.stop()
             del self._links[url]
             self.last_close[url] = (connection.close_code, connection.close_reason or "")
-            log.info("connection to router %s ended: code %s %s", url, connection.close_code,
-                     connection.close_reason or "")
+            log.info(
+                "connection to router %s ended: code %s %s", url, connection.close_code, connection.close_reason or ""
+            )
             on_disconnect = getattr(self._host, "on_disconnect", None)
             if on_disconnect is not None and not self._closing:
                 self._call_host(on_disconnect, url)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvrelay.core.planning.predicted_ttft import page_demand
-from kvrelay.protocol.messages import DeclineReason, Offer
 from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS, prompt_chain
+from kvrelay.protocol.messages import DeclineReason, Offer
 from kvrelay.worker.page_pool import Eviction, PagePool, Reservation
 
 
@@ -60,13 +60,17 @@ def decline(reason: DeclineReason, detail: str) -> Admission:
 def admit(pool: PagePool, me: WorkerIdentity, offer: Offer, shutting_down: bool = False) -> Admission:
     """Admit ``offer`` into ``pool`` or decline it (see the module docstring)."""
     if offer.epoch != me.epoch or offer.worker_id != me.worker_id:
-        return decline(DeclineReason.WRONG_EPOCH, f"offer for {offer.worker_id} epoch {offer.epoch}; this is "
-                                                  f"{me.worker_id} epoch {me.epoch}")
+        return decline(
+            DeclineReason.WRONG_EPOCH,
+            f"offer for {offer.worker_id} epoch {offer.epoch}; this is {me.worker_id} epoch {me.epoch}",
+        )
     if offer.model != me.model:
         return decline(DeclineReason.WRONG_MODEL, f"model '{offer.model}' is not served here; served: {me.model}")
     if offer.model_fingerprint and offer.model_fingerprint != me.fingerprint.hex():
-        return decline(DeclineReason.WRONG_MODEL, f"fingerprint {offer.model_fingerprint[:16]}... differs from "
-                                                  f"{me.fingerprint.hex()[:16]}...")
+        return decline(
+            DeclineReason.WRONG_MODEL,
+            f"fingerprint {offer.model_fingerprint[:16]}... differs from {me.fingerprint.hex()[:16]}...",
+        )
     if shutting_down:
         return decline(DeclineReason.SHUTTING_DOWN, "the worker is draining")
     total = len(offer.prompt) + offer.max_new_tokens
@@ -85,7 +89,8 @@ def admit(pool: PagePool, me: WorkerIdentity, offer: Offer, shutting_down: bool 
     before = len(pool.evictions)
     reservation = pool.reserve(f"{offer.assignment.request_id}#{offer.assignment.attempt}", demand, protected)
     if reservation is None:
-        return decline(DeclineReason.NO_CAPACITY,
-                       f"needs {demand} pages; free {pool.num_free}, evictable {pool.num_evictable}")
+        return decline(
+            DeclineReason.NO_CAPACITY, f"needs {demand} pages; free {pool.num_free}, evictable {pool.num_evictable}"
+        )
     pool.acquire(prefix)
     return Admission(True, None, "", reservation, tuple(prefix), chain, demand, tuple(pool.evictions[before:]))

@@ -30,8 +30,9 @@ def scatter_chunk(kv: KVPages, pages: Sequence[int], chunk: torch.Tensor) -> Non
     n = len(pages)
     expected = (kv.k.shape[0], 2, n * kv.page_tokens, kv.k.shape[3], kv.k.shape[4])
     if tuple(chunk.shape) != expected or chunk.dtype != kv.k.dtype:
-        raise ValueError(f"chunk of shape {tuple(chunk.shape)} {chunk.dtype} does not fit pages shaped "
-                         f"{expected} {kv.k.dtype}")
+        raise ValueError(
+            f"chunk of shape {tuple(chunk.shape)} {chunk.dtype} does not fit pages shaped {expected} {kv.k.dtype}"
+        )
     index = torch.tensor(list(pages), device=kv.k.device)
     paged = chunk.reshape(layers, 2, n, kv.page_tokens, heads, dim).to(kv.k.device)
     kv.k.index_copy_(1, index, paged[:, 0])

@@ -27,7 +27,7 @@ class RestoreReport:
 
     tiers: tuple[Tier, ...] = ()
     """The tier each restored chunk came from; its length is the number of chunks restored."""
-    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    bytes_by_tier: dict[Tier, int] = field(default_factory=dict)
     seconds: float = 0.0
 
 
@@ -56,7 +56,7 @@ class Run:
     parent_key: bytes
     """The key of the last registered chunk (the chain's root before any)."""
     cached_tokens: dict[Tier, int] = field(default_factory=dict)
-    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    bytes_by_tier: dict[Tier, int] = field(default_factory=dict)
     handle: JobHandle | None = None
     restoring: bool = False
     fenced: bool = False

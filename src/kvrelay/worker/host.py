@@ -27,10 +27,11 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import assert_never
 
 from kvrelay.core.worker import machine
+from kvrelay.protocol.chunk_keys import chunk_key, root_key
 from kvrelay.protocol.messages import (
     Assignment,
     Cancel,
@@ -45,12 +46,11 @@ from kvrelay.protocol.messages import (
     Usage,
     WireMessage,
 )
-from kvrelay.protocol.chunk_keys import chunk_key, root_key
 from kvrelay.worker.admission import WorkerIdentity, admit
-from kvrelay.worker.kv_capture import Checkpointer
 from kvrelay.worker.handlers import Reply, RestoreHandler, RestoreReport, Run
-from kvrelay.worker.runtime.jobs import Job, JobResult, RuntimeEvent, TokenEvent
+from kvrelay.worker.kv_capture import Checkpointer
 from kvrelay.worker.page_pool import PagePool
+from kvrelay.worker.runtime.jobs import Job, JobResult, RuntimeEvent, TokenEvent
 from kvrelay.worker.runtime.loop import PagedRuntime
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class WorkerController:
         publish: Callable[[WireMessage], object] = lambda m: None,
         prefill_s_per_token: float = 1e-3,
         decode_s_per_token: float = 0.05,
-        restore_bytes_per_s: dict[str, float] | None = None,
+        restore_bytes_per_s: Mapping[Tier, float] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.me = identity
@@ -101,17 +101,28 @@ class WorkerController:
         """Fresh observations with the next sequence number."""
         self._seq += 1
         return Heartbeat(
-            worker_id=self.worker_id, epoch=self.epoch, seq=self._seq, models=(self.me.model,),
-            model_fingerprints=(self.me.fingerprint.hex(),), pages_total=self.pool.num_pages,
-            pages_free=self.pool.num_free, pages_evictable=self.pool.num_evictable,
-            pages_reserved=self.pool.num_reserved, chunk_bytes_by_tier=self._chunk_bytes(),
-            page_tokens=self.pool.page_tokens, chunk_tokens=self.me.chunk_tokens,
+            worker_id=self.worker_id,
+            epoch=self.epoch,
+            seq=self._seq,
+            models=(self.me.model,),
+            model_fingerprints=(self.me.fingerprint.hex(),),
+            pages_total=self.pool.num_pages,
+            pages_free=self.pool.num_free,
+            pages_evictable=self.pool.num_evictable,
+            pages_reserved=self.pool.num_reserved,
+            chunk_bytes_by_tier=self._chunk_bytes(),
+            page_tokens=self.pool.page_tokens,
+            chunk_tokens=self.me.chunk_tokens,
             queue_delay_s=self._pending_prefill_tokens * self.prefill_s_per_token,
-            active_lanes=self.runtime.num_active, max_lanes=self.runtime.policy.num_lanes,
-            prefill_s_per_token=self.prefill_s_per_token, decode_s_per_token=self.decode_s_per_token,
+            active_lanes=self.runtime.num_active,
+            max_lanes=self.runtime.policy.num_lanes,
+            prefill_s_per_token=self.prefill_s_per_token,
+            decode_s_per_token=self.decode_s_per_token,
             prefill_chunk_tokens=self.runtime.policy.token_budget,
-            restore_bytes_per_s=self.restore_bytes_per_s, kv_bytes_per_token=self.kv_bytes_per_token,
-            context_limit=self.me.context_limit, peer_url=self.peer_url,
+            restore_bytes_per_s=self.restore_bytes_per_s,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            context_limit=self.me.context_limit,
+            peer_url=self.peer_url,
         )
 
     def _chunk_bytes(self) -> dict[Tier, int]:
@@ -143,8 +154,12 @@ class WorkerController:
         """
         now = self.clock()
         for assignment in list(self.state.slots):
-            self._step(machine.CancelReceived(now, Cancel(assignment=assignment, worker_id=self.worker_id,
-                                                          reason=f"connection to {router_url} lost")))
+            self._step(
+                machine.CancelReceived(
+                    now,
+                    Cancel(assignment=assignment, worker_id=self.worker_id, reason=f"connection to {router_url} lost"),
+                )
+            )
         self.epoch = max(self.epoch + 1, time.time_ns() // 1_000_000)
         self.state.epoch = self.epoch
         self.me = dataclasses.replace(self.me, epoch=self.epoch)
@@ -167,8 +182,17 @@ class WorkerController:
     def publish_residency(self, stored: tuple[bytes, ...], removed: tuple[bytes, ...], tier: Tier = "gpu") -> None:
         """One Residency message per change of a tier (the pool's gpu callback; lower tiers via the loop)."""
         self._residency_seq += 1
-        self.publish(Residency(worker_id=self.worker_id, epoch=self.epoch, seq=self._residency_seq, tier=tier,
-                               model=self.me.model, stored=stored, removed=removed))
+        self.publish(
+            Residency(
+                worker_id=self.worker_id,
+                epoch=self.epoch,
+                seq=self._residency_seq,
+                tier=tier,
+                model=self.me.model,
+                stored=stored,
+                removed=removed,
+            )
+        )
 
     # --- the machine and its effects ------------------------------------------------
 
@@ -195,8 +219,13 @@ class WorkerController:
         if not machine.holds_reservations(self.state):
             if not self.quiesced.is_set():
                 counters = self.state.counters
-                log.info("worker %s holds no reservations (epoch %d; assignments finished %d, cancelled %d)",
-                         self.worker_id, self.epoch, counters.get("finished", 0), counters.get("cancelled", 0))
+                log.info(
+                    "worker %s holds no reservations (epoch %d; assignments finished %d, cancelled %d)",
+                    self.worker_id,
+                    self.epoch,
+                    counters.get("finished", 0),
+                    counters.get("cancelled", 0),
+                )
             self.quiesced.set()
         else:
             self.quiesced.clear()
@@ -206,22 +235,29 @@ class WorkerController:
         if result.accepted:
             assert result.reservation is not None
             prefix_pages = [p for pages in result.prefix for p in pages]
-            run = Run(offer, self._replies[offer.assignment], result, prefix_pages + list(result.reservation.pages),
-                      taken=len(prefix_pages), registered=len(result.prefix),
-                      parent_key=result.chain[len(result.prefix) - 1] if result.prefix else root_key(self.me.fingerprint),
-                      accepted_at=self.clock())
+            run = Run(
+                offer,
+                self._replies[offer.assignment],
+                result,
+                prefix_pages + list(result.reservation.pages),
+                taken=len(prefix_pages),
+                registered=len(result.prefix),
+                parent_key=result.chain[len(result.prefix) - 1] if result.prefix else root_key(self.me.fingerprint),
+                accepted_at=self.clock(),
+            )
             if result.prefix:
                 run.cached_tokens["gpu"] = len(result.prefix) * self.me.chunk_tokens
             self.runs[offer.assignment] = run
-        self._step(machine.AdmissionDecided(self.clock(), offer.assignment, result.accepted, result.reason,
-                                            result.detail))
+        self._step(
+            machine.AdmissionDecided(self.clock(), offer.assignment, result.accepted, result.reason, result.detail)
+        )
 
     def _start(self, offer: Offer) -> None:
         run = self.runs[offer.assignment]
         ppc = self.pool.pages_per_chunk
         wanted = len(run.admission.chain) - run.registered
         if self.restorer is not None and wanted > 0 and any(s.tier not in ("gpu", "recompute") for s in offer.route):
-            keys = run.admission.chain[run.registered:]
+            keys = run.admission.chain[run.registered :]
             first = run.taken
             pages = [run.page_table[first + i * ppc : first + (i + 1) * ppc] for i in range(wanted)]
             run.restoring = True
@@ -255,8 +291,14 @@ class WorkerController:
     def _submit(self, run: Run) -> None:
         cached = run.registered * self.me.chunk_tokens
         offer = run.offer
-        job = Job(tokens=offer.prompt[cached:], page_table=tuple(run.page_table), start_pos=cached,
-                  max_new_tokens=offer.max_new_tokens, sampling=offer.sampling, priority=offer.priority)
+        job = Job(
+            tokens=offer.prompt[cached:],
+            page_table=tuple(run.page_table),
+            start_pos=cached,
+            max_new_tokens=offer.max_new_tokens,
+            sampling=offer.sampling,
+            priority=offer.priority,
+        )
         loop = asyncio.get_running_loop()
         self._pending_prefill_tokens += len(job.tokens)
         run.submitted_at = self.clock()
@@ -296,8 +338,11 @@ class WorkerController:
         if event.finish_reason == FinishReason.CANCELLED and run.fenced:
             self._step(machine.WorkQuiesced(self.clock(), a))
             return
-        self._step(machine.WorkFinished(self.clock(), a, event.finish_reason, self._usage(run), self._timings(run),
-                                        event.error))
+        self._step(
+            machine.WorkFinished(
+                self.clock(), a, event.finish_reason, self._usage(run), self._timings(run), event.error
+            )
+        )
 
     def _fence(self, assignment: Assignment) -> None:
         run = self.runs.get(assignment)
@@ -347,8 +392,12 @@ class WorkerController:
 
     def _usage(self, run: Run) -> Usage:
         cached = sum(run.cached_tokens.values())
-        return Usage(prompt_tokens=len(run.offer.prompt), cached_tokens=dict(run.cached_tokens),
-                     recomputed_tokens=len(run.offer.prompt) - cached, generated_tokens=len(run.generated))
+        return Usage(
+            prompt_tokens=len(run.offer.prompt),
+            cached_tokens=dict(run.cached_tokens),
+            recomputed_tokens=len(run.offer.prompt) - cached,
+            generated_tokens=len(run.generated),
+        )
 
     def _timings(self, run: Run) -> Timings:
         times = run.token_times

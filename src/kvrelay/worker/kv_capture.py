@@ -34,8 +34,16 @@ log = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    def __init__(self, kv: KVPages, pool: PagePool, stack: TierStack, fingerprint: bytes,
-                 budget_bytes: int = 64 << 20, when_full: Literal["wait", "skip"] = "wait", threads: int = 1) -> None:
+    def __init__(
+        self,
+        kv: KVPages,
+        pool: PagePool,
+        stack: TierStack,
+        fingerprint: bytes,
+        budget_bytes: int = 64 << 20,
+        when_full: Literal["wait", "skip"] = "wait",
+        threads: int = 1,
+    ) -> None:
         self.kv = kv
         self.pool = pool
         self.stack = stack

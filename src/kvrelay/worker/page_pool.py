@@ -65,8 +65,13 @@ class ReservePlan(NamedTuple):
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_tokens: int = DEFAULT_PAGE_TOKENS, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 on_residency: ResidencyCallback | None = None) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_tokens: int = DEFAULT_PAGE_TOKENS,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        on_residency: ResidencyCallback | None = None,
+    ) -> None:
         if num_pages < 1:
             raise ValueError(f"a page pool needs at least one page, got {num_pages}")
         if chunk_tokens % page_tokens:
@@ -193,7 +198,8 @@ class PagePool:
         if reservation is None:
             raise PoolExhaustedError(
                 f"asked for {n} pages but only {self.num_free} of {self.num_pages} are free and "
-                f"{self.num_evictable} evictable; free finished sequences' pages or start with more pages")
+                f"{self.num_evictable} evictable; free finished sequences' pages or start with more pages"
+            )
         pages = self.take(reservation, n)
         self.release(reservation)
         return pages
@@ -272,8 +278,14 @@ class PagePool:
         if len(free) != len(self._free):
             raise PagePoolError("a page is free twice")
         total = sum(len(s) for s in states)
-        overlap = (free & cached) | (free & referenced) | (free & reserved) | (cached & referenced) \
-            | (cached & reserved) | (referenced & reserved)
+        overlap = (
+            (free & cached)
+            | (free & referenced)
+            | (free & reserved)
+            | (cached & referenced)
+            | (cached & reserved)
+            | (referenced & reserved)
+        )
         if overlap or total != self.num_pages:
             raise PagePoolError(
                 f"pool invariant broken: free {len(free)} + cached {len(cached)} + referenced {len(referenced)} "

@@ -71,8 +71,13 @@ class ScenarioSizes:
 
 
 class ScenarioRunner:
-    def __init__(self, cluster: BenchCluster, sizes: ScenarioSizes, prompts: ScenarioPrompts,
-                 progress: Callable[[str, int], None]) -> None:
+    def __init__(
+        self,
+        cluster: BenchCluster,
+        sizes: ScenarioSizes,
+        prompts: ScenarioPrompts,
+        progress: Callable[[str, int], None],
+    ) -> None:
         self.cluster = cluster
         self.sizes = sizes
         self.prompts = prompts
@@ -110,11 +115,25 @@ class ScenarioRunner:
         self.progress(name, 0)
         self._before = self._snapshots()
 
-    def _send(self, prompts: list[list[int]], max_tokens: int, concurrency: int, stage: str,
-              cancel_after: dict[int, int] | None = None, records: list[StreamRecord] | None = None,
-              ) -> list[StreamRecord]:
-        return run_streams(self.cluster.http_url, self.model, prompts, max_tokens, concurrency, cancel_after,
-                           lambda r: self.progress(stage, 1), records)
+    def _send(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        concurrency: int,
+        stage: str,
+        cancel_after: dict[int, int] | None = None,
+        records: list[StreamRecord] | None = None,
+    ) -> list[StreamRecord]:
+        return run_streams(
+            self.cluster.http_url,
+            self.model,
+            prompts,
+            max_tokens,
+            concurrency,
+            cancel_after,
+            lambda r: self.progress(stage, 1),
+            records,
+        )
 
     def _held_bytes(self, after: dict[str, Snapshot]) -> dict[str, int]:
         held: dict[str, int] = {}
@@ -124,26 +143,45 @@ class ScenarioRunner:
         held["object"] = self.cluster.object_bytes()
         return held
 
-    def _finish(self, name: str, records: list[StreamRecord], window: tuple[float, float],
-                checks: dict[str, float] | None = None) -> CaseSummary:
+    def _finish(
+        self,
+        name: str,
+        records: list[StreamRecord],
+        window: tuple[float, float],
+        checks: dict[str, float] | None = None,
+    ) -> CaseSummary:
         after = self._snapshots()
         facts = self.facts.read(window[0], window[1] + 1.0, expect=len(records))
-        summary = summarize_case(name, CASES[name], records, facts, self._before, after, self.sampler.samples,
-                                 window, self._held_bytes(after))
+        summary = summarize_case(
+            name,
+            CASES[name],
+            records,
+            facts,
+            self._before,
+            after,
+            self.sampler.samples,
+            window,
+            self._held_bytes(after),
+        )
         summary.checks.update(checks or {})
         summary.checks["errors"] = sum(r.error is not None for r in records)
         gpu_tokens = self.sizes.prefix_tokens // 64 * 64
         summary.checks["requests_with_whole_prefix_on_gpu"] = sum(
-            n for k, n in facts.gpu_hit_requests.items() if k >= gpu_tokens)
+            n for k, n in facts.gpu_hit_requests.items() if k >= gpu_tokens
+        )
         summary.checks["continued_requests"] = facts.attempts_over_one
         self.summaries.append(summary)
         return summary
 
-    def _measure(self, name: str, prompts: list[list[int]], concurrency: int | None = None,
-                 cancel_after: dict[int, int] | None = None) -> tuple[list[StreamRecord], tuple[float, float]]:
+    def _measure(
+        self,
+        name: str,
+        prompts: list[list[int]],
+        concurrency: int | None = None,
+        cancel_after: dict[int, int] | None = None,
+    ) -> tuple[list[StreamRecord], tuple[float, float]]:
         start = time.monotonic()
-        records = self._send(prompts, self.sizes.new_tokens, concurrency or self.sizes.concurrency, name,
-                             cancel_after)
+        records = self._send(prompts, self.sizes.new_tokens, concurrency or self.sizes.concurrency, name, cancel_after)
         return records, (start, time.monotonic())
 
     def _warm_shared(self, stage: str) -> None:
@@ -185,17 +223,24 @@ class ScenarioRunner:
         self._warm_shared("cancellation")
         n = self.sizes.requests
         cancel = {i: max(1, self.sizes.new_tokens // 4) for i in range(0, n, 3)}
-        records, window = self._measure("cancellation", [self.prompts.on_shared(j) for j in range(n)],
-                                        concurrency=n, cancel_after=cancel)
+        records, window = self._measure(
+            "cancellation", [self.prompts.on_shared(j) for j in range(n)], concurrency=n, cancel_after=cancel
+        )
         survivors = [i for i in range(n) if i not in cancel]
         quiesce_s, leaked = self._quiesce()
-        self._finish("cancellation", records, window, {
-            "cancelled_streams": sum(records[i].cancelled for i in cancel),
-            "survivors": len(survivors),
-            "survivors_completed": sum(records[i].completed for i in survivors),
-            "survivors_identical_to_resident": self._identical(records, survivors),
-            "leaked_pages": leaked, "quiesce_s": quiesce_s,
-        })
+        self._finish(
+            "cancellation",
+            records,
+            window,
+            {
+                "cancelled_streams": sum(records[i].cancelled for i in cancel),
+                "survivors": len(survivors),
+                "survivors_completed": sum(records[i].completed for i in survivors),
+                "survivors_identical_to_resident": self._identical(records, survivors),
+                "leaked_pages": leaked,
+                "quiesce_s": quiesce_s,
+            },
+        )
 
     def _quiesce(self) -> tuple[float, int]:
         """Seconds until no worker holds a referenced or reserved page (bounded), and how many are still held."""
@@ -215,8 +260,11 @@ class ScenarioRunner:
         prompts = [self.prompts.on_shared(j) for j in range(n)]
         records = new_records(prompts)
         start = time.monotonic()
-        streams = threading.Thread(target=self._send, name="restart-streams",
-                                   args=(prompts, self.sizes.new_tokens, n, "restart", None, records))
+        streams = threading.Thread(
+            target=self._send,
+            name="restart-streams",
+            args=(prompts, self.sizes.new_tokens, n, "restart", None, records),
+        )
         streams.start()
         wanted = max(1, self.sizes.new_tokens // 4)
         while streams.is_alive() and sum(len(r.token_times) >= wanted for r in records) < max(1, n // 2):
@@ -229,14 +277,19 @@ class ScenarioRunner:
         restart_s = self.cluster.start_worker(victim)
         streams.join()
         window = (start, time.monotonic())
-        self._finish("restart", records, window, {
-            "streams_in_flight_at_kill": in_flight,
-            "completed": sum(r.completed for r in records),
-            "lost": sum(not r.completed for r in records),
-            "identical_to_resident": self._identical(records, list(range(n))),
-            "worker_restart_s": restart_s,
-            "kill_at_s": killed_at - start,
-        })
+        self._finish(
+            "restart",
+            records,
+            window,
+            {
+                "streams_in_flight_at_kill": in_flight,
+                "completed": sum(r.completed for r in records),
+                "lost": sum(not r.completed for r in records),
+                "identical_to_resident": self._identical(records, list(range(n))),
+                "worker_restart_s": restart_s,
+                "kill_at_s": killed_at - start,
+            },
+        )
 
     def case_object(self) -> None:
         self._begin("object")

@@ -16,8 +16,9 @@ TIERS = ("gpu", "ram", "ssd", "peer", "object")
 GAP_S = 2.0
 
 
-def write_plots(summaries: Sequence[CaseSummary], samples: Sequence[OccupancySample], out_dir: Path,
-                stem: str) -> dict[str, str]:
+def write_plots(
+    summaries: Sequence[CaseSummary], samples: Sequence[OccupancySample], out_dir: Path, stem: str
+) -> dict[str, str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -34,8 +35,10 @@ def write_plots(summaries: Sequence[CaseSummary], samples: Sequence[OccupancySam
         plt.close(fig)  # type: ignore[arg-type]
         written[title] = path.name
 
-    for kind, title, attr in (("ttft", "time to first token per case", "ttft_samples"),
-                              ("itl", "inter-token latency per case", "itl_samples")):
+    for kind, title, attr in (
+        ("ttft", "time to first token per case", "ttft_samples"),
+        ("itl", "inter-token latency per case", "itl_samples"),
+    ):
         fig, ax = plt.subplots(figsize=(9, 4.5))
         data = [[v * 1000 for v in getattr(s, attr)] or [float("nan")] for s in summaries]
         ax.boxplot(data, tick_labels=names, showfliers=True, whis=(1, 99))
@@ -61,8 +64,10 @@ def write_plots(summaries: Sequence[CaseSummary], samples: Sequence[OccupancySam
     save(fig, "pages", "page occupancy over time")
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for ax, attr, title in ((left, "restored_bytes", "bytes restored into pages, by source tier"),
-                            (right, "held_bytes", "bytes held per tier at the end of each case")):
+    for ax, attr, title in (
+        (left, "restored_bytes", "bytes restored into pages, by source tier"),
+        (right, "held_bytes", "bytes held per tier at the end of each case"),
+    ):
         bottom = [0.0] * len(summaries)
         for tier in TIERS:
             values = [getattr(s, attr).get(tier, 0) / 1e6 for s in summaries]

@@ -44,5 +44,4 @@ class ScenarioPrompts:
     def half_shared(self) -> list[list[int]]:
         """Prompts sharing the first half of the shared prefix, then new ids to the same length."""
         half = self.prefix_tokens // 2
-        return [self.shared[:half] + self.fresh(self.prefix_tokens - half + self.suffix_tokens)
-                for _ in self.prefixes]
+        return [self.shared[:half] + self.fresh(self.prefix_tokens - half + self.suffix_tokens) for _ in self.prefixes]

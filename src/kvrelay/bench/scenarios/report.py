@@ -88,12 +88,26 @@ def figures(summaries: Sequence[CaseSummary]) -> list[dict[str, Any]]:
             if value is None:
                 continue
             base_value = base.get(key, (0, unit))[0]
-            out.append({"name": f"{s.name}_{key}", "value": value, "unit": unit, "baseline": f"{BASELINE}_{key}",
-                        "baseline_value": base_value if base_value is not None else 0})
+            out.append(
+                {
+                    "name": f"{s.name}_{key}",
+                    "value": value,
+                    "unit": unit,
+                    "baseline": f"{BASELINE}_{key}",
+                    "baseline_value": base_value if base_value is not None else 0,
+                }
+            )
         for key, value in s.checks.items():
             baseline, base_value = _check_baseline(key, s, by_name)
-            out.append({"name": f"{s.name}_{key}", "value": value, "unit": CHECKS.get(key, ("count", ""))[0],
-                        "baseline": baseline, "baseline_value": base_value})
+            out.append(
+                {
+                    "name": f"{s.name}_{key}",
+                    "value": value,
+                    "unit": CHECKS.get(key, ("count", ""))[0],
+                    "baseline": baseline,
+                    "baseline_value": base_value,
+                }
+            )
     return out
 
 
@@ -107,11 +121,15 @@ def _tiers(d: dict[str, int], scale: float = 1.0, unit: str = "") -> str:
 
 
 def case_table(summaries: Sequence[CaseSummary]) -> list[str]:
-    lines = [("| case | n | TTFT p50 / p90 / p99 (ms) | at router p50 / p90 (ms) | in runtime p50 / p90 (ms) "
-              "| ITL p50 / p99 (ms) | peak pages used / active / total | cached tokens by tier "
-              "| recomputed tokens | restored MB by tier | held MB by tier | evictions "
-              "| restore s (overlapped with decode) |"),
-             "| --- | ---: | --- | --- | --- | --- | --- | --- | ---: | --- | --- | --- | --- |"]
+    lines = [
+        (
+            "| case | n | TTFT p50 / p90 / p99 (ms) | at router p50 / p90 (ms) | in runtime p50 / p90 (ms) "
+            "| ITL p50 / p99 (ms) | peak pages used / active / total | cached tokens by tier "
+            "| recomputed tokens | restored MB by tier | held MB by tier | evictions "
+            "| restore s (overlapped with decode) |"
+        ),
+        "| --- | ---: | --- | --- | --- | --- | --- | --- | ---: | --- | --- | --- | --- |",
+    ]
     for s in summaries:
         overlap = s.restore_overlap_fraction
         restore = "-" if not s.restore_s else f"{s.restore_s:.2f} ({overlap:.0%})" if overlap is not None else "-"
@@ -122,30 +140,44 @@ def case_table(summaries: Sequence[CaseSummary]) -> list[str]:
             f"| {_ms(s.itl_s['p50'])} / {_ms(s.itl_s['p99'])} "
             f"| {s.pages_used_peak} / {s.pages_active_peak} / {s.pages_total} | {_tiers(s.cached_tokens)} "
             f"| {s.recomputed_tokens} | {_tiers(s.restored_bytes, 1e6)} | {_tiers(s.held_bytes, 1e6)} "
-            f"| {_tiers(s.evictions)} | {restore} |")
+            f"| {_tiers(s.evictions)} | {restore} |"
+        )
     return lines
 
 
-def markdown(summaries: Sequence[CaseSummary], header: dict[str, str], plots: dict[str, str],
-             figure_list: list[dict[str, Any]]) -> str:
+def markdown(
+    summaries: Sequence[CaseSummary], header: dict[str, str], plots: dict[str, str], figure_list: list[dict[str, Any]]
+) -> str:
     """The report: how it was made, the case table, each case's checks, the plots."""
     lines = ["# kvrelay bench scenarios", ""]
     lines += [f"- {k}: {v}" for k, v in header.items()]
     lines += ["", "## Cases", ""]
-    lines += [f"- **{s.name}**: {s.description}; finish reasons {_tiers(s.finish_reasons)}; accepted offers by "
-              f"worker {_tiers(s.chosen_workers)}" for s in summaries]
+    lines += [
+        f"- **{s.name}**: {s.description}; finish reasons {_tiers(s.finish_reasons)}; accepted offers by "
+        f"worker {_tiers(s.chosen_workers)}"
+        for s in summaries
+    ]
     lines += ["", "## Per case", ""] + case_table(summaries)
-    lines += ["", ("TTFT is measured by the client (request sent to first streamed text); \"at router\" from the "
-                   "request's arrival at the router to its first token there (the fact store's measured outcome: "
-                   "the difference to the client's TTFT is HTTP, ingress validation and streaming); \"in runtime\" "
-                   "from the job's submission to the worker's runtime to its first token (its queue and prefill), "
-                   "measured in the workers; between the two lie routing, the offer, admission and restore. "
-                   "Cached and recomputed tokens come from the router's measured outcomes (fact store); restored "
-              "bytes, evictions and restore/decode overlap from each worker's probe; held bytes are the ram and "
-              "ssd tiers of the live workers and the whole S3 bucket at the end of the case. Evictions count "
-              "from the start of the case's setup (e.g. the flood before `ssd`): `gpu:durable` / `gpu:lru` are "
-              "page-pool evictions by reason, `ram:capacity` / `ssd:capacity` chunk-tier evictions."), "",
-              "## Checks", "", "| figure | value | compared with | baseline value |", "| --- | ---: | --- | ---: |"]
+    lines += [
+        "",
+        (
+            'TTFT is measured by the client (request sent to first streamed text); "at router" from the '
+            "request's arrival at the router to its first token there (the fact store's measured outcome: "
+            'the difference to the client\'s TTFT is HTTP, ingress validation and streaming); "in runtime" '
+            "from the job's submission to the worker's runtime to its first token (its queue and prefill), "
+            "measured in the workers; between the two lie routing, the offer, admission and restore. "
+            "Cached and recomputed tokens come from the router's measured outcomes (fact store); restored "
+            "bytes, evictions and restore/decode overlap from each worker's probe; held bytes are the ram and "
+            "ssd tiers of the live workers and the whole S3 bucket at the end of the case. Evictions count "
+            "from the start of the case's setup (e.g. the flood before `ssd`): `gpu:durable` / `gpu:lru` are "
+            "page-pool evictions by reason, `ram:capacity` / `ssd:capacity` chunk-tier evictions."
+        ),
+        "",
+        "## Checks",
+        "",
+        "| figure | value | compared with | baseline value |",
+        "| --- | ---: | --- | ---: |",
+    ]
     checks = {f"{s.name}_{k}" for s in summaries for k in s.checks}
     for f in figure_list:
         if f["name"] in checks:

@@ -137,9 +137,17 @@ def occupancy_peaks(samples: Sequence[OccupancySample], start: float, end: float
     return used, active, total
 
 
-def summarize_case(name: str, description: str, records: Sequence[StreamRecord], facts: OutcomeFacts,
-                   before: dict[str, Snapshot], after: dict[str, Snapshot], samples: Sequence[OccupancySample],
-                   window: tuple[float, float], held_bytes: dict[str, int]) -> CaseSummary:
+def summarize_case(
+    name: str,
+    description: str,
+    records: Sequence[StreamRecord],
+    facts: OutcomeFacts,
+    before: dict[str, Snapshot],
+    after: dict[str, Snapshot],
+    samples: Sequence[OccupancySample],
+    window: tuple[float, float],
+    held_bytes: dict[str, int],
+) -> CaseSummary:
     """One case's summary; ``window`` brackets its measured requests, ``before`` is taken at its setup's start."""
     ttft = [t for r in records if (t := r.ttft_s) is not None]
     itl = [g for r in records for g in r.inter_token_s]
@@ -148,14 +156,26 @@ def summarize_case(name: str, description: str, records: Sequence[StreamRecord],
     restore_s, overlap_s, restored = restore_overlap(after.values(), window[0], window[1])
     runtime = runtime_first_token(after.values(), window[0], window[1])
     return CaseSummary(
-        name=name, description=description, requests=len(records),
+        name=name,
+        description=description,
+        requests=len(records),
         ttft_s={q: quantile(ttft, v) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
         router_ttft_s={q: quantile(facts.router_ttft_s, v) for q, v in (("p50", 0.5), ("p90", 0.9))},
         runtime_ttft_s={q: quantile(runtime, v) for q, v in (("p50", 0.5), ("p90", 0.9))},
         itl_s={q: quantile(itl, v) for q, v in (("p50", 0.5), ("p99", 0.99))},
-        pages_used_peak=used, pages_active_peak=active, pages_total=total,
-        restored_bytes=restored, held_bytes=held_bytes, cached_tokens=facts.cached_tokens,
-        recomputed_tokens=facts.recomputed_tokens, evictions=eviction_delta(before, after),
-        restore_s=restore_s, restore_overlap_s=overlap_s, finish_reasons=facts.finish_reasons,
-        chosen_workers=facts.chosen_workers, ttft_samples=ttft, itl_samples=itl, window=window,
+        pages_used_peak=used,
+        pages_active_peak=active,
+        pages_total=total,
+        restored_bytes=restored,
+        held_bytes=held_bytes,
+        cached_tokens=facts.cached_tokens,
+        recomputed_tokens=facts.recomputed_tokens,
+        evictions=eviction_delta(before, after),
+        restore_s=restore_s,
+        restore_overlap_s=overlap_s,
+        finish_reasons=facts.finish_reasons,
+        chosen_workers=facts.chosen_workers,
+        ttft_samples=ttft,
+        itl_samples=itl,
+        window=window,
     )

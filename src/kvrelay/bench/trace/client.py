@@ -36,10 +36,18 @@ class Measured:
     error: str | None = None
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, p: TracePrompt, started: float,
-               timeout_s: float) -> Measured:
-    body = {"model": model, "prompt": p.text, "max_tokens": p.max_tokens, "temperature": 0.0, "seed": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def _one(
+    client: httpx.AsyncClient, url: str, model: str, p: TracePrompt, started: float, timeout_s: float
+) -> Measured:
+    body = {
+        "model": model,
+        "prompt": p.text,
+        "max_tokens": p.max_tokens,
+        "temperature": 0.0,
+        "seed": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     sent = time.perf_counter()
     ttft: float | None = None
     usage: dict | None = None
@@ -48,15 +56,31 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, p: TracePrompt, 
             async with client.stream("POST", url + "/v1/completions", json=body) as response:
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")[:200]
-                    return Measured(p.index, sent - started, None, None, len(p.token_ids), 0, 0,
-                                    f"HTTP {response.status_code}: {text}")
+                    return Measured(
+                        p.index,
+                        sent - started,
+                        None,
+                        None,
+                        len(p.token_ids),
+                        0,
+                        0,
+                        f"HTTP {response.status_code}: {text}",
+                    )
                 async for line in response.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
-                        return Measured(p.index, sent - started, ttft, None, len(p.token_ids), 0, 0,
-                                        f"error chunk: {chunk['error']}")
+                        return Measured(
+                            p.index,
+                            sent - started,
+                            ttft,
+                            None,
+                            len(p.token_ids),
+                            0,
+                            0,
+                            f"error chunk: {chunk['error']}",
+                        )
                     if ttft is None and any(c.get("text") for c in chunk.get("choices") or ()):
                         ttft = time.perf_counter() - sent
                     if chunk.get("usage"):
@@ -67,9 +91,16 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, p: TracePrompt, 
     if usage is None:
         return Measured(p.index, sent - started, ttft, latency, len(p.token_ids), 0, 0, "no usage in the stream")
     details = usage.get("prompt_tokens_details") or {}
-    return Measured(p.index, sent - started, ttft, latency, int(usage.get("prompt_tokens", 0)),
-                    int(usage.get("completion_tokens", 0)), int(details.get("cached_tokens") or 0),
-                    None if ttft is not None else "no text streamed")
+    return Measured(
+        p.index,
+        sent - started,
+        ttft,
+        latency,
+        int(usage.get("prompt_tokens", 0)),
+        int(usage.get("completion_tokens", 0)),
+        int(details.get("cached_tokens") or 0),
+        None if ttft is not None else "no text streamed",
+    )
 
 
 async def replay(url: str, model: str, prompts: Sequence[TracePrompt], timeout_s: float = 300.0) -> list[Measured]:
@@ -95,8 +126,10 @@ async def wait_ready(url: str, model: str, alive: Callable[[], bool], limit_s: f
             if not alive():
                 raise RuntimeError(f"the server behind {url} exited before it was ready")
             try:
-                r = await client.post(url + "/v1/completions", json={"model": model, "prompt": " ready",
-                                                                     "max_tokens": 1, "temperature": 0.0})
+                r = await client.post(
+                    url + "/v1/completions",
+                    json={"model": model, "prompt": " ready", "max_tokens": 1, "temperature": 0.0},
+                )
                 if r.status_code == 200:
                     return
             except httpx.HTTPError:

@@ -25,18 +25,22 @@ def routing_summary(db_files: Mapping[str, Path]) -> dict[str, Any]:
             continue
         with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
             for worker, outcome, count in db.execute(
-                    "SELECT chosen_worker, outcome, COUNT(*) FROM decisions GROUP BY chosen_worker, outcome"):
+                "SELECT chosen_worker, outcome, COUNT(*) FROM decisions GROUP BY chosen_worker, outcome"
+            ):
                 outcomes[outcome] = outcomes.get(outcome, 0) + count
                 if outcome == "accepted":
                     key = f"{label}/{worker}"
                     per_worker[key] = per_worker.get(key, 0) + count
-            rows = db.execute("SELECT d.predicted_ttft_s, o.ttft_s FROM decisions d JOIN outcomes o "
-                              "ON d.request_id = o.request_id AND d.attempt = o.attempt "
-                              "WHERE d.predicted_ttft_s IS NOT NULL AND o.ttft_s IS NOT NULL").fetchall()
+            rows = db.execute(
+                "SELECT d.predicted_ttft_s, o.ttft_s FROM decisions d JOIN outcomes o "
+                "ON d.request_id = o.request_id AND d.attempt = o.attempt "
+                "WHERE d.predicted_ttft_s IS NOT NULL AND o.ttft_s IS NOT NULL"
+            ).fetchall()
             predicted += [r[0] for r in rows]
             measured += [r[1] for r in rows]
     return {
-        "accepted_by_worker": dict(sorted(per_worker.items())), "outcomes": dict(sorted(outcomes.items())),
+        "accepted_by_worker": dict(sorted(per_worker.items())),
+        "outcomes": dict(sorted(outcomes.items())),
         "mean_predicted_ttft_s": sum(predicted) / len(predicted) if predicted else None,
         "mean_worker_ttft_s": sum(measured) / len(measured) if measured else None,
     }

@@ -143,7 +143,7 @@ def _role(pid: int) -> str | None:
 
 def find_sglang_router(explicit: str | None = None) -> str | None:
     """The sglang-router executable: ``explicit`` if given, else on PATH, else the bench's venv; None if absent."""
-    for candidate in ((explicit,) if explicit else SGLANG_CANDIDATES):
+    for candidate in (explicit,) if explicit else SGLANG_CANDIDATES:
         found = shutil.which(candidate) or (candidate if Path(candidate).is_file() else None)
         if found:
             return found
@@ -155,8 +155,13 @@ def _env(home: Path, threads: int, **extra: str) -> dict[str, str]:
     cache = os.environ.get("KVRELAY_CACHE_DIR")
     if cache:
         env["KVRELAY_CACHE_DIR"] = cache
-    env.update(KVRELAY_DATA_DIR=str(home / "data"), OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               PYTHONUNBUFFERED="1", **extra)
+    env.update(
+        KVRELAY_DATA_DIR=str(home / "data"),
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        PYTHONUNBUFFERED="1",
+        **extra,
+    )
     return env
 
 
@@ -179,9 +184,12 @@ def kvrelay_cluster(name: str, policy: str, options: FaceOptions, home: Path) ->
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     face = Face(name, f"http://127.0.0.1:{port}", home)
-    _spawn(face, "cluster", _kvrelay("cluster", "--workers", str(options.workers), "--port", str(port),
-                                     *_model_flags(options)),
-           _env(home, options.threads, KVRELAY_POLICY=policy))
+    _spawn(
+        face,
+        "cluster",
+        _kvrelay("cluster", "--workers", str(options.workers), "--port", str(port), *_model_flags(options)),
+        _env(home, options.threads, KVRELAY_POLICY=policy),
+    )
     return face
 
 
@@ -196,14 +204,34 @@ def serve_workers(name: str, options: FaceOptions, home: Path) -> tuple[Face, li
     for i in range(options.workers):
         port = free_port()
         urls.append(f"http://127.0.0.1:{port}")
-        _spawn(face, f"serve{i}", _kvrelay("serve", "--port", str(port), *_model_flags(options)),
-               _env(home / f"serve{i}", options.threads))
+        _spawn(
+            face,
+            f"serve{i}",
+            _kvrelay("serve", "--port", str(port), *_model_flags(options)),
+            _env(home / f"serve{i}", options.threads),
+        )
     return face, urls
 
 
 def start_sglang(face: Face, policy: str, sglang: str, worker_urls: list[str]) -> None:
     """Start sglang-router in front of ``worker_urls`` on the face's port."""
     port = face.url.rsplit(":", 1)[1]
-    _spawn(face, "sglang-router", [sglang, "launch", "--host", "127.0.0.1", "--port", port, "--worker-urls",
-                                   *worker_urls, "--policy", policy, "--log-level", "warn"],
-           _env(face.home, 1))
+    _spawn(
+        face,
+        "sglang-router",
+        [
+            sglang,
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            port,
+            "--worker-urls",
+            *worker_urls,
+            "--policy",
+            policy,
+            "--log-level",
+            "warn",
+        ],
+        _env(face.home, 1),
+    )

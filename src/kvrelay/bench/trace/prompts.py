@@ -85,8 +85,10 @@ def single_token_words(tokenizer: Any, limit: int = 2048) -> tuple[str, ...]:
             if len(words) >= limit:
                 break
     if len(words) < 8:
-        raise PromptError(f"the tokenizer has only {len(words)} single-token lowercase words with a leading space; "
-                          "token-exact trace prompts need at least 8 (use a tokenizer with a word-level vocabulary)")
+        raise PromptError(
+            f"the tokenizer has only {len(words)} single-token lowercase words with a leading space; "
+            "token-exact trace prompts need at least 8 (use a tokenizer with a word-level vocabulary)"
+        )
     return tuple(words)
 
 
@@ -128,8 +130,11 @@ class PromptBuilder:
             text = "".join(" " + w for w in words)
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=True))
             if len(ids) != len(self.prefix) + len(words) or ids[: len(self.prefix)] != self.prefix:
-                raise PromptError(f"trace line {r.line}: {len(words)} words tokenized to {len(ids)} tokens "
-                                  f"(expected {len(self.prefix) + len(words)}); this tokenizer merges across words")
-            out.append(TracePrompt(index, r.line, self.scaling.arrival_s(r, first), text, ids,
-                                   self.scaling.output_tokens(r)))
+                raise PromptError(
+                    f"trace line {r.line}: {len(words)} words tokenized to {len(ids)} tokens "
+                    f"(expected {len(self.prefix) + len(words)}); this tokenizer merges across words"
+                )
+            out.append(
+                TracePrompt(index, r.line, self.scaling.arrival_s(r, first), text, ids, self.scaling.output_tokens(r))
+            )
         return out

@@ -53,23 +53,41 @@ def summarize(runs: Sequence[Sequence[Measured]]) -> Summary:
             makespan += max(ends) - min(m.sent_s for m in run)
     out_tokens = sum(m.completion_tokens for m in ok)
     return Summary(
-        requests=len(measured), completed=len(ok), errors=len(measured) - len(ok),
-        ttft_p50_s=float(p50), ttft_p90_s=float(p90), ttft_p99_s=float(p99),
-        ttft_mean_s=float(ttfts.mean()) if len(ttfts) else float("nan"), makespan_s=makespan,
+        requests=len(measured),
+        completed=len(ok),
+        errors=len(measured) - len(ok),
+        ttft_p50_s=float(p50),
+        ttft_p90_s=float(p90),
+        ttft_p99_s=float(p99),
+        ttft_mean_s=float(ttfts.mean()) if len(ttfts) else float("nan"),
+        makespan_s=makespan,
         requests_per_s=len(ok) / makespan if makespan > 0 else 0.0,
         output_tokens_per_s=out_tokens / makespan if makespan > 0 else 0.0,
-        prompt_tokens=sum(m.prompt_tokens for m in ok), cached_tokens=sum(m.cached_tokens for m in ok),
+        prompt_tokens=sum(m.prompt_tokens for m in ok),
+        cached_tokens=sum(m.cached_tokens for m in ok),
     )
 
 
-def _figure(name: str, value: float, unit: str, baseline: str | None = None,
-            baseline_value: float | None = None) -> dict[str, Any]:
-    return {"name": name, "value": float(value), "unit": unit, "baseline": baseline,
-            "baseline_value": None if baseline_value is None else float(baseline_value)}
+def _figure(
+    name: str, value: float, unit: str, baseline: str | None = None, baseline_value: float | None = None
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "value": float(value),
+        "unit": unit,
+        "baseline": baseline,
+        "baseline_value": None if baseline_value is None else float(baseline_value),
+    }
 
 
-_METRICS = (("ttft_p50_s", "s"), ("ttft_p90_s", "s"), ("ttft_p99_s", "s"), ("requests_per_s", "req/s"),
-            ("output_tokens_per_s", "tok/s"), ("cached_tokens", "tokens"))
+_METRICS = (
+    ("ttft_p50_s", "s"),
+    ("ttft_p90_s", "s"),
+    ("ttft_p99_s", "s"),
+    ("requests_per_s", "req/s"),
+    ("output_tokens_per_s", "tok/s"),
+    ("cached_tokens", "tokens"),
+)
 
 
 def comparison_figures(subject: str, summaries: Mapping[str, Summary]) -> list[dict[str, Any]]:
@@ -92,34 +110,51 @@ def calibration_figures(measured: Summary, simulated: Mapping[str, float]) -> li
         real = getattr(measured, f"ttft_{q}_s")
         sim = simulated[q]
         out.append(_figure(f"sim_ttft_{q}_s", sim, "s", "measured kvrelay", real))
-        out.append(_figure(f"sim_ttft_{q}_relative_error", abs(sim - real) / real if real else float("nan"), "1",
-                           "goal", 0.25))
+        out.append(
+            _figure(f"sim_ttft_{q}_relative_error", abs(sim - real) / real if real else float("nan"), "1", "goal", 0.25)
+        )
     return out
 
 
-def markdown(title: str, summaries: Mapping[str, Summary], labels: Mapping[str, str], notes: Sequence[str],
-             simulated: Mapping[str, float] | None = None,
-             per_replay: Sequence[tuple[str, int, float, Summary]] = ()) -> str:
+def markdown(
+    title: str,
+    summaries: Mapping[str, Summary],
+    labels: Mapping[str, str],
+    notes: Sequence[str],
+    simulated: Mapping[str, float] | None = None,
+    per_replay: Sequence[tuple[str, int, float, Summary]] = (),
+) -> str:
     """A Markdown report: one row per setup, then the simulator's prediction if given, then one row per replay
     (``(setup, round, workers' CPU availability, summary)``), then ``notes``."""
-    header = ("| setup | done | TTFT p50 (s) | p90 (s) | p99 (s) | req/s | out tok/s | cached prompt tokens "
-              "| share |")
+    header = "| setup | done | TTFT p50 (s) | p90 (s) | p99 (s) | req/s | out tok/s | cached prompt tokens | share |"
     lines = [f"# {title}", "", header, "|---|---|---|---|---|---|---|---|---|"]
     for name, s in summaries.items():
-        lines.append(f"| {labels.get(name, name)} | {s.completed}/{s.requests} | {s.ttft_p50_s:.3f} | "
-                     f"{s.ttft_p90_s:.3f} | {s.ttft_p99_s:.3f} | {s.requests_per_s:.2f} | "
-                     f"{s.output_tokens_per_s:.1f} | {s.cached_tokens} | {s.cached_share:.1%} |")
+        lines.append(
+            f"| {labels.get(name, name)} | {s.completed}/{s.requests} | {s.ttft_p50_s:.3f} | "
+            f"{s.ttft_p90_s:.3f} | {s.ttft_p99_s:.3f} | {s.requests_per_s:.2f} | "
+            f"{s.output_tokens_per_s:.1f} | {s.cached_tokens} | {s.cached_share:.1%} |"
+        )
     if simulated is not None:
-        lines.append(f"| simulator (kvrelay policy, calibrated) | - | {simulated['p50']:.3f} | "
-                     f"{simulated['p90']:.3f} | {simulated['p99']:.3f} | - | - | - | - |")
+        lines.append(
+            f"| simulator (kvrelay policy, calibrated) | - | {simulated['p50']:.3f} | "
+            f"{simulated['p90']:.3f} | {simulated['p99']:.3f} | - | - | - | - |"
+        )
     if per_replay:
-        lines += ["", ("Per replay (CPU availability: the share of the workers' runnable time they had a CPU; "
-                       "other processes on the shared machine took the rest):"), "",
-                  "| setup | round | CPU availability | TTFT p50 (s) | p90 (s) | p99 (s) | share cached |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            (
+                "Per replay (CPU availability: the share of the workers' runnable time they had a CPU; "
+                "other processes on the shared machine took the rest):"
+            ),
+            "",
+            "| setup | round | CPU availability | TTFT p50 (s) | p90 (s) | p99 (s) | share cached |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for name, round_, availability, s in per_replay:
-            lines.append(f"| {labels.get(name, name)} | {round_} | {availability:.2f} | {s.ttft_p50_s:.3f} | "
-                         f"{s.ttft_p90_s:.3f} | {s.ttft_p99_s:.3f} | {s.cached_share:.1%} |")
+            lines.append(
+                f"| {labels.get(name, name)} | {round_} | {availability:.2f} | {s.ttft_p50_s:.3f} | "
+                f"{s.ttft_p90_s:.3f} | {s.ttft_p99_s:.3f} | {s.cached_share:.1%} |"
+            )
     lines += ["", *notes, ""]
     return "\n".join(lines)
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
-from kvrelay.sim.cluster_config import ClusterConfig
-from kvrelay.core.router.events import Request
-from kvrelay.sim.interpreter import Simulation
-from kvrelay.protocol.messages import Sampling
 from kvrelay.bench.trace.prompts import TracePrompt
+from kvrelay.core.router.events import Request
+from kvrelay.protocol.messages import Sampling
+from kvrelay.sim.cluster_config import ClusterConfig
+from kvrelay.sim.interpreter import Simulation
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +38,19 @@ def pooled(predictions: Sequence[Prediction]) -> Prediction:
     """One prediction from several (samples and counts pooled, percentiles over the pooled samples)."""
     samples = tuple(x for p in predictions for x in p.samples)
     p50, p90, p99 = (float(v) for v in np.percentile(np.asarray(samples), [50, 90, 99]))
-    return Prediction(p50, p90, p99, samples, sum(p.cached_tokens for p in predictions),
-                      sum(p.completed for p in predictions))
+    return Prediction(
+        p50, p90, p99, samples, sum(p.cached_tokens for p in predictions), sum(p.completed for p in predictions)
+    )
 
 
-def predict_ttft(prompts: Sequence[TracePrompt], cluster: ClusterConfig, policy: str = "kvrelay", seed: int = 0,
-                 start_s: float = 1.0, drain_s: float = 3600.0) -> Prediction:
+def predict_ttft(
+    prompts: Sequence[TracePrompt],
+    cluster: ClusterConfig,
+    policy: str = "kvrelay",
+    seed: int = 0,
+    start_s: float = 1.0,
+    drain_s: float = 3600.0,
+) -> Prediction:
     """Replay ``prompts`` through the simulator (see the module docstring)."""
     sim = Simulation(cluster, policy=policy, seed=seed, log=False, delta_tokens=1)
     last = start_s
@@ -50,8 +58,9 @@ def predict_ttft(prompts: Sequence[TracePrompt], cluster: ClusterConfig, policy:
         rid = f"t{p.index}"
         at = start_s + p.arrival_s
         last = max(last, at)
-        sim.submit_later(rid, at, lambda p=p, rid=rid: Request(rid, cluster.model, p.token_ids, p.max_tokens,
-                                                                Sampling(seed=p.line)))
+        sim.submit_later(
+            rid, at, partial(Request, rid, cluster.model, p.token_ids, p.max_tokens, Sampling(seed=p.line))
+        )
     sim.run(until=last + drain_s)
     ttfts: list[float] = []
     cached = 0

@@ -1,1 +1,1 @@
-"""What the router plans with: the residency index, routes, candidates, roster, worker registry, predicted TTFT and prefill order."""
+"""What the router plans with: residency index, routes, candidates, roster, registry, predicted TTFT, prefill order."""

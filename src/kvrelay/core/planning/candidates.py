@@ -34,7 +34,14 @@ from kvrelay.core.planning.routes import Boundary, Run, boundaries_of, walk_rout
 from kvrelay.protocol.messages import Heartbeat, RouteSegment
 
 __all__ = [
-    "BestInputs", "Plan", "SharedRoute", "WorkerRoute", "alternatives", "intrinsic_cost", "plan", "route_for",
+    "BestInputs",
+    "Plan",
+    "SharedRoute",
+    "WorkerRoute",
+    "alternatives",
+    "intrinsic_cost",
+    "plan",
+    "route_for",
     "shared_route",
 ]
 
@@ -52,13 +59,37 @@ class WorkerRoute:
     routes ending at each boundary (``at``).
     """
 
-    __slots__ = ("worker_id", "segments", "bounds", "best_score", "best_index", "heartbeat", "base_queue_s",
-                 "lower_load_s", "prompt_len", "chunk_tokens", "scoring", "_best", "feasible", "planned_for")
+    __slots__ = (
+        "worker_id",
+        "segments",
+        "bounds",
+        "best_score",
+        "best_index",
+        "heartbeat",
+        "base_queue_s",
+        "lower_load_s",
+        "prompt_len",
+        "chunk_tokens",
+        "scoring",
+        "_best",
+        "feasible",
+        "planned_for",
+    )
 
-    def __init__(self, view: WorkerView, segments: tuple[RouteSegment, ...], bounds: list[Boundary],
-                 best_score: float, best_index: int, prompt_len: int, chunk_tokens: int, now: float,
-                 scoring: Scoring = PREDICTED_TTFT, base_queue_s: float | None = None,
-                 lower_load_s: float | None = None) -> None:
+    def __init__(
+        self,
+        view: WorkerView,
+        segments: tuple[RouteSegment, ...],
+        bounds: list[Boundary],
+        best_score: float,
+        best_index: int,
+        prompt_len: int,
+        chunk_tokens: int,
+        now: float,
+        scoring: Scoring = PREDICTED_TTFT,
+        base_queue_s: float | None = None,
+        lower_load_s: float | None = None,
+    ) -> None:
         """``base_queue_s`` and ``lower_load_s``, when given, are ``queue_of(view, now)`` and
         ``lower_load_of(view, now)``."""
         self.worker_id = view.heartbeat.worker_id
@@ -82,8 +113,12 @@ class WorkerRoute:
     def at(self, index: int, score: float, base_queue_s: float, lower_load_s: float) -> WorkerRoute:
         """The same route ending at boundary ``index`` (whose score is ``score``) instead of the best one."""
         other = object.__new__(WorkerRoute)
-        other.worker_id, other.heartbeat, other.segments, other.bounds = (self.worker_id, self.heartbeat,
-                                                                          self.segments, self.bounds)
+        other.worker_id, other.heartbeat, other.segments, other.bounds = (
+            self.worker_id,
+            self.heartbeat,
+            self.segments,
+            self.bounds,
+        )
         other.prompt_len, other.chunk_tokens, other.scoring = self.prompt_len, self.chunk_tokens, self.scoring
         other.base_queue_s, other.lower_load_s = base_queue_s, lower_load_s
         other.best_index, other.best_score, other._best = index, score, None
@@ -98,8 +133,16 @@ class WorkerRoute:
 
     def best_inputs(self) -> BestInputs:
         """``make_candidate``'s arguments for the best boundary (a decision record ships these, not the candidate)."""
-        return (self.heartbeat, self.base_queue_s, self.lower_load_s, self.segments, self.bounds[self.best_index],
-                self.prompt_len, self.chunk_tokens, self.scoring)
+        return (
+            self.heartbeat,
+            self.base_queue_s,
+            self.lower_load_s,
+            self.segments,
+            self.bounds[self.best_index],
+            self.prompt_len,
+            self.chunk_tokens,
+            self.scoring,
+        )
 
     @property
     def cached_tokens(self) -> int:
@@ -134,8 +177,14 @@ class Plan:
 
 
 def _evaluate(
-    worker: WorkerView, boundaries: list[Boundary], prompt_len: int, max_new: int, chunk_tokens: int,
-    base_queue: float, lower_load: float, scoring: Scoring,
+    worker: WorkerView,
+    boundaries: list[Boundary],
+    prompt_len: int,
+    max_new: int,
+    chunk_tokens: int,
+    base_queue: float,
+    lower_load: float,
+    scoring: Scoring,
 ) -> list[tuple[float, int]]:
     """``(score, boundary index)`` of every boundary that fits the worker's capacity, in boundary order;
     ``base_queue`` and ``lower_load`` are ``queue_of`` and ``lower_load_of`` the worker at planning time.
@@ -169,8 +218,9 @@ def _evaluate(
     return out
 
 
-def intrinsic_cost(hb: Heartbeat, bounds: list[Boundary], prompt_len: int, chunk_tokens: int,
-                   scoring: Scoring) -> float:
+def intrinsic_cost(
+    hb: Heartbeat, bounds: list[Boundary], prompt_len: int, chunk_tokens: int, scoring: Scoring
+) -> float:
     """The lowest score over ``bounds`` on a worker like ``hb`` without its queue and decode step."""
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
     per_token = hb.prefill_s_per_token * (1.0 + scoring.work_weight)
@@ -191,27 +241,29 @@ def _by_rank(scored: list[tuple[float, int]]) -> list[tuple[float, int]]:
     return sorted(scored, key=lambda x: (x[0], -x[1]))
 
 
-def alternatives(route: WorkerRoute, worker: WorkerView, prompt_len: int, max_new: int, now: float
-                 ) -> list[Candidate]:
+def alternatives(route: WorkerRoute, worker: WorkerView, prompt_len: int, max_new: int, now: float) -> list[Candidate]:
     """Every feasible boundary candidate of one worker at ``now``, lowest score first."""
     return [r.best for r in alternative_routes(route, worker, prompt_len, max_new, now)]
 
 
-def alternative_routes(route: WorkerRoute, worker: WorkerView, prompt_len: int, max_new: int, now: float
-                       ) -> list[WorkerRoute]:
+def alternative_routes(
+    route: WorkerRoute, worker: WorkerView, prompt_len: int, max_new: int, now: float
+) -> list[WorkerRoute]:
     """Every feasible boundary of one worker at ``now`` as a lazy route, lowest score first; among equal
     scores the longer route first (candidates are built only when read; a decision record ships their
     inputs). Scores from planning are reused while nothing they read has changed."""
     base_queue, lower_load = queue_of(worker, now), lower_load_of(worker, now)
     scored = route.feasible
     if scored is None or route.planned_for != _planned_for(worker, prompt_len, max_new, base_queue, lower_load):
-        scored = _evaluate(worker, route.bounds, prompt_len, max_new, route.chunk_tokens, base_queue, lower_load,
-                           route.scoring)
+        scored = _evaluate(
+            worker, route.bounds, prompt_len, max_new, route.chunk_tokens, base_queue, lower_load, route.scoring
+        )
     return [route.at(i, score, base_queue, lower_load) for score, i in _by_rank(scored)]
 
 
-def _planned_for(worker: WorkerView, prompt_len: int, max_new: int, base_queue: float, lower_load: float
-                 ) -> tuple[object, ...]:
+def _planned_for(
+    worker: WorkerView, prompt_len: int, max_new: int, base_queue: float, lower_load: float
+) -> tuple[object, ...]:
     """Everything ``_evaluate`` reads of a worker and a request besides the route and its scoring."""
     load = worker.load
     return (worker.heartbeat, load.inflight_pages, load.accepted_pages, prompt_len, max_new, base_queue, lower_load)
@@ -230,10 +282,19 @@ def shared_route(runs: Sequence[Run], index: ResidencyIndex, chunk_tokens: int) 
 
 
 def route_for(
-    request_model: str, prompt_len: int, max_new: int, runs: Sequence[Run], chain_fingerprint: bytes,
-    chunk_tokens: int, worker: WorkerView, index: ResidencyIndex,
-    excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]], shared: SharedRoute, present: int,
-    now: float, scoring: Scoring,
+    request_model: str,
+    prompt_len: int,
+    max_new: int,
+    runs: Sequence[Run],
+    chain_fingerprint: bytes,
+    chunk_tokens: int,
+    worker: WorkerView,
+    index: ResidencyIndex,
+    excluded_pairs: frozenset[tuple[str, str]] | set[tuple[str, str]],
+    shared: SharedRoute,
+    present: int,
+    now: float,
+    scoring: Scoring,
 ) -> WorkerRoute | None:
     """One eligible worker's longest reachable route and its cheapest feasible boundary; None: no capacity.
 
@@ -268,8 +329,9 @@ def route_for(
     for t, i in scored:  # the lowest score; among equal scores the longest route
         if t <= best_t:
             best_t, best_i = t, i
-    route = WorkerRoute(worker, segments, bounds, best_t, best_i, prompt_len, chunk_tokens, now, scoring, base_queue,
-                        lower_load)
+    route = WorkerRoute(
+        worker, segments, bounds, best_t, best_i, prompt_len, chunk_tokens, now, scoring, base_queue, lower_load
+    )
     route.feasible = scored
     route.planned_for = _planned_for(worker, prompt_len, max_new, base_queue, lower_load)
     return route
@@ -307,8 +369,21 @@ def plan(
         elif need > hb.context_limit:
             result.excluded[wid] = exclusions.context_limit(hb.context_limit, need)
         else:
-            route = route_for(request_model, prompt_len, max_new, runs, chain_fingerprint, chunk_tokens, worker,
-                              index, excluded_pairs, shared, present, now, scoring)
+            route = route_for(
+                request_model,
+                prompt_len,
+                max_new,
+                runs,
+                chain_fingerprint,
+                chunk_tokens,
+                worker,
+                index,
+                excluded_pairs,
+                shared,
+                present,
+                now,
+                scoring,
+            )
             if route is None:
                 result.excluded[wid] = exclusions.CAPACITY
             else:

@@ -15,11 +15,8 @@ there whose first token has not come back. The lower-tier load drains like a
 fluid from the last heartbeat's value plus the restores sent since. The
 restore adds to the queue rather than overlapping it: a worker hands a
 restored route to its device queue only when the copy has completed (docs/design.md
-section 8), behind whatever arrived meanwhile. (Three refinements were measured
-in the simulator on the dev trace at 1x and 2x the recorded rate and dropped
-because they did not lower mean and p99 TTFT at both: a restore overlapping the
-queue, a fluid model of the device queue, and one decode step per chunked-prefill
-iteration on every worker.) A worker whose queue is empty but which has active
+section 8), behind whatever arrived meanwhile (refinements tried and dropped:
+docs/performance.md, "Predicted TTFT: refinements not taken"). A worker whose queue is empty but which has active
 decode lanes runs a decode step between the chunks of a long prefill; the
 ``Scoring.interleave`` flag counts those steps for such workers, where the lanes
 the prefill will meet are known (kvrelay's policy sets it while the cluster is
@@ -56,6 +53,7 @@ class Scoring(NamedTuple):
 
 PREDICTED_TTFT = Scoring()
 """Rank by the predicted TTFT alone."""
+
 
 class Terms(msgspec.Struct, frozen=True):
     """The predicted TTFT of a candidate, term by term (seconds; see the module docstring)."""
@@ -126,8 +124,11 @@ class WorkerView:
     def __post_init__(self) -> None:
         hb = self.heartbeat
         rates = hb.restore_bytes_per_s
-        object.__setattr__(self, "signature", (hb.prefill_s_per_token, hb.kv_bytes_per_token,
-                                               rates.get("peer", 0.0), rates.get("object", 0.0)))
+        object.__setattr__(
+            self,
+            "signature",
+            (hb.prefill_s_per_token, hb.kv_bytes_per_token, rates.get("peer", 0.0), rates.get("object", 0.0)),
+        )
 
 
 def reported_fingerprints(hb: Heartbeat) -> dict[str, bytes]:
@@ -182,8 +183,14 @@ def lower_load_of(worker: WorkerView, now: float) -> float:
 
 
 def make_candidate(
-    hb: Heartbeat, base_queue: float, lower_load: float, segments: tuple[RouteSegment, ...], boundary: Boundary,
-    prompt_len: int, chunk_tokens: int, scoring: Scoring = PREDICTED_TTFT,
+    hb: Heartbeat,
+    base_queue: float,
+    lower_load: float,
+    segments: tuple[RouteSegment, ...],
+    boundary: Boundary,
+    prompt_len: int,
+    chunk_tokens: int,
+    scoring: Scoring = PREDICTED_TTFT,
 ) -> Candidate:
     """The candidate of one boundary, with its predicted TTFT broken into terms and its score."""
     cached, _, restored, used = boundary

@@ -98,9 +98,7 @@ def fence(registry: Registry, worker_id: str, epoch: int) -> bool:
 
 def expire(registry: Registry, now: float, expiry_s: float) -> list[tuple[str, int]]:
     """Fence every live worker silent for longer than ``expiry_s``; returns ``(worker_id, epoch)`` pairs."""
-    expired = [
-        (wid, e.epoch) for wid, e in registry.workers.items() if e.live and now - e.last_seen > expiry_s
-    ]
+    expired = [(wid, e.epoch) for wid, e in registry.workers.items() if e.live and now - e.last_seen > expiry_s]
     for wid, epoch in expired:
         fence(registry, wid, epoch)
     return expired

@@ -24,8 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvrelay.core.planning import candidates as cand
-from kvrelay.core.planning import exclusions
-from kvrelay.core.planning import predicted_ttft
+from kvrelay.core.planning import exclusions, predicted_ttft
 from kvrelay.core.planning.index import ResidencyIndex
 
 GroupKey = tuple[frozenset[str], int, tuple[float, int, float, float], int, frozenset[tuple[str, bytes]]]
@@ -35,8 +34,13 @@ Entry = tuple[float, str]
 
 def group_key(view: predicted_ttft.WorkerView) -> GroupKey:
     hb = view.heartbeat
-    return (frozenset(hb.models), hb.context_limit, view.signature, hb.chunk_tokens,
-            frozenset(view.fingerprints.items()))
+    return (
+        frozenset(hb.models),
+        hb.context_limit,
+        view.signature,
+        hb.chunk_tokens,
+        frozenset(view.fingerprints.items()),
+    )
 
 
 @dataclass(slots=True)
@@ -135,8 +139,9 @@ class PrunedBounds(Mapping[str, float]):
 
     def _built(self) -> dict[str, float]:
         if self._bounds is None:
-            self._bounds = {w: q + intrinsic for entries, intrinsic, apart in self._parts for q, w in entries
-                            if w not in apart}
+            self._bounds = {
+                w: q + intrinsic for entries, intrinsic, apart in self._parts for q, w in entries if w not in apart
+            }
         return self._bounds
 
     def __getitem__(self, worker_id: str) -> float:
@@ -202,8 +207,21 @@ def plan_pruned(
         if wid in excluded_workers:
             result.excluded[wid] = exclusions.FAILED_BEFORE
             return
-        route = cand.route_for(request_model, prompt_len, max_new, runs, chain_fingerprint, chunk_tokens, view,
-                               index, excluded_pairs, shared, present, now, scoring)
+        route = cand.route_for(
+            request_model,
+            prompt_len,
+            max_new,
+            runs,
+            chain_fingerprint,
+            chunk_tokens,
+            view,
+            index,
+            excluded_pairs,
+            shared,
+            present,
+            now,
+            scoring,
+        )
         if route is None:
             result.excluded[wid] = exclusions.CAPACITY
             return
@@ -239,6 +257,18 @@ def plan_pruned(
                 plan_worker(group.views[wid])
     if not result.routes:
         views = [v for g in roster.groups.values() for v in g.views.values()]
-        return cand.plan(request_model, prompt_len, max_new, chain, chain_fingerprint, chunk_tokens, views, index,
-                         excluded_workers, excluded_pairs, now, scoring)
+        return cand.plan(
+            request_model,
+            prompt_len,
+            max_new,
+            chain,
+            chain_fingerprint,
+            chunk_tokens,
+            views,
+            index,
+            excluded_workers,
+            excluded_pairs,
+            now,
+            scoring,
+        )
     return result

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvrelay.core.policies.base import Policy
 from kvrelay.core.policies.baselines import LeastLoaded, RoundRobin
 from kvrelay.core.policies.dynamo_kv import DynamoKV
 from kvrelay.core.policies.kvrelay_ttft import PredictedTTFT
 from kvrelay.core.policies.llmd_scorer import LlmdScorer
 from kvrelay.core.policies.mooncake_conductor import MooncakeConductor
 from kvrelay.core.policies.sglang_cache_aware import SGLangCacheAware
-from kvrelay.core.policies.base import Policy
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "kvrelay": PredictedTTFT,

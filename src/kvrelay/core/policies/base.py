@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvrelay.core.planning.candidates import Plan, WorkerRoute
-from kvrelay.core.router.events import Request
 from kvrelay.core.planning.predicted_ttft import Candidate, WorkerView
+from kvrelay.core.router.events import Request
 
 
 class RoutingContext(NamedTuple):
@@ -59,5 +59,5 @@ class Policy(ABC):
         """The ``Offer.priority`` of an offer of ``chosen`` (default 0: every worker queue is FIFO)."""
         return 0.0
 
-    def on_routed(self, ctx: RoutingContext, chosen: Candidate) -> None:
+    def on_routed(self, ctx: RoutingContext, chosen: Candidate) -> None:  # noqa: B027 (an optional hook)
         """Learn that ``chosen`` was offered (default: nothing to learn)."""

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvrelay.core.policies.base import Policy, RoutingContext
 from kvrelay.core.planning.predicted_ttft import Candidate
+from kvrelay.core.policies.base import Policy, RoutingContext
 
 
 class RoundRobin(Policy):

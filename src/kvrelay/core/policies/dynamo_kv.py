@@ -46,8 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvrelay.core.planning.candidates import WorkerRoute
-from kvrelay.core.policies.base import Policy, RoutingContext
 from kvrelay.core.planning.predicted_ttft import Candidate
+from kvrelay.core.policies.base import Policy, RoutingContext
 from kvrelay.protocol.messages import RouteSegment
 
 LOCAL_TIERS = ("gpu", "ram", "ssd")
@@ -76,11 +76,15 @@ class DynamoCost:
 class DynamoKV(Policy):
     name = "dynamo"
 
-    def __init__(self, prefill_load_scale: float = 1.0, overlap_score_credit: float = 1.0,
-                 host_cache_hit_weight: float = 0.75, disk_cache_hit_weight: float = 0.25) -> None:
+    def __init__(
+        self,
+        prefill_load_scale: float = 1.0,
+        overlap_score_credit: float = 1.0,
+        host_cache_hit_weight: float = 0.75,
+        disk_cache_hit_weight: float = 0.25,
+    ) -> None:
         self.prefill_load_scale = prefill_load_scale
-        self.tier_weights = {"gpu": overlap_score_credit, "ram": host_cache_hit_weight,
-                             "ssd": disk_cache_hit_weight}
+        self.tier_weights = {"gpu": overlap_score_credit, "ram": host_cache_hit_weight, "ssd": disk_cache_hit_weight}
 
     def cost(self, ctx: RoutingContext, route: WorkerRoute) -> DynamoCost:
         view = ctx.workers[route.worker_id]

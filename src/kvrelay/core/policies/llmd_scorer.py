@@ -40,9 +40,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvrelay.core.policies.dynamo_kv import local_prefix_chunks
-from kvrelay.core.policies.base import Policy, RoutingContext
 from kvrelay.core.planning.predicted_ttft import Candidate, WorkerView
+from kvrelay.core.policies.base import Policy, RoutingContext
+from kvrelay.core.policies.dynamo_kv import local_prefix_chunks
 
 
 def _clamp(x: float) -> float:
@@ -62,8 +62,13 @@ class LlmdScores:
 class LlmdScorer(Policy):
     name = "llm_d"
 
-    def __init__(self, prefix_weight: float = 3.0, queue_weight: float = 2.0, kv_weight: float = 2.0,
-                 tier_weights: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        prefix_weight: float = 3.0,
+        queue_weight: float = 2.0,
+        kv_weight: float = 2.0,
+        tier_weights: dict[str, float] | None = None,
+    ) -> None:
         self.prefix_weight = prefix_weight
         self.queue_weight = queue_weight
         self.kv_weight = kv_weight

@@ -40,9 +40,9 @@ from __future__ import annotations
 from kvrelay.core.planning import candidates as cand
 from kvrelay.core.planning import predicted_ttft
 from kvrelay.core.planning.candidates import WorkerRoute
-from kvrelay.core.policies.dynamo_kv import LOCAL_TIERS
-from kvrelay.core.policies.base import Policy, RoutingContext
 from kvrelay.core.planning.predicted_ttft import Candidate
+from kvrelay.core.policies.base import Policy, RoutingContext
+from kvrelay.core.policies.dynamo_kv import LOCAL_TIERS
 
 
 def local_segments(route: WorkerRoute) -> int:

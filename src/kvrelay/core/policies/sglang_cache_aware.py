@@ -41,8 +41,8 @@ import itertools
 from collections.abc import Sequence
 
 from kvrelay.core.planning.candidates import WorkerRoute
-from kvrelay.core.policies.base import Policy, RoutingContext
 from kvrelay.core.planning.predicted_ttft import Candidate
+from kvrelay.core.policies.base import Policy, RoutingContext
 
 
 class _Node:
@@ -188,9 +188,14 @@ class ApproximateTree:
 class SGLangCacheAware(Policy):
     name = "sglang_cache_aware"
 
-    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, eviction_interval_s: float = 120.0,
-                 max_tree_size: int = 2**26) -> None:
+    def __init__(
+        self,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        eviction_interval_s: float = 120.0,
+        max_tree_size: int = 2**26,
+    ) -> None:
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold

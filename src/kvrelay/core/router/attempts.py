@@ -12,6 +12,8 @@ from __future__ import annotations
 from kvrelay.core.planning import candidates as cand
 from kvrelay.core.planning import exclusions, predicted_ttft
 from kvrelay.core.planning.exclusions import ExclusionKind
+from kvrelay.core.planning.roster import plan_pruned
+from kvrelay.core.policies.base import RoutingContext
 from kvrelay.core.router.events import (
     CancelTimer,
     DeliverResult,
@@ -25,9 +27,8 @@ from kvrelay.core.router.events import (
     StartTimer,
     TimerKind,
 )
-from kvrelay.core.policies.base import RoutingContext
-from kvrelay.core.planning.roster import plan_pruned
 from kvrelay.core.router.state import Phase, RequestState, RouterState, usage_of
+from kvrelay.protocol.chunk_keys import cacheable_chunks, prompt_chain
 from kvrelay.protocol.messages import (
     Assignment,
     Cancel,
@@ -35,7 +36,6 @@ from kvrelay.protocol.messages import (
     Offer,
     RouteSegment,
 )
-from kvrelay.protocol.chunk_keys import cacheable_chunks, prompt_chain
 
 Effects = list[Effect]
 
@@ -48,8 +48,9 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         finish(state, rs, FinishReason.LENGTH, now, fx)
         return
     if rs.attempt >= config.max_attempts:
-        finish(state, rs, FinishReason.ERROR, now, fx,
-               f"gave up after {rs.attempt} attempts: {'; '.join(rs.reasons[-3:])}")
+        finish(
+            state, rs, FinishReason.ERROR, now, fx, f"gave up after {rs.attempt} attempts: {'; '.join(rs.reasons[-3:])}"
+        )
         return
     prompt = request.prompt + tuple(rs.delivered) if rs.delivered else request.prompt
     if request.chain is not None:
@@ -59,13 +60,35 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
     policy, busy = state.policy, state.roster.busy_share()
     scoring = predicted_ttft.Scoring(policy.work_weight * busy, busy < policy.interleave_below_busy_share)
     if state.policy.needs_all_routes:
-        plan = cand.plan(request.model, len(prompt), remaining, chain, rs.fingerprint, config.chunk_tokens,
-                         list(state.views.values()), state.index, rs.excluded_workers, rs.excluded_pairs, now,
-                         scoring)
+        plan = cand.plan(
+            request.model,
+            len(prompt),
+            remaining,
+            chain,
+            rs.fingerprint,
+            config.chunk_tokens,
+            list(state.views.values()),
+            state.index,
+            rs.excluded_workers,
+            rs.excluded_pairs,
+            now,
+            scoring,
+        )
     else:
-        plan = plan_pruned(request.model, len(prompt), remaining, chain, rs.fingerprint, config.chunk_tokens,
-                           state.roster, state.index, rs.excluded_workers, rs.excluded_pairs, now,
-                           scoring)
+        plan = plan_pruned(
+            request.model,
+            len(prompt),
+            remaining,
+            chain,
+            rs.fingerprint,
+            config.chunk_tokens,
+            state.roster,
+            state.index,
+            rs.excluded_workers,
+            rs.excluded_pairs,
+            now,
+            scoring,
+        )
     ctx = RoutingContext(request, prompt, chain, config.chunk_tokens, plan, state.views, state.rng, now, rs.arrived)
     chosen = state.policy.choose(ctx) if plan.routes else None
     if chosen is None:
@@ -97,18 +120,42 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
     rs.holds_outstanding = rs.holds_inflight = True
     state.by_worker.setdefault(chosen.worker_id, set()).add(request.request_id)
     assignment = Assignment(request.request_id, rs.attempt)
-    fx.append(SendOffer(chosen.worker_id, Offer(
-        assignment=assignment, worker_id=chosen.worker_id, epoch=chosen.epoch, model=request.model,
-        model_fingerprint=rs.fingerprint.hex(), prompt=prompt, max_new_tokens=remaining,
-        generated_before=len(rs.delivered), sampling=request.sampling, route=_peer_urls(state, chosen.route),
-        chain=chain[: sum(s.chunks for s in chosen.route)], priority=state.policy.priority(ctx, chosen),
-    )))
+    fx.append(
+        SendOffer(
+            chosen.worker_id,
+            Offer(
+                assignment=assignment,
+                worker_id=chosen.worker_id,
+                epoch=chosen.epoch,
+                model=request.model,
+                model_fingerprint=rs.fingerprint.hex(),
+                prompt=prompt,
+                max_new_tokens=remaining,
+                generated_before=len(rs.delivered),
+                sampling=request.sampling,
+                route=_peer_urls(state, chosen.route),
+                chain=chain[: sum(s.chunks for s in chosen.route)],
+                priority=state.policy.priority(ctx, chosen),
+            ),
+        )
+    )
     fx.append(StartTimer((TimerKind.OFFER, request.request_id, rs.attempt), now + config.offer_timeout_s))
-    fx.append(Record(RecordKind.DECISION, request.request_id, rs.attempt, now, {
-        "policy": state.policy.name, "model": request.model, "chosen": chosen,
-        "candidates": (*plan.routes, *alternatives[1:]),
-        "excluded": exclusions.texts(plan.excluded), "pruned": plan.pruned,
-    }))
+    fx.append(
+        Record(
+            RecordKind.DECISION,
+            request.request_id,
+            rs.attempt,
+            now,
+            {
+                "policy": state.policy.name,
+                "model": request.model,
+                "chosen": chosen,
+                "candidates": (*plan.routes, *alternatives[1:]),
+                "excluded": exclusions.texts(plan.excluded),
+                "pruned": plan.pruned,
+            },
+        )
+    )
     state.count("offers")
     if rs.attempt > 1:
         state.count("retries")
@@ -120,8 +167,14 @@ def no_candidate(state: RouterState, rs: RequestState, plan: cand.Plan, now: flo
     serving = [w for w, v in state.views.items() if model in v.heartbeat.models]
     if not serving:
         served = sorted({m for v in state.views.values() for m in v.heartbeat.models})
-        finish(state, rs, FinishReason.ERROR, now, fx,
-               f"no_worker: model '{model}' is not served; served models: {', '.join(served) or 'none'}")
+        finish(
+            state,
+            rs,
+            FinishReason.ERROR,
+            now,
+            fx,
+            f"no_worker: model '{model}' is not served; served models: {', '.join(served) or 'none'}",
+        )
         return
     if _all_excluded(plan, serving, ExclusionKind.CONTEXT_LIMIT):
         finish(state, rs, FinishReason.ERROR, now, fx, f"over_context_limit: {plan.excluded[serving[0]].text}")
@@ -136,8 +189,9 @@ def no_candidate(state: RouterState, rs: RequestState, plan: cand.Plan, now: flo
         state.count("parked")
     elif now - rs.parked_since > state.config.max_queue_wait_s:
         state.parked.pop(rs.request.request_id, None)
-        finish(state, rs, FinishReason.ERROR, now, fx,
-               f"no_capacity: waited {now - rs.parked_since:.1f} s for a worker")
+        finish(
+            state, rs, FinishReason.ERROR, now, fx, f"no_capacity: waited {now - rs.parked_since:.1f} s for a worker"
+        )
         return
     rs.phase = Phase.PARKED
     state.parked[rs.request.request_id] = None
@@ -176,17 +230,36 @@ def release(state: RouterState, rs: RequestState) -> None:
     rs.worker_id = None
 
 
-def abandon(state: RouterState, rs: RequestState, now: float, fx: Effects, outcome: OfferOutcome, reason: str,
-             send_cancel: bool, exclude: tuple[str, str] | None = None) -> None:
+def abandon(
+    state: RouterState,
+    rs: RequestState,
+    now: float,
+    fx: Effects,
+    outcome: OfferOutcome,
+    reason: str,
+    send_cancel: bool,
+    exclude: tuple[str, str] | None = None,
+) -> None:
     """End the current attempt (cancel it at the worker if asked) and route the next one."""
     wid = rs.worker_id
     assert wid is not None
     fx.append(CancelTimer((TimerKind.OFFER, rs.request.request_id, rs.attempt)))
     if send_cancel:
-        fx.append(SendCancel(wid, Cancel(assignment=Assignment(rs.request.request_id, rs.attempt),
-                                         worker_id=wid, reason=reason[:200])))
-    fx.append(Record(RecordKind.OFFER_OUTCOME, rs.request.request_id, rs.attempt, now,
-                     {"worker_id": wid, "outcome": outcome, "reason": reason}))
+        fx.append(
+            SendCancel(
+                wid,
+                Cancel(assignment=Assignment(rs.request.request_id, rs.attempt), worker_id=wid, reason=reason[:200]),
+            )
+        )
+    fx.append(
+        Record(
+            RecordKind.OFFER_OUTCOME,
+            rs.request.request_id,
+            rs.attempt,
+            now,
+            {"worker_id": wid, "outcome": outcome, "reason": reason},
+        )
+    )
     if exclude is not None:
         rs.excluded_pairs.add(exclude)
     else:
@@ -197,8 +270,9 @@ def abandon(state: RouterState, rs: RequestState, now: float, fx: Effects, outco
     route(state, rs, now, fx)
 
 
-def finish(state: RouterState, rs: RequestState, reason: FinishReason, now: float, fx: Effects,
-            error: str | None = None) -> None:
+def finish(
+    state: RouterState, rs: RequestState, reason: FinishReason, now: float, fx: Effects, error: str | None = None
+) -> None:
     rid = rs.request.request_id
     if rs.worker_id is not None:
         fx.append(CancelTimer((TimerKind.OFFER, rid, rs.attempt)))
@@ -209,11 +283,25 @@ def finish(state: RouterState, rs: RequestState, reason: FinishReason, now: floa
     ttft = None if rs.first_token_at is None else rs.first_token_at - rs.arrived
     usage = usage_of(rs)
     fx.append(DeliverResult(rid, Outcome(rid, reason, tuple(rs.delivered), rs.attempt, usage, ttft, error)))
-    fx.append(Record(RecordKind.OUTCOME, rid, rs.attempt, now, {
-        "finish_reason": reason, "ttft_s": ttft, "inter_token_s": [], "cached_tokens": usage.cached_tokens,
-        "recomputed_tokens": usage.recomputed_tokens, "generated_tokens": usage.generated_tokens,
-        "bytes_by_tier": {}, "attempts": rs.attempt, "error": error,
-    }))
+    fx.append(
+        Record(
+            RecordKind.OUTCOME,
+            rid,
+            rs.attempt,
+            now,
+            {
+                "finish_reason": reason,
+                "ttft_s": ttft,
+                "inter_token_s": [],
+                "cached_tokens": usage.cached_tokens,
+                "recomputed_tokens": usage.recomputed_tokens,
+                "generated_tokens": usage.generated_tokens,
+                "bytes_by_tier": {},
+                "attempts": rs.attempt,
+                "error": error,
+            },
+        )
+    )
     state.count(f"finished_{reason}")
 
 
@@ -222,6 +310,7 @@ def _peer_urls(state: RouterState, route: tuple[RouteSegment, ...]) -> tuple[Rou
     out = []
     for seg in route:
         view = state.views.get(seg.source) if seg.tier == "peer" else None
-        out.append(RouteSegment(seg.tier, seg.chunks, view.heartbeat.peer_url) if view and view.heartbeat.peer_url
-                   else seg)
+        out.append(
+            RouteSegment(seg.tier, seg.chunks, view.heartbeat.peer_url) if view and view.heartbeat.peer_url else seg
+        )
     return tuple(out)

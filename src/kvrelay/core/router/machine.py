@@ -17,6 +17,13 @@ from __future__ import annotations
 from typing import assert_never
 
 from kvrelay.core.planning import predicted_ttft
+from kvrelay.core.planning.registry import accept_heartbeat, expire, fence
+from kvrelay.core.router.attempts import (
+    abandon,
+    finish,
+    retry_parked,
+    route,
+)
 from kvrelay.core.router.events import (
     CancelTimer,
     ConsumerCancelled,
@@ -41,13 +48,6 @@ from kvrelay.core.router.events import (
     TimerKind,
     WorkerUnavailable,
 )
-from kvrelay.core.planning.registry import accept_heartbeat, expire, fence
-from kvrelay.core.router.attempts import (
-    abandon,
-    finish,
-    retry_parked,
-    route,
-)
 from kvrelay.core.router.state import (
     Phase,
     RequestState,
@@ -55,6 +55,7 @@ from kvrelay.core.router.state import (
     RouterState,
     new_router,
 )
+from kvrelay.protocol.chunk_keys import prompt_chain
 from kvrelay.protocol.messages import (
     Assignment,
     Cancel,
@@ -68,7 +69,6 @@ from kvrelay.protocol.messages import (
     Result,
     WireMessage,
 )
-from kvrelay.protocol.chunk_keys import prompt_chain
 
 __all__ = ["RouterConfig", "RouterState", "new_router", "step"]
 
@@ -136,7 +136,6 @@ def _on_request(state: RouterState, request: Request, now: float, fx: Effects) -
     route(state, rs, now, fx)
 
 
-
 def _on_consumer_cancel(state: RouterState, rid: str, now: float, fx: Effects) -> None:
     rs = state.requests.get(rid)
     if rs is None:
@@ -145,8 +144,15 @@ def _on_consumer_cancel(state: RouterState, rid: str, now: float, fx: Effects) -
     if rs.worker_id is not None:
         wid = rs.worker_id
         fx.append(SendCancel(wid, Cancel(assignment=Assignment(rid, rs.attempt), worker_id=wid, reason="consumer")))
-        fx.append(Record(RecordKind.OFFER_OUTCOME, rid, rs.attempt, now,
-                         {"worker_id": wid, "outcome": OfferOutcome.CANCELLED, "reason": "consumer"}))
+        fx.append(
+            Record(
+                RecordKind.OFFER_OUTCOME,
+                rid,
+                rs.attempt,
+                now,
+                {"worker_id": wid, "outcome": OfferOutcome.CANCELLED, "reason": "consumer"},
+            )
+        )
     finish(state, rs, FinishReason.CANCELLED, now, fx)
 
 
@@ -212,8 +218,11 @@ def _on_assignment_message(state: RouterState, msg: OfferResult | Delta | Result
         state.count("stale_dropped")
         if isinstance(msg, OfferResult) and msg.accepted:
             state.count("stale_accept_cancelled")
-            fx.append(SendCancel(msg.worker_id, Cancel(assignment=msg.assignment, worker_id=msg.worker_id,
-                                                       reason="stale assignment")))
+            fx.append(
+                SendCancel(
+                    msg.worker_id, Cancel(assignment=msg.assignment, worker_id=msg.worker_id, reason="stale assignment")
+                )
+            )
         return
     match msg:
         case OfferResult():
@@ -262,8 +271,15 @@ def _on_residency(state: RouterState, msg: Residency, now: float, fx: Effects) -
     if msg.removed:
         state.index.remove(msg.worker_id, msg.tier, msg.removed)
     if msg.tier in ("ssd", "object"):
-        fx.append(Record(RecordKind.REPLICA, "", 0, now, {"worker_id": msg.worker_id, "tier": msg.tier,
-                                                  "stored": msg.stored, "removed": msg.removed}))
+        fx.append(
+            Record(
+                RecordKind.REPLICA,
+                "",
+                0,
+                now,
+                {"worker_id": msg.worker_id, "tier": msg.tier, "stored": msg.stored, "removed": msg.removed},
+            )
+        )
 
 
 def _on_offer_result(state: RouterState, rs: RequestState, msg: OfferResult, now: float, fx: Effects) -> None:
@@ -280,10 +296,18 @@ def _on_offer_result(state: RouterState, rs: RequestState, msg: OfferResult, now
         state.count("accepted")
         rs.phase = Phase.RUNNING
         fx.append(CancelTimer((TimerKind.OFFER, rs.request.request_id, rs.attempt)))
-        fx.append(StartTimer((TimerKind.OFFER, rs.request.request_id, rs.attempt),
-                             now + state.config.progress_timeout_s))
-        fx.append(Record(RecordKind.OFFER_OUTCOME, rs.request.request_id, rs.attempt, now,
-                         {"worker_id": msg.worker_id, "outcome": OfferOutcome.ACCEPTED, "reason": None}))
+        fx.append(
+            StartTimer((TimerKind.OFFER, rs.request.request_id, rs.attempt), now + state.config.progress_timeout_s)
+        )
+        fx.append(
+            Record(
+                RecordKind.OFFER_OUTCOME,
+                rs.request.request_id,
+                rs.attempt,
+                now,
+                {"worker_id": msg.worker_id, "outcome": OfferOutcome.ACCEPTED, "reason": None},
+            )
+        )
         return
     state.count("declines")
     state.count(f"declined_{msg.reason}")
@@ -344,7 +368,7 @@ def _on_result(state: RouterState, rs: RequestState, msg: Result, now: float, fx
         _mark_accepted_implicitly(state, rs, msg.worker_id, now, fx)
     _first_progress(state, rs)
     already = len(rs.delivered) - rs.attempt_start
-    if tuple(rs.delivered[rs.attempt_start:]) != tuple(msg.tokens[:already]):
+    if tuple(rs.delivered[rs.attempt_start :]) != tuple(msg.tokens[:already]):
         state.count("result_mismatch")
     _deliver(state, rs, tuple(msg.tokens[already:]), now, fx)
     for tier, n in msg.usage.cached_tokens.items():
@@ -354,5 +378,12 @@ def _on_result(state: RouterState, rs: RequestState, msg: Result, now: float, fx
         finish(state, rs, msg.finish_reason, now, fx)
         return
     state.count(f"worker_{msg.finish_reason}")
-    abandon(state, rs, now, fx, OfferOutcome.WORKER_LOST,
-             f"worker ended the attempt: {msg.finish_reason} {msg.error or ''}", send_cancel=False)
+    abandon(
+        state,
+        rs,
+        now,
+        fx,
+        OfferOutcome.WORKER_LOST,
+        f"worker ended the attempt: {msg.finish_reason} {msg.error or ''}",
+        send_cancel=False,
+    )

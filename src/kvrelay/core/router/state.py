@@ -12,12 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kvrelay.core.router.events import Request
 from kvrelay.core.planning.index import ResidencyIndex
-from kvrelay.core.policies.base import Policy
 from kvrelay.core.planning.predicted_ttft import Candidate, WorkerView
 from kvrelay.core.planning.registry import Registry
 from kvrelay.core.planning.roster import Roster
+from kvrelay.core.policies.base import Policy
+from kvrelay.core.router.events import Request
 from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS
 from kvrelay.protocol.messages import Tier, Usage
 

@@ -111,8 +111,7 @@ class ShutdownRequested:
 
 
 WorkerEvent = (
-    OfferReceived | AdmissionDecided | CancelReceived | TokensProduced | WorkFinished | WorkQuiesced
-    | ShutdownRequested
+    OfferReceived | AdmissionDecided | CancelReceived | TokensProduced | WorkFinished | WorkQuiesced | ShutdownRequested
 )
 
 
@@ -191,7 +190,10 @@ class WorkerState:
 
 
 def new_worker(
-    worker_id: str, epoch: int, models: tuple[str, ...], context_limit: int,
+    worker_id: str,
+    epoch: int,
+    models: tuple[str, ...],
+    context_limit: int,
     fence_memory: int = DEFAULT_FENCE_MEMORY,
 ) -> WorkerState:
     """A fresh machine for one start (``epoch``) of a worker."""
@@ -242,10 +244,18 @@ def _remember_attempt(state: WorkerState, assignment: Assignment) -> None:
 
 def _decline(state: WorkerState, offer: Offer, reason: DeclineReason, detail: str) -> list[WorkerEffect]:
     _count(state, f"declined_{reason}")
-    return [SendMessage(OfferResult(
-        assignment=offer.assignment, worker_id=state.worker_id, epoch=state.epoch,
-        accepted=False, reason=reason, detail=detail[:256],
-    ))]
+    return [
+        SendMessage(
+            OfferResult(
+                assignment=offer.assignment,
+                worker_id=state.worker_id,
+                epoch=state.epoch,
+                accepted=False,
+                reason=reason,
+                detail=detail[:256],
+            )
+        )
+    ]
 
 
 def _fence(state: WorkerState, assignment: Assignment) -> list[WorkerEffect]:
@@ -278,20 +288,26 @@ def _on_offer(state: WorkerState, offer: Offer) -> list[WorkerEffect]:
     _remember_attempt(state, a)
     if offer.worker_id != state.worker_id or offer.epoch != state.epoch:
         return effects + _decline(
-            state, offer, DeclineReason.WRONG_EPOCH,
+            state,
+            offer,
+            DeclineReason.WRONG_EPOCH,
             f"offer for {offer.worker_id} epoch {offer.epoch}; this is {state.worker_id} epoch {state.epoch}",
         )
     if state.shutting_down:
         return effects + _decline(state, offer, DeclineReason.SHUTTING_DOWN, f"{state.worker_id} is shutting down")
     if offer.model not in state.models:
         return effects + _decline(
-            state, offer, DeclineReason.WRONG_MODEL,
+            state,
+            offer,
+            DeclineReason.WRONG_MODEL,
             f"model {offer.model!r} is not served; served: {', '.join(state.models)}",
         )
     needed = len(offer.prompt) + offer.max_new_tokens
     if needed > state.context_limit:
         return effects + _decline(
-            state, offer, DeclineReason.OVER_CONTEXT_LIMIT,
+            state,
+            offer,
+            DeclineReason.OVER_CONTEXT_LIMIT,
             f"{needed} tokens exceed the context limit {state.context_limit}",
         )
     state.slots[a] = Slot(offer, SlotPhase.ADMITTING)
@@ -311,9 +327,14 @@ def _on_admission(state: WorkerState, event: AdmissionDecided) -> list[WorkerEff
     slot.phase = SlotPhase.RUNNING
     _count(state, "accepted")
     return [
-        SendMessage(OfferResult(
-            assignment=event.assignment, worker_id=state.worker_id, epoch=state.epoch, accepted=True,
-        )),
+        SendMessage(
+            OfferResult(
+                assignment=event.assignment,
+                worker_id=state.worker_id,
+                epoch=state.epoch,
+                accepted=True,
+            )
+        ),
         StartWork(slot.offer),
     ]
 
@@ -339,9 +360,16 @@ def _on_tokens(state: WorkerState, event: TokensProduced) -> list[WorkerEffect]:
     seq = slot.seq
     slot.seq += 1
     slot.tokens.extend(event.tokens)
-    return [SendMessage(Delta(
-        assignment=event.assignment, worker_id=state.worker_id, seq=seq, tokens=tuple(event.tokens),
-    ))]
+    return [
+        SendMessage(
+            Delta(
+                assignment=event.assignment,
+                worker_id=state.worker_id,
+                seq=seq,
+                tokens=tuple(event.tokens),
+            )
+        )
+    ]
 
 
 def _on_finished(state: WorkerState, event: WorkFinished) -> list[WorkerEffect]:
@@ -353,10 +381,17 @@ def _on_finished(state: WorkerState, event: WorkFinished) -> list[WorkerEffect]:
         return [ReleaseReservation(event.assignment)]
     _count(state, "finished")
     return [
-        SendMessage(Result(
-            assignment=event.assignment, worker_id=state.worker_id, tokens=tuple(slot.tokens),
-            finish_reason=event.finish_reason, usage=event.usage, timings=event.timings, error=event.error,
-        )),
+        SendMessage(
+            Result(
+                assignment=event.assignment,
+                worker_id=state.worker_id,
+                tokens=tuple(slot.tokens),
+                finish_reason=event.finish_reason,
+                usage=event.usage,
+                timings=event.timings,
+                error=event.error,
+            )
+        ),
         ReleaseReservation(event.assignment),
     ]
 

@@ -40,7 +40,12 @@ class GreedyHead:
     ``argmax`` left for exact logits.
     """
 
-    def __init__(self, weight: torch.Tensor, q: torch.Tensor, row_terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        q: torch.Tensor,
+        row_terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> None:
         self.weight = weight
         self.q = q
         self.row_terms = row_terms
@@ -63,8 +68,12 @@ class GreedyHead:
             return None
         rows, width = weight.shape
         q = huge_page_empty((rows, width), torch.int8)
-        row_terms = (torch.empty(rows, dtype=torch.int32), torch.empty(rows, dtype=torch.float64),
-                     torch.empty(rows, dtype=torch.float64), torch.empty(rows, dtype=torch.float64))
+        row_terms = (
+            torch.empty(rows, dtype=torch.int32),
+            torch.empty(rows, dtype=torch.float64),
+            torch.empty(rows, dtype=torch.float64),
+            torch.empty(rows, dtype=torch.float64),
+        )
         accumulation = (width + 16) * 2.0**-23
         if not head_screen.quantize_rows(weight, accumulation, _SLACK, q, row_terms):
             return None

@@ -40,7 +40,7 @@ class KVPages:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> KVPages:
-        """A zero-filled pool of ``num_pages`` pages of ``page_tokens`` tokens for ``config`` (on huge pages on the CPU)."""
+        """A zero-filled pool of ``num_pages`` pages of ``page_tokens`` tokens for ``config`` (CPU: on huge pages)."""
         if num_pages < 1 or page_tokens < 1:
             raise ValueError(f"KVPages needs num_pages >= 1 and page_tokens >= 1; got {num_pages}, {page_tokens}")
         shape = (config.num_layers, num_pages, page_tokens, config.num_kv_heads, config.head_dim)

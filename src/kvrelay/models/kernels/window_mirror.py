@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrelay.models.kernels.attention import decode_attention
 from kvrelay.models.batch import ForwardBatch
+from kvrelay.models.kernels.attention import decode_attention
 from kvrelay.models.kernels.huge_pages import huge_page_zeros
 from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.models.kernels.native.attention import decode_attention_native

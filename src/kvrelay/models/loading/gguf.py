@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvrelay.models.config import ModelConfig, UnsupportedModelError
 from kvrelay.models.loading.weight_layout import (
     ModelLoadError,
     check_weights,
     expected_tensor_shapes,
 )
-from kvrelay.models.config import ModelConfig, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,8 @@ def gguf_config(reader: Any, path: Path) -> dict[str, Any]:
     tokens = gguf_field(reader, "tokenizer.ggml.tokens") or []
     if not tokens:
         raise ModelLoadError(
-            f"{path}: GGUF metadata has no tokenizer (tokenizer.ggml.tokens); use a GGUF file written with its tokenizer"
+            f"{path}: GGUF metadata has no tokenizer (tokenizer.ggml.tokens); "
+            "use a GGUF file written with its tokenizer"
         )
     eos_ids = [int(eos)] if eos is not None else []
     if arch == "gemma3" and "<end_of_turn>" in tokens:
@@ -184,11 +185,7 @@ def _gguf_name_map(arch: str, num_layers: int, hf_names: list[str]) -> dict[str,
 def unpermute_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's ``permute`` of q/k rows (interleaved rope pairs back to rotate-half halves)."""
     rows = weight.shape[0]
-    return (
-        weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:])
-        .transpose(1, 2)
-        .reshape(weight.shape)
-    )
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
 def _dequantize(tensor: Any) -> torch.Tensor:

@@ -29,16 +29,16 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from kvrelay import paths
-from kvrelay.models.loading.weight_layout import ModelLoadError, check_weights
 from kvrelay.models.config import ModelConfig, UnsupportedModelError
+from kvrelay.models.kernels.huge_pages import copy_to_huge_pages
 from kvrelay.models.loading.default_model import DEFAULT_MODEL_NAME, default_gguf_path
-from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS
 from kvrelay.models.loading.fingerprint import (
     DEFAULT_PAGE_LAYOUT,
     model_fingerprint,
     weights_digest,
 )
-from kvrelay.models.kernels.huge_pages import copy_to_huge_pages
+from kvrelay.models.loading.weight_layout import ModelLoadError, check_weights
+from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS
 
 __all__ = ["LoadedArtifacts", "ModelLoadError", "dtype_name", "load_artifacts"]
 
@@ -128,7 +128,9 @@ def _read_config(directory: Path) -> ModelConfig:
     try:
         raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{path} is not valid JSON ({exc}); restore the config.json saved with the weights") from exc
+        raise ModelLoadError(
+            f"{path} is not valid JSON ({exc}); restore the config.json saved with the weights"
+        ) from exc
     try:
         config = ModelConfig.from_hf(raw)
     except UnsupportedModelError as exc:
@@ -165,9 +167,7 @@ def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _load_directory(
-    directory: Path, dtype: torch.dtype, digest: bytes, name: str, source: str
-) -> LoadedArtifacts:
+def _load_directory(directory: Path, dtype: torch.dtype, digest: bytes, name: str, source: str) -> LoadedArtifacts:
     from kvrelay.models.loading.tokenizer import load_tokenizer
 
     config = _read_config(directory)

@@ -21,8 +21,16 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from kvrelay.models.loading.weight_layout import ModelLoadError
 
 _LOADER_ONLY_KEYS = frozenset(
-    {"tokenizer_class", "backend", "is_local", "local_files_only", "auto_map", "name_or_path", "tokenizer_file",
-     "added_tokens_decoder"}
+    {
+        "tokenizer_class",
+        "backend",
+        "is_local",
+        "local_files_only",
+        "auto_map",
+        "name_or_path",
+        "tokenizer_file",
+        "added_tokens_decoder",
+    }
 )
 
 GEMMA_CHAT_TEMPLATE = (
@@ -76,7 +84,7 @@ def _tokenizer_options(directory: Path) -> dict[str, Any]:
 
 
 def convert_gguf_tokenizer(gguf_path: Path, out_dir: Path, architecture: str) -> None:
-    """Convert the tokenizer in ``gguf_path``'s metadata and save it (``tokenizer.json`` and config) into ``out_dir``."""
+    """Convert the tokenizer in ``gguf_path``'s metadata; save it (``tokenizer.json``, config) into ``out_dir``."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
     except Exception as exc:  # transformers' converters raise many kinds on metadata they cannot use

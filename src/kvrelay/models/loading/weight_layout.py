@@ -62,9 +62,7 @@ def _listing(items: list[str]) -> str:
     return shown + (f" (and {len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")
 
 
-def check_weights(
-    weights: Mapping[str, torch.Tensor], config: ModelConfig, source: str
-) -> dict[str, torch.Tensor]:
+def check_weights(weights: Mapping[str, torch.Tensor], config: ModelConfig, source: str) -> dict[str, torch.Tensor]:
     """``weights`` restricted to ``expected_tensor_shapes(config)``; raises ``ModelLoadError`` on any mismatch.
 
     Tolerated extras: rotary ``inv_freq`` buffers and, for a tied model, a stored

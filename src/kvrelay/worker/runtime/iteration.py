@@ -88,9 +88,7 @@ class IterationPlan:
         return self.num_tokens == 0
 
 
-def plan_iteration(
-    config: PolicyConfig, lanes: Sequence[LaneState | None], waiting: Sequence[int]
-) -> IterationPlan:
+def plan_iteration(config: PolicyConfig, lanes: Sequence[LaneState | None], waiting: Sequence[int]) -> IterationPlan:
     """Plan one iteration.
 
     ``lanes[i]`` is lane i's sequence or ``None`` (free); ``len(lanes) == config.num_lanes``.

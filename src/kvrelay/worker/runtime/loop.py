@@ -37,6 +37,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
+from kvrelay.core.planning.prefill_order import queue_position
 from kvrelay.models.batch import ForwardBatch, LaneRef
 from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.models.sampling import sample_next
@@ -52,13 +53,11 @@ from kvrelay.worker.runtime.jobs import (
     RuntimeClosedError,
     TokenEvent,
 )
-from kvrelay.core.planning.prefill_order import queue_position
 from kvrelay.worker.runtime.torch_threads import confine_threads, own_pool
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
-
 
 
 def _cancel_when_queued(submitted: asyncio.Future[JobHandle]) -> None:
@@ -117,7 +116,9 @@ class _Sequence:
         return self.job.start_pos + len(self.job.tokens) + len(self.generated)
 
     def lane_state(self) -> LaneState:
-        return LaneState(prompt_left=len(self.job.tokens) - self.written, admitted=self.ticket, last_step=self.last_step)
+        return LaneState(
+            prompt_left=len(self.job.tokens) - self.written, admitted=self.ticket, last_step=self.last_step
+        )
 
 
 class _Row(NamedTuple):
@@ -221,10 +222,6 @@ class PagedRuntime:
         return self.submit(job).result(timeout)
 
     @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
     def num_active(self) -> int:
         return sum(lane is not None for lane in self._lanes)
 
@@ -285,10 +282,10 @@ class PagedRuntime:
                 for fn, future in calls:
                     _call(fn, future)
                 for seq in cancelled:
-                    self._finish(seq, "cancelled")
+                    self._finish(seq, FinishReason.CANCELLED)
                 for lane_seq in self._lanes:
                     if lane_seq is not None and lane_seq.handle.cancel_requested:
-                        self._finish(lane_seq, "cancelled")
+                        self._finish(lane_seq, FinishReason.CANCELLED)
                 self._iterate(waiting)
         self._shutdown()
 
@@ -323,7 +320,7 @@ class PagedRuntime:
         except Exception as exc:  # a bad batch fails its jobs, not the worker
             log.exception("forward failed; failing the %d jobs of this batch", len(rows))
             for row in rows:
-                self._finish(row.seq, "error", error=f"{type(exc).__name__}: {exc}")
+                self._finish(row.seq, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
             return
         for row in rows:
             row.seq.last_step = self._step
@@ -336,7 +333,7 @@ class PagedRuntime:
             if row.sample:
                 self._accept_token(row.seq, next(sampled_iter))
             elif row.seq.prompt_done and row.seq.job.max_new_tokens == 0:
-                self._finish(row.seq, "length")
+                self._finish(row.seq, FinishReason.LENGTH)
 
     def _forward(self, rows: list[_Row]) -> list[int]:
         """Run one forward over ``rows`` and sample the rows that want a token, in row order."""
@@ -359,7 +356,7 @@ class PagedRuntime:
 
     def _accept_token(self, seq: _Sequence, token: int) -> None:
         if seq.handle.cancel_requested:
-            self._finish(seq, "cancelled")
+            self._finish(seq, FinishReason.CANCELLED)
             return
         position = seq.next_position
         seq.generated.append(token)
@@ -367,9 +364,9 @@ class PagedRuntime:
             seq.first_token_at = time.perf_counter()
         seq.handle.deliver(TokenEvent(seq.handle.job_id, len(seq.generated) - 1, token, position))
         if token in seq.job.sampling.stop_token_ids:
-            self._finish(seq, "stop")
+            self._finish(seq, FinishReason.STOP)
         elif len(seq.generated) >= seq.job.max_new_tokens:
-            self._finish(seq, "length")
+            self._finish(seq, FinishReason.LENGTH)
 
     def _finish(self, seq: _Sequence, reason: FinishReason, error: str | None = None) -> None:
         if seq.lane >= 0 and self._lanes[seq.lane] is seq:
@@ -397,7 +394,7 @@ class PagedRuntime:
         for _, future in calls:
             future.set_exception(RuntimeClosedError("the runtime closed before running this call"))
         for seq in pending + [s for s in self._lanes if s is not None]:
-            self._finish(seq, "cancelled")
+            self._finish(seq, FinishReason.CANCELLED)
 
 
 def _call(fn: Callable[[], Any], future: Future[Any]) -> None:
