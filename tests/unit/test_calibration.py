@@ -20,7 +20,7 @@ from kvrelay.sim.calibration import (
     scale_costs,
 )
 from kvrelay.sim.cluster_config import load_cluster_config
-from kvrelay.sim.workers import iteration_s
+from kvrelay.sim.work import iteration_s
 
 
 def test_committed_calibration_loads_and_replaces_the_costs() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, assert_never
+
+from kvrelay.core.router.events import ErrorKind, RequestError
 
 
 class APIError(Exception):
@@ -31,15 +33,17 @@ def invalid(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, "invalid_value")
 
 
-def from_outcome_error(error: str, model: str) -> APIError:
-    """Map the router's terminal error (``no_worker: ...``, ``no_capacity: ...``, ...) to an HTTP error."""
-    kind = error.split(":", 1)[0]
-    if kind == "no_worker":
-        return APIError(503, error.split(": ", 1)[-1], "service_unavailable", "model", "no_worker")
-    if kind == "no_capacity":
-        return APIError(
-            429, f"every worker serving '{model}' is at capacity; retry later", "rate_limit_error", None, "no_capacity"
-        )
-    if kind == "over_context_limit":
-        return APIError(413, error.split(": ", 1)[-1], "invalid_request_error", "messages", "context_length_exceeded")
-    return APIError(500, f"the request failed: {error}", "server_error", None, "internal_error")
+def from_failure(failure: RequestError, model: str) -> APIError:
+    """Map the router's terminal error to an HTTP error by its kind."""
+    match failure.kind:
+        case ErrorKind.NO_WORKER:
+            return APIError(503, failure.detail, "service_unavailable", "model", "no_worker")
+        case ErrorKind.NO_CAPACITY:
+            message = f"every worker serving '{model}' is at capacity; retry later"
+            return APIError(429, message, "rate_limit_error", None, "no_capacity")
+        case ErrorKind.OVER_CONTEXT_LIMIT:
+            return APIError(413, failure.detail, "invalid_request_error", "messages", "context_length_exceeded")
+        case ErrorKind.GAVE_UP | ErrorKind.DUPLICATE_REQUEST:
+            return APIError(500, f"the request failed: {failure.text}", "server_error", None, "internal_error")
+        case _:
+            assert_never(failure.kind)

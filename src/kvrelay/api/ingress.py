@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.api.detokenize import IncrementalText
-from kvrelay.api.errors import APIError, from_outcome_error, invalid
+from kvrelay.api.errors import APIError, from_failure, invalid
 from kvrelay.api.metrics import IngressSeries, Metrics
 from kvrelay.api.schema import ChatRequest, CompletionRequest, SamplingFields
 from kvrelay.api.templates import render_chat
@@ -195,9 +195,9 @@ class Ingress:
                     continue
                 outcome: Outcome = payload
                 finished = True
-                if outcome.error and not outcome.tokens:
-                    self.series.errors.labels(reason=outcome.error.split(":", 1)[0]).inc()
-                    raise from_outcome_error(outcome.error, p.model.name)
+                if outcome.failure is not None and not outcome.tokens:
+                    self.series.errors.labels(reason=outcome.failure.kind).inc()
+                    raise from_failure(outcome.failure, p.model.name)
                 held += detok.flush()
                 text, hit, rest = _cut_at_stop(emitted, held, p.stop_strings)
                 text += "" if hit else rest

@@ -14,7 +14,7 @@ from kvrelay.core.router.events import Request, TimerKey
 from kvrelay.protocol.messages import Assignment, Cancel, Offer, WireMessage
 
 if TYPE_CHECKING:
-    from kvrelay.sim.workers import Work
+    from kvrelay.sim.work import Work
 
 
 @dataclass(frozen=True, slots=True)

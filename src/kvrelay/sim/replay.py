@@ -100,7 +100,7 @@ def _metrics(
             if c.first_token_at is not None:
                 ttfts.append(c.first_token_at - c.submitted_at)
         else:
-            kind = (o.error or o.finish_reason).split(":")[0]
+            kind = str(o.failure.kind if o.failure is not None else o.finish_reason)
             errors[kind] = errors.get(kind, 0) + 1
         for tier, n in o.usage.cached_tokens.items():
             cached_by_tier[tier] = cached_by_tier.get(tier, 0) + n

@@ -1,7 +1,7 @@
 """A simulated worker: the pure worker machine plus declared costs, caches and batching.
 
-It carries the machine's effects (``worker.step``) and holds no protocol rule:
-admission is ``sim_admission.plan_admission``; fencing, deltas and results come
+It carries the machine's effects (``core.worker.machine.step``) and holds no protocol rule:
+admission is ``sim.admission.plan_admission``; fencing, deltas and results come
 from the machine.
 
 Execution model (declared costs, logical time):
@@ -28,7 +28,6 @@ Execution model (declared costs, logical time):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import assert_never, cast
 
 from kvrelay.core.planning.prefill_order import queue_position
@@ -51,54 +50,15 @@ from kvrelay.sim.admission import (
     plan_admission,
 )
 from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
-from kvrelay.sim.calibration import CalibratedWorkerSpec
-from kvrelay.sim.cluster_config import ClusterConfig, WorkerSpec
+from kvrelay.sim.cluster_config import ClusterConfig
 from kvrelay.sim.events import AdmissionDue, IterationDone, RestoreDone, WorkerDue
 from kvrelay.sim.tokens import token_value
-
-
-@dataclass(slots=True)
-class Work:
-    """One accepted assignment on the runtime."""
-
-    offer: Offer
-    plan: AdmissionPlan
-    reserved_pages: int
-    pinned: list[bytes]
-    accepted_at: float
-    prefill_left: int
-    generated: int = 0
-    emitted: int = 0
-    in_flight: bool = False
-    fenced: bool = False
-    restore_done_at: float = 0.0
-    prefill_started_at: float | None = None
-    first_token_at: float | None = None
-
-
-@dataclass(slots=True)
-class WorkerStats:
-    """What one worker did, over all its epochs."""
-
-    accepted: int = 0
-    finished: int = 0
-    prefill_tokens: int = 0
-    generated_tokens: int = 0
-    busy_s: float = 0.0
-    restored_bytes: dict[str, int] = field(default_factory=dict)
-
+from kvrelay.sim.work import Work, WorkerStats, iteration_s
 
 Schedule = Callable[[float, str, int, WorkerDue], None]
 """``schedule(at, worker_id, epoch, event)``: hand ``event`` to ``SimWorker.on_due`` at ``at`` if the epoch still
 holds."""
 Send = Callable[[float, str, WireMessage], None]
-
-
-def iteration_s(spec: WorkerSpec, decode_lanes: int, prefill_tokens: int) -> float:
-    """Seconds of one device iteration; a measured spec (``CalibratedWorkerSpec``) prices it itself."""
-    if isinstance(spec, CalibratedWorkerSpec):
-        return spec.iteration_s(decode_lanes, prefill_tokens)
-    return (spec.decode_step(decode_lanes) if decode_lanes else 0.0) + prefill_tokens * spec.prefill_s_per_token
 
 
 class SimWorker:

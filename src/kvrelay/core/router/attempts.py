@@ -18,10 +18,12 @@ from kvrelay.core.router.events import (
     CancelTimer,
     DeliverResult,
     Effect,
+    ErrorKind,
     OfferOutcome,
     Outcome,
     Record,
     RecordKind,
+    RequestError,
     SendCancel,
     SendOffer,
     StartTimer,
@@ -48,9 +50,8 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         finish(state, rs, FinishReason.LENGTH, now, fx)
         return
     if rs.attempt >= config.max_attempts:
-        finish(
-            state, rs, FinishReason.ERROR, now, fx, f"gave up after {rs.attempt} attempts: {'; '.join(rs.reasons[-3:])}"
-        )
+        gave_up = f"gave up after {rs.attempt} attempts: {'; '.join(rs.reasons[-3:])}"
+        finish(state, rs, FinishReason.ERROR, now, fx, RequestError(ErrorKind.GAVE_UP, gave_up))
         return
     prompt = request.prompt + tuple(rs.delivered) if rs.delivered else request.prompt
     if request.chain is not None:
@@ -173,11 +174,14 @@ def no_candidate(state: RouterState, rs: RequestState, plan: cand.Plan, now: flo
             FinishReason.ERROR,
             now,
             fx,
-            f"no_worker: model '{model}' is not served; served models: {', '.join(served) or 'none'}",
+            RequestError(
+                ErrorKind.NO_WORKER, f"model '{model}' is not served; served models: {', '.join(served) or 'none'}"
+            ),
         )
         return
     if _all_excluded(plan, serving, ExclusionKind.CONTEXT_LIMIT):
-        finish(state, rs, FinishReason.ERROR, now, fx, f"over_context_limit: {plan.excluded[serving[0]].text}")
+        limit = RequestError(ErrorKind.OVER_CONTEXT_LIMIT, plan.excluded[serving[0]].text)
+        finish(state, rs, FinishReason.ERROR, now, fx, limit)
         return
     if _all_excluded(plan, serving, ExclusionKind.FAILED_BEFORE):
         # Every server of the model failed this request once: forget the exclusions
@@ -189,9 +193,8 @@ def no_candidate(state: RouterState, rs: RequestState, plan: cand.Plan, now: flo
         state.count("parked")
     elif now - rs.parked_since > state.config.max_queue_wait_s:
         state.parked.pop(rs.request.request_id, None)
-        finish(
-            state, rs, FinishReason.ERROR, now, fx, f"no_capacity: waited {now - rs.parked_since:.1f} s for a worker"
-        )
+        waited = RequestError(ErrorKind.NO_CAPACITY, f"waited {now - rs.parked_since:.1f} s for a worker")
+        finish(state, rs, FinishReason.ERROR, now, fx, waited)
         return
     rs.phase = Phase.PARKED
     state.parked[rs.request.request_id] = None
@@ -271,7 +274,12 @@ def abandon(
 
 
 def finish(
-    state: RouterState, rs: RequestState, reason: FinishReason, now: float, fx: Effects, error: str | None = None
+    state: RouterState,
+    rs: RequestState,
+    reason: FinishReason,
+    now: float,
+    fx: Effects,
+    failure: RequestError | None = None,
 ) -> None:
     rid = rs.request.request_id
     if rs.worker_id is not None:
@@ -282,7 +290,8 @@ def finish(
     state.parked.pop(rid, None)
     ttft = None if rs.first_token_at is None else rs.first_token_at - rs.arrived
     usage = usage_of(rs)
-    fx.append(DeliverResult(rid, Outcome(rid, reason, tuple(rs.delivered), rs.attempt, usage, ttft, error)))
+    outcome = Outcome(rid, reason, tuple(rs.delivered), rs.attempt, usage, ttft, failure)
+    fx.append(DeliverResult(rid, outcome))
     fx.append(
         Record(
             RecordKind.OUTCOME,
@@ -298,7 +307,7 @@ def finish(
                 "generated_tokens": usage.generated_tokens,
                 "bytes_by_tier": {},
                 "attempts": rs.attempt,
-                "error": error,
+                "error": outcome.error,
             },
         )
     )

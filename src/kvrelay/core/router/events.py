@@ -21,6 +21,36 @@ from kvrelay.protocol.messages import (
 )
 
 
+class ErrorKind(StrEnum):
+    """Why the router ended a request with an error (the value is the metric label and the text's prefix)."""
+
+    NO_WORKER = "no_worker"
+    OVER_CONTEXT_LIMIT = "over_context_limit"
+    NO_CAPACITY = "no_capacity"
+    GAVE_UP = "gave_up"
+    DUPLICATE_REQUEST = "duplicate_request"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestError:
+    """A request's terminal error: its ``kind`` and the human ``detail``.
+
+    ``text`` is what decision records, logs and clients see: ``"<kind>: <detail>"`` for the kinds a
+    client must tell apart (no worker, over the context limit, no capacity); the detail alone for the
+    others (``"gave up after N attempts: ..."``).
+    """
+
+    kind: ErrorKind
+    detail: str
+
+    @property
+    def text(self) -> str:
+        return f"{self.kind}: {self.detail}" if self.kind in _PREFIXED else self.detail
+
+
+_PREFIXED = frozenset({ErrorKind.NO_WORKER, ErrorKind.OVER_CONTEXT_LIMIT, ErrorKind.NO_CAPACITY})
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
     """A request as ingress submits it.
@@ -154,7 +184,12 @@ class Outcome:
     attempts: int
     usage: Usage = Usage()
     ttft_s: float | None = None
-    error: str | None = None
+    failure: RequestError | None = None
+
+    @property
+    def error(self) -> str | None:
+        """The failure's text, or None when the request did not fail."""
+        return None if self.failure is None else self.failure.text
 
 
 @dataclass(frozen=True, slots=True)

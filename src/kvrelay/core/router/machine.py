@@ -30,6 +30,7 @@ from kvrelay.core.router.events import (
     DeliverDelta,
     DeliverResult,
     Effect,
+    ErrorKind,
     LoadReplicas,
     MessageReceived,
     OfferOutcome,
@@ -39,6 +40,7 @@ from kvrelay.core.router.events import (
     ReplicasKnown,
     Request,
     RequestArrived,
+    RequestError,
     RouterEvent,
     SendCancel,
     StartTimer,
@@ -127,8 +129,8 @@ def _on_request(state: RouterState, request: Request, now: float, fx: Effects) -
     if request.request_id in state.requests:
         state.count("duplicate_request")
         rid = request.request_id
-        error = f"request id '{rid}' is already in flight"
-        fx.append(DeliverResult(rid, Outcome(rid, FinishReason.ERROR, (), 0, error=error)))
+        duplicate = RequestError(ErrorKind.DUPLICATE_REQUEST, f"request id '{rid}' is already in flight")
+        fx.append(DeliverResult(rid, Outcome(rid, FinishReason.ERROR, (), 0, failure=duplicate)))
         return
     fp = state.fingerprints.get(request.model) or request.model.encode()
     rs = RequestState(request=request, arrived=now, fingerprint=fp)

@@ -1,0 +1,48 @@
+"""One accepted assignment on a simulated worker, what the worker did, and what one device iteration costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvrelay.protocol.messages import Offer
+from kvrelay.sim.admission import AdmissionPlan
+from kvrelay.sim.calibration import CalibratedWorkerSpec
+from kvrelay.sim.cluster_config import WorkerSpec
+
+
+@dataclass(slots=True)
+class Work:
+    """One accepted assignment on the runtime."""
+
+    offer: Offer
+    plan: AdmissionPlan
+    reserved_pages: int
+    pinned: list[bytes]
+    accepted_at: float
+    prefill_left: int
+    generated: int = 0
+    emitted: int = 0
+    in_flight: bool = False
+    fenced: bool = False
+    restore_done_at: float = 0.0
+    prefill_started_at: float | None = None
+    first_token_at: float | None = None
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """What one worker did, over all its epochs."""
+
+    accepted: int = 0
+    finished: int = 0
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    busy_s: float = 0.0
+    restored_bytes: dict[str, int] = field(default_factory=dict)
+
+
+def iteration_s(spec: WorkerSpec, decode_lanes: int, prefill_tokens: int) -> float:
+    """Seconds of one device iteration; a measured spec (``CalibratedWorkerSpec``) prices it itself."""
+    if isinstance(spec, CalibratedWorkerSpec):
+        return spec.iteration_s(decode_lanes, prefill_tokens)
+    return (spec.decode_step(decode_lanes) if decode_lanes else 0.0) + prefill_tokens * spec.prefill_s_per_token
