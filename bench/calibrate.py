@@ -1,6 +1,6 @@
 """Measure one worker's costs on this machine and write them as a calibration file for ``kvrelay sim``.
 
-Through the real paged runtime (``worker.engine.Engine``) with the real model
+Through the real paged runtime (``worker.runtime.engine.Engine``) with the real model
 (default Gemma 3 270M, bfloat16), ``--threads`` torch threads (1: one core per
 worker process, as in ``bench/trace_e2e.py``), ``--lanes`` lanes and a token
 budget of ``--token-budget`` (the worker's defaults):
@@ -33,7 +33,7 @@ measured alone and ``bench/trace_e2e.py`` scales them by the CPU availability
 the router and every other process competing for the cores.
 
 Writes TOML (``--out``, default ``configs/calibration-gemma3-270m-cpu.toml``)
-in the format of ``controller.calibration``, and prints the figures.
+in the format of ``sim.calibration``, and prints the figures.
 
 Run: ``flock /tmp/kvrelay-bench.lock .venv/bin/python bench/calibrate.py``.
 """

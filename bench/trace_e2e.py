@@ -17,7 +17,7 @@ share of the CPU (the workers' CPU availability per replay is reported):
 3. ``round_robin``: the same ``kvrelay cluster`` with the router policy
    ``round_robin`` (kvrelay's router, so it differs from 1 only by the policy).
 
-Scaling (``tracebench.prompts``): a trace block of 512 tokens becomes
+Scaling (``kvrelay.bench.trace.prompts``): a trace block of 512 tokens becomes
 ``--block-tokens`` (16) tokens of single-token words (equal hash ids give equal
 token blocks), prompts are capped at ``--max-prompt-tokens`` (2048), outputs at
 ``--max-output-tokens`` (16), and arrival times are stretched ``--time-stretch``

@@ -1,7 +1,7 @@
 """kvrelay router and worker processes for tests: start them, read their output, stop them.
 
 ``kvrelay(...)`` runs ``python -m kvrelay.cli.main ...`` as a
-``processes.child.ChildProcess`` (stdout and stderr merged, every line kept;
+``launch.child.ChildProcess`` (stdout and stderr merged, every line kept;
 ``wait_for(pattern)`` returns the first matching line after a mark, or fails
 with the output's tail when the timeout passes or the process exits). ``wait_until`` polls a predicate (e.g.
 an HTTP endpoint) with a timeout. Every child gets the test's shared secret

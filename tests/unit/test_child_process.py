@@ -1,4 +1,4 @@
-"""``processes.child.ChildProcess``: lines kept and matched after a mark, clear failures, stop and kill."""
+"""``launch.child.ChildProcess``: lines kept and matched after a mark, clear failures, stop and kill."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ records keep it current (``record_sink`` applies each before handing it to
 the store's writer), so ``held_by(location)`` and ``of_tier(tier)`` answer
 from memory with no database read. The router reads
 ``of_tier("object")`` when it starts and ``held_by(worker)`` when a worker's
-epoch begins (``controller.events.LoadReplicas``): the only moments this map
+epoch begins (``core.router.events.LoadReplicas``): the only moments this map
 knows a replica the router's residency index does not. This holds while one router writes the replica
 facts of its cluster, which is how ``kvrelay serve`` and ``kvrelay router``
 run; several routers sharing one fact store would each see only their own

@@ -1,8 +1,8 @@
 """The simulated worker's admission: an offer's route re-checked against its real caches.
 
 This is the injected admission of the worker machine (``worker.RequestAdmission``)
-for the simulator: a pure page-capacity model over ``sim_cache`` (docs/design.md
-section 7, steps 2 to 4). It decides; the caller (``sim_workers``) reserves.
+for the simulator: a pure page-capacity model over ``sim.cache`` (docs/design.md
+section 7, steps 2 to 4). It decides; the caller (``sim.workers``) reserves.
 
 - Every chunk of the offer's route must still be available at its planned tier or
   a faster one; a chunk planned on ``gpu`` that is gone, or a lower-tier chunk

@@ -1,7 +1,7 @@
 """The deterministic simulator: logical time driving the real router and worker machines.
 
 One heap of timed events (ties broken by insertion order) feeds ``router.step``
-and the simulated workers (``sim_workers``, which run ``worker.step``); every
+and the simulated workers (``sim.workers``, which run ``core.worker.machine.step``); every
 router effect is carried out here: offers and cancels go through the seeded
 ``NetworkModel``, timers become heap events, deliveries reach the consumer
 records. No routing or protocol rule lives here.

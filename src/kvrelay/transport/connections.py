@@ -22,7 +22,7 @@ Contract:
 - Every refusal (of a heartbeat, ``RouteClaim.reason``, or of a message,
   ``admit``'s answer) is an enum whose value is the endpoint's counter name.
 - Ended epochs are remembered: heartbeats of an ended epoch are refused, as the
-  router's registry refuses them (``controller.registry.fence``), so a worker
+  router's registry refuses them (``core.planning.registry.fence``), so a worker
   whose route ended comes back only with a newer epoch.
 """
 
