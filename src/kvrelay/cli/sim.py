@@ -17,11 +17,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvrelay.core.policies import DEFAULT_POLICY
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace file")
     parser.add_argument("--workers", type=int, default=None, help="number of workers (default: from the config)")
-    parser.add_argument("--policy", default="kvrelay", help="routing policy name, or 'all' (default kvrelay)")
+    parser.add_argument(
+        "--policy", default=DEFAULT_POLICY, help=f"routing policy name, or 'all' (default {DEFAULT_POLICY})"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the network model and router (default 0)")
     parser.add_argument("--rate-scale", type=float, default=1.0, help="replay X times faster (default 1)")
     parser.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block (default 512)")

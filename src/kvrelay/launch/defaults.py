@@ -8,6 +8,7 @@ dtype names are ``kvrelay.models.dtypes``'.
 
 from __future__ import annotations
 
+from kvrelay.core.policies import DEFAULT_POLICY
 from kvrelay.paths import data_dir
 
 HOST = "127.0.0.1"
@@ -16,7 +17,7 @@ HTTP_PORT = 8000
 """The OpenAI-compatible API's port."""
 WORKER_PORT = 8001
 """The router's worker WebSocket port (``kvrelay cluster`` picks a free one instead)."""
-POLICY = "kvrelay"
+POLICY = DEFAULT_POLICY
 """The routing policy."""
 
 DTYPE = "bfloat16"

@@ -15,6 +15,7 @@ from functools import partial
 import numpy as np
 
 from kvrelay.bench.trace.prompts import TracePrompt
+from kvrelay.core.policies import DEFAULT_POLICY
 from kvrelay.core.router.events import Request
 from kvrelay.protocol.messages import Sampling
 from kvrelay.sim.cluster_config import ClusterConfig
@@ -46,7 +47,7 @@ def pooled(predictions: Sequence[Prediction]) -> Prediction:
 def predict_ttft(
     prompts: Sequence[TracePrompt],
     cluster: ClusterConfig,
-    policy: str = "kvrelay",
+    policy: str = DEFAULT_POLICY,
     seed: int = 0,
     start_s: float = 1.0,
     drain_s: float = 3600.0,

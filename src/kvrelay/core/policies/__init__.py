@@ -12,8 +12,11 @@ from kvrelay.core.policies.llmd_scorer import LlmdScorer
 from kvrelay.core.policies.mooncake_conductor import MooncakeConductor
 from kvrelay.core.policies.sglang_cache_aware import SGLangCacheAware
 
+DEFAULT_POLICY = PredictedTTFT.name
+"""The policy a router runs unless told otherwise: kvrelay's own."""
+
 POLICIES: dict[str, Callable[[], Policy]] = {
-    "kvrelay": PredictedTTFT,
+    DEFAULT_POLICY: PredictedTTFT,
     "round_robin": RoundRobin,
     "least_loaded": LeastLoaded,
     "sglang_cache_aware": SGLangCacheAware,

@@ -16,6 +16,7 @@ from kvrelay.core.planning.index import ResidencyIndex
 from kvrelay.core.planning.predicted_ttft import Candidate, WorkerView
 from kvrelay.core.planning.registry import Registry
 from kvrelay.core.planning.roster import Roster
+from kvrelay.core.policies import DEFAULT_POLICY
 from kvrelay.core.policies.base import Policy
 from kvrelay.core.router.events import Request
 from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS
@@ -103,7 +104,7 @@ class RouterState:
         self.counters[name] = self.counters.get(name, 0) + n
 
 
-def new_router(config: RouterConfig | None = None, policy: Policy | str = "kvrelay", seed: int = 0) -> RouterState:
+def new_router(config: RouterConfig | None = None, policy: Policy | str = DEFAULT_POLICY, seed: int = 0) -> RouterState:
     """A router with no workers and no requests."""
     from kvrelay.core.policies import make_policy
 
