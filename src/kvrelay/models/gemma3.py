@@ -19,9 +19,9 @@ from kvrelay.models.layers import (
     RMSNorm,
     Rotary,
     StepContext,
-    Weights,
 )
 from kvrelay.models.mlp import GatedMLP
+from kvrelay.models.weights import Weights
 
 
 class Gemma3Layer:

@@ -19,7 +19,7 @@ from kvrelay.models.config import ModelConfig
 from kvrelay.models.kernels.native.linear_row import linear_row_native
 
 if TYPE_CHECKING:
-    from kvrelay.models.layers import Weights
+    from kvrelay.models.weights import Weights
 
 
 class Activation(NamedTuple):

@@ -8,8 +8,9 @@ import torch
 
 from kvrelay.models.config import ModelConfig, UnsupportedModelError
 from kvrelay.models.gemma3 import Gemma3Model
-from kvrelay.models.layers import PagedModel, Weights
+from kvrelay.models.layers import PagedModel
 from kvrelay.models.llama import LlamaModel
+from kvrelay.models.weights import Weights
 
 __all__ = ["ADAPTERS", "PagedModel", "build_model"]
 
