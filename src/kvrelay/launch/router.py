@@ -29,9 +29,9 @@ import uvicorn
 from kvrelay.core.router.machine import RouterConfig
 from kvrelay.launch import defaults
 from kvrelay.launch.catalog import ModelCatalog, load_served_model
+from kvrelay.launch.router_stack import build_router_stack
 from kvrelay.protocol.messages import Heartbeat, WireMessage
 from kvrelay.router.cluster_router import ClusterRouter
-from kvrelay.router.stack import build_router_stack
 from kvrelay.transport.router_endpoint import RouterEndpoint, registry_liveness
 
 log = logging.getLogger(__name__)

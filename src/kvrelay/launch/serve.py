@@ -1,6 +1,6 @@
 """``kvrelay serve``: the embedded default, everything in one process.
 
-One asyncio loop holds the HTTP ingress, the router stack (``router.stack``:
+One asyncio loop holds the HTTP ingress, the router stack (``launch.router_stack``:
 router, fact store, metrics, ingress, app) and one worker controller; a device
 thread runs the model. The router and the worker talk through the same
 protocol messages as over WebSockets, handed over with ``loop.call_soon`` so
@@ -23,10 +23,10 @@ from kvrelay.api.ingress import Ingress, ServedModel
 from kvrelay.core.router.machine import RouterConfig
 from kvrelay.facts.store import FactStore
 from kvrelay.launch import defaults
+from kvrelay.launch.router_stack import RouterStack, build_router_stack
 from kvrelay.launch.worker_assembly import StoreSpec, WorkerParts, WorkerSettings, build_worker
 from kvrelay.protocol.messages import Cancel, Offer, WireMessage
 from kvrelay.router.cluster_router import ClusterRouter
-from kvrelay.router.stack import RouterStack, build_router_stack
 from kvrelay.worker.host import WorkerController
 from kvrelay.worker.runtime.loop import PagedRuntime
 

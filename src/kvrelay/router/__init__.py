@@ -1,1 +1,1 @@
-"""The live router: the asyncio interpreter of the router machine and the one place its stack is wired."""
+"""The live router: the asyncio interpreter of the router machine (its stack is wired by ``launch.router_stack``)."""
