@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
+from kvrelay.protocol.messages import CACHE_TIERS
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-TIERS = ("gpu", "ram", "ssd", "peer", "object")
-"""The tiers a prompt token can be served from; their ``kvrelay_cached_tokens_total`` series exist from the start."""
 Labels = tuple[tuple[str, str], ...]
 Read = Callable[[], dict[Labels, float]]
 """Series read at scrape time: value by label pairs (the same label names in every key)."""
@@ -99,6 +99,6 @@ class IngressSeries:
                 "kvrelay_inter_token_seconds", "time between tokens", buckets=LATENCY_BUCKETS, registry=registry
             ),
         )
-        for tier in TIERS:
+        for tier in CACHE_TIERS:  # their kvrelay_cached_tokens_total series exist from the start
             series.cached_tokens.labels(tier=tier)
         return series

@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 import uvicorn
 from fastapi import FastAPI
 
 from kvrelay.api.ingress import Ingress, ServedModel
+from kvrelay.api.metrics import Read
 from kvrelay.core.router.machine import RouterConfig
 from kvrelay.facts.store import FactStore
 from kvrelay.launch import defaults
@@ -117,22 +118,14 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
     router = stack.router
     controller.publish = to_router
     metrics = stack.metrics
-    metrics.gauge(
-        "kvrelay_pages_reserved",
-        lambda: {(("worker", identity.worker_id),): pool.num_reserved},
-        "pages held by reservations",
+    page_gauges: tuple[tuple[str, Callable[[], int], str], ...] = (
+        ("kvrelay_pages_reserved", lambda: pool.num_reserved, "pages held by reservations"),
+        ("kvrelay_pages_free", lambda: pool.num_free, "free pages"),
+        ("kvrelay_pages_cached", lambda: pool.num_cached, "unreferenced pages holding cached chunks"),
+        ("kvrelay_pages_in_use", lambda: pool.num_referenced, "pages referenced by running sequences"),
     )
-    metrics.gauge("kvrelay_pages_free", lambda: {(("worker", identity.worker_id),): pool.num_free}, "free pages")
-    metrics.gauge(
-        "kvrelay_pages_cached",
-        lambda: {(("worker", identity.worker_id),): pool.num_cached},
-        "unreferenced pages holding cached chunks",
-    )
-    metrics.gauge(
-        "kvrelay_pages_in_use",
-        lambda: {(("worker", identity.worker_id),): pool.num_referenced},
-        "pages referenced by running sequences",
-    )
+    for name, read, help_ in page_gauges:
+        metrics.gauge(name, _for_worker(identity.worker_id, read), help_)
     router.start()
     router.receive(controller.heartbeat())
     beat = loop.create_task(_heartbeats(router, controller, options.heartbeat_s))
@@ -144,6 +137,11 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
         with contextlib.suppress(asyncio.CancelledError):
             await beat
         await parts.close()
+
+
+def _for_worker(worker_id: str, read: Callable[[], int]) -> Read:
+    """``read()``'s value as the one series of ``worker_id``."""
+    return lambda: {(("worker", worker_id),): float(read())}
 
 
 async def _heartbeats(router: ClusterRouter, controller: WorkerController, every_s: float) -> None:

@@ -35,6 +35,10 @@ ShortStr = Annotated[str, msgspec.Meta(max_length=256)]
 Tier = Literal["gpu", "ram", "ssd", "peer", "object", "recompute"]
 TIERS: tuple[str, ...] = ("gpu", "ram", "ssd", "peer", "object", "recompute")
 """Tiers fastest first (docs/design.md section 5)."""
+CACHE_TIERS: tuple[str, ...] = TIERS[:-1]
+"""The tiers a prompt token can be served from (every tier but ``recompute``)."""
+RESTORE_TIERS: tuple[str, ...] = CACHE_TIERS[1:]
+"""The tiers a chunk is restored from into device pages (every cache tier but ``gpu``)."""
 
 
 class DeclineReason(StrEnum):

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from kvrelay.protocol.messages import RESTORE_TIERS
 from kvrelay.sim.cluster_config import (
-    RESTORE_TIERS,
     ClusterConfig,
     NetworkSpec,
     WorkerSpec,

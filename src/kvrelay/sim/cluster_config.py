@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS, DEFAULT_PAGE_TOKENS
-from kvrelay.protocol.messages import Tier
+from kvrelay.protocol.messages import RESTORE_TIERS, Tier
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[3] / "configs" / "cluster-default.toml"
-
-RESTORE_TIERS: tuple[str, ...] = ("ram", "ssd", "peer", "object")
 
 
 class ClusterConfigError(ValueError):

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvrelay.bench.scenarios.stats import CaseSummary, OccupancySample
+from kvrelay.protocol.messages import CACHE_TIERS
 
-TIERS = ("gpu", "ram", "ssd", "peer", "object")
 GAP_S = 2.0
 
 
@@ -69,7 +69,7 @@ def write_plots(
         (right, "held_bytes", "bytes held per tier at the end of each case"),
     ):
         bottom = [0.0] * len(summaries)
-        for tier in TIERS:
+        for tier in CACHE_TIERS:
             values = [getattr(s, attr).get(tier, 0) / 1e6 for s in summaries]
             if any(values):
                 ax.bar(names, values, bottom=bottom, label=tier)
