@@ -14,7 +14,7 @@ import pytest
 
 from kvrelay.models.loading.loader import load_artifacts
 from kvrelay.testing.tiny_models import make_tiny_model
-from tests.support.processes import child_env, kvrelay, wait_until
+from tests.support.processes import CLUSTER_READY, two_worker_cluster, wait_until
 from tests.support.worker_harness import greedy_reference
 
 
@@ -22,29 +22,9 @@ from tests.support.worker_harness import greedy_reference
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     home = tmp_path_factory.mktemp("api-cluster")
     model = make_tiny_model("gemma3", home / "tiny-gemma3")
-    process = kvrelay(
-        "cluster",
-        "cluster",
-        [
-            "--workers",
-            "2",
-            "--port",
-            "0",
-            "--model",
-            str(model),
-            "--dtype",
-            "float32",
-            "--kv-tokens",
-            "4096",
-            "--lanes",
-            "4",
-            "--db",
-            f"sqlite:///{home / 'facts.sqlite3'}",
-        ],
-        child_env(home),
-    )
+    process = two_worker_cluster(home, model)
     try:
-        http_url = process.wait_for(r"kvrelay cluster ready http=(\S+) workers=w1,w2", 120).group(1)
+        http_url = process.wait_for(CLUSTER_READY, 120).group(1)
         wait_until(lambda: httpx.get(http_url + "/health").status_code == 200 or None, 30, "a healthy router")
         yield http_url, model
         process.signal(signal.SIGTERM)

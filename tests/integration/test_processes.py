@@ -24,10 +24,10 @@ from kvrelay.models.loading.weight_layout import ModelLoadError
 from kvrelay.protocol.messages import Heartbeat
 from kvrelay.testing.tiny_models import make_tiny_model
 from tests.support.processes import (
+    CLUSTER_READY,
     StreamingRequest,
-    child_env,
     complete,
-    kvrelay,
+    two_worker_cluster,
     wait_until,
 )
 from tests.support.tiny_gguf import write_tiny_gguf
@@ -184,31 +184,9 @@ def test_cluster_runs_named_workers_drains_one_on_sigterm_and_stops_all(tmp_path
         max_position_embeddings=2048,
         eos_token_id=None,
     )
-    cluster = kvrelay(
-        "cluster",
-        "cluster",
-        [
-            "--workers",
-            "2",
-            "--port",
-            "0",
-            "--model",
-            str(model),
-            "--dtype",
-            "float32",
-            "--kv-tokens",
-            "4096",
-            "--lanes",
-            "4",
-            "--grace-s",
-            "0.5",
-            "--db",
-            f"sqlite:///{tmp_path / 'facts.sqlite3'}",
-        ],
-        child_env(tmp_path),
-    )
+    cluster = two_worker_cluster(tmp_path, model, "--grace-s", "0.5")
     try:
-        http_url = cluster.wait_for(r"kvrelay cluster ready http=(\S+) workers=w1,w2", 120).group(1)
+        http_url = cluster.wait_for(CLUSTER_READY, 120).group(1)
         children = children_of(cluster.pid)
         workers = {
             re.search(r"--worker-id (w\d)", c).group(1): pid  # type: ignore[union-attr]

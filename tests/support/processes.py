@@ -55,6 +55,18 @@ def kvrelay(name: str, command: str, args: list[str], env: dict[str, str]) -> Ch
     return ChildProcess(name, argv, env)
 
 
+CLUSTER_READY = r"kvrelay cluster ready http=(\S+) workers=w1,w2"
+"""The ready line of ``two_worker_cluster``'s child, its router's HTTP URL as group 1."""
+
+
+def two_worker_cluster(home: Path, model_dir: Path, *flags: str) -> ChildProcess:
+    """``kvrelay cluster`` with workers w1 and w2 serving ``model_dir`` in float32 (4,096 KV tokens, 4 lanes),
+    its fact store in ``home``; ``flags`` are added to the command line."""
+    args = ["--workers", "2", "--port", "0", "--model", str(model_dir), "--dtype", "float32"]
+    args += ["--kv-tokens", "4096", "--lanes", "4", *flags, "--db", f"sqlite:///{home / 'facts.sqlite3'}"]
+    return kvrelay("cluster", "cluster", args, child_env(home))
+
+
 class Router:
     """A ``kvrelay router`` child with its URLs (learned from its ready line)."""
 
