@@ -2,9 +2,12 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# vLLM's CPU build, the runtime's peer and an engine kvrelay's workers can serve through, in a venv of its own.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint sim clean
+.PHONY: install vllm run test lint sim clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -15,10 +18,16 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+$(VLLM_STAMP): scripts/install_vllm.sh scripts/vllm-requirements.txt
+	bash scripts/install_vllm.sh $(VLLM_VENV)
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 run: $(STAMP)
 	$(VENV)/bin/kvrelay serve
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -30,4 +39,4 @@ sim: $(STAMP)
 	$(VENV)/bin/kvrelay sim --trace data/traces/mooncake_synthetic_trace.jsonl --workers 8 --policy all
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info
