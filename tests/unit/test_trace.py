@@ -9,9 +9,11 @@ import pytest
 
 from kvrelay.protocol.chunk_keys import prompt_chain
 from kvrelay.sim.trace import (
+    SYNTHETIC_VOCAB,
     PromptSynthesizer,
     TraceError,
     TraceRequest,
+    chunk_cache_bound,
     infinite_cache_bound,
     load_trace,
 )
@@ -45,7 +47,8 @@ def test_loads_sorted_by_timestamp_and_honours_limit(tmp_path: Path) -> None:
         ('{"timestamp": 1, "input_length": 3}', "t.jsonl:2: missing field(s) output_length, hash_ids"),
         (line(-1, 3, 1, [1]), "t.jsonl:2: 'timestamp' must be non-negative"),
         ('{"timestamp": 1, "input_length": "3", "output_length": 1, "hash_ids": [1]}', "'input_length' must be"),
-        ('{"timestamp": 1, "input_length": 3, "output_length": 1, "hash_ids": [1.5]}', "list of integers"),
+        ('{"timestamp": 1, "input_length": 3, "output_length": 1, "hash_ids": [1.5]}', "list of 64-bit integers"),
+        (line(1, 3, 1, [1 << 63]), "list of 64-bit integers"),
         (line(1, 20, 1, [1]), "t.jsonl:2: 1 hash_ids but input_length 20 at 8 tokens per block needs 3; pass"),
     ],
 )
@@ -66,16 +69,48 @@ def test_missing_and_empty_files_are_clear_errors(tmp_path: Path) -> None:
 def test_infinite_cache_bound_counts_blocks_seen_before() -> None:
     reqs = [TraceRequest(1, 0, 20, 1, (1, 2, 3)), TraceRequest(2, 1, 18, 1, (1, 2, 4)), TraceRequest(3, 2, 4, 1, (9,))]
     bound = infinite_cache_bound(reqs, block_tokens=8)
-    assert (bound.blocks, bound.hit_blocks) == (7, 2)
+    assert (bound.units, bound.hit_units) == (7, 2)
     assert (bound.tokens, bound.hit_tokens) == (42, 16)
+
+
+def test_chunk_bound_counts_routable_chunks_an_earlier_chain_held() -> None:
+    # Blocks of 8 tokens, chunks of 4: a 20-token prompt routes (20 - 1) // 4 = 4 chunks.
+    reqs = [
+        TraceRequest(1, 0, 20, 1, (1, 2, 3)),  # chunks (1,0) (1,1) (2,0) (2,1): none seen
+        TraceRequest(2, 1, 18, 1, (1, 2, 4)),  # 4 chunks, all of blocks 1 and 2: 4 hits
+        TraceRequest(3, 2, 13, 1, (1, 5)),  # 3 chunks: (1,0) (1,1) hit; block 5 is new
+        TraceRequest(4, 3, 9, 1, (9, 2)),  # block 2 under another prefix is other content: 0 hits
+        TraceRequest(5, 4, 5, 1, (1,)),  # 1 chunk, a hit
+    ]
+    bound = chunk_cache_bound(reqs, block_tokens=8, chunk_tokens=4)
+    assert (bound.units, bound.hit_units) == (4 + 4 + 3 + 2 + 1, 4 + 2 + 0 + 1)
+    assert (bound.tokens, bound.hit_tokens) == (20 + 18 + 13 + 9 + 5, 7 * 4)
+    assert bound.token_share < infinite_cache_bound(reqs, block_tokens=8).token_share
 
 
 def test_dev_trace_bound_matches_its_readme() -> None:
     reqs = load_trace(DEV_TRACE)
     bound = infinite_cache_bound(reqs, 512)
     assert len(reqs) == 3993
-    assert round(bound.block_share * 100, 1) == 64.0
+    assert round(bound.unit_share * 100, 1) == 64.0
     assert round(bound.token_share * 100, 1) == 65.1
+    assert chunk_cache_bound(reqs, 512, 64).token_share < bound.token_share
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [(5, 5 + SYNTHETIC_VOCAB), (0, SYNTHETIC_VOCAB**2), (-1, 1), (-(1 << 63), (1 << 63) - 1), (3, -3)],
+)
+def test_synthesis_is_injective_on_block_ids(ids: tuple[int, int]) -> None:
+    """Distinct block ids give distinct tokens from the first chunk on, so distinct chunk keys
+    (the old synthesis repeated itself every SYNTHETIC_VOCAB ids)."""
+    syn = PromptSynthesizer(b"fp", block_tokens=128, chunk_tokens=64)
+    a, b = (syn.block_tokens_of(h) for h in ids)
+    assert a[:64].tolist() != b[:64].tolist()
+    assert int(max(a.max(), b.max())) < SYNTHETIC_VOCAB and int(min(a.min(), b.min())) >= 0
+    ra, rb = (TraceRequest(i, 0, 300, 1, (7, h, 8)) for i, h in enumerate(ids))
+    ca, cb = syn.chain(ra), syn.chain(rb)
+    assert ca[:2] == cb[:2] and not set(ca[2:]) & set(cb[2:])
 
 
 def test_synthesized_chain_is_the_key_rule_over_the_synthesized_prompt() -> None:

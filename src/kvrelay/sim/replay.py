@@ -4,8 +4,10 @@ Arrivals are ``start_s + timestamp / rate_scale`` (``start_s`` lets every worker
 send its first heartbeat before traffic). TTFT is measured at the consumer: from
 submission to the first delivered token. Prefix hits are the cached tokens (all
 tiers) the workers reported for the attempts the router accepted, over all
-prompt tokens of the trace; the infinite-cache bound is computed from the trace
-itself (``trace.infinite_cache_bound``).
+prompt tokens of the trace; the infinite-cache bounds, by blocks and by
+routable chunks, are computed from the trace itself
+(``trace.infinite_cache_bound``, ``trace.chunk_cache_bound``). No policy's hit
+share can exceed the chunk-level one.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvrelay.sim.interpreter import Simulation
 from kvrelay.sim.trace import (
     PromptSynthesizer,
     TraceRequest,
+    chunk_cache_bound,
     infinite_cache_bound,
 )
 
@@ -80,11 +83,16 @@ def replay(
     wall = time.perf_counter() - wall
     if options.log_path is not None:
         Path(options.log_path).write_bytes(sim.log_bytes())
-    return _metrics(sim, requests, options, finished, wall)
+    return _metrics(sim, requests, options, cluster.chunk_tokens, finished, wall)
 
 
 def _metrics(
-    sim: Simulation, requests: list[TraceRequest], options: ReplayOptions, finished: bool, wall_s: float
+    sim: Simulation,
+    requests: list[TraceRequest],
+    options: ReplayOptions,
+    chunk_tokens: int,
+    finished: bool,
+    wall_s: float,
 ) -> dict[str, Any]:
     prompt_tokens = sum(r.input_length for r in requests)
     ttfts: list[float] = []
@@ -107,6 +115,7 @@ def _metrics(
             cached += n
         recomputed += o.usage.recomputed_tokens
     bound = infinite_cache_bound(requests, options.block_tokens).token_share
+    chunk_bound = chunk_cache_bound(requests, options.block_tokens, chunk_tokens).token_share
     share = cached / prompt_tokens if prompt_tokens else 0.0
     restored: dict[str, int] = {}
     workers: dict[str, dict[str, Any]] = {}
@@ -130,6 +139,8 @@ def _metrics(
         "prefix_hit_share": share,
         "infinite_cache_bound": bound,
         "bound_ratio": share / bound if bound else 0.0,
+        "chunk_cache_bound": chunk_bound,
+        "chunk_bound_ratio": share / chunk_bound if chunk_bound else 0.0,
         "recomputed_tokens": recomputed,
         "cached_tokens_by_tier": dict(sorted(cached_by_tier.items())),
         "bytes_restored_by_tier": dict(sorted(restored.items())),

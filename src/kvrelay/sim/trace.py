@@ -10,10 +10,19 @@ requests share a cached prefix of k blocks exactly when their first k ids are
 equal, and ``len(hash_ids) == ceil(input_length / block_tokens)``.
 
 The trace carries no tokens. ``PromptSynthesizer`` makes a deterministic prompt
-from the block ids (the tokens of a block are a function of its id and offset)
-and the request's chunk chain with the real key rule of docs/design.md section 4
-(``store.keys.chunk_key`` over those tokens), so the chain the router receives is
-the chain it would derive from the prompt itself.
+from the block ids (the tokens of a block are a function of its id and offset,
+and distinct ids give distinct tokens) and the request's chunk chain with the
+real key rule of docs/design.md section 4 (``protocol.chunk_keys`` over those
+tokens), so the chain the router receives is the chain it would derive from the
+prompt itself.
+
+Two bounds on what any routing can serve from cache, both with an infinite
+cache and perfect global routing: ``infinite_cache_bound`` counts whole blocks
+(the figure trace papers quote), ``chunk_cache_bound`` counts what a kvrelay
+cluster can actually reuse: full chunks of a prompt's routable chain
+(``chunk_keys.cacheable_chunks``) whose block-id prefix and offset an earlier
+request held. A simulated policy's prefix-hit share can never exceed the
+chunk-level bound.
 """
 
 from __future__ import annotations
@@ -34,6 +43,10 @@ from kvrelay.protocol.messages import Sampling
 DEFAULT_BLOCK_TOKENS = 512
 SYNTHETIC_VOCAB = 128_000
 """Token ids of synthesized prompts are below this (a Llama-3-class vocabulary)."""
+ID_TOKENS = 4
+"""A synthesized block opens with its id in this many base-``SYNTHETIC_VOCAB`` digits (zigzag-coded), so
+distinct ids give distinct blocks: 128,000**4 > 2**67 covers every 64-bit id."""
+_ID_LIMIT = 1 << 63
 
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
@@ -55,16 +68,16 @@ class TraceRequest:
 
 @dataclass(frozen=True, slots=True)
 class CacheBound:
-    """Prefix hits with an infinite cache and perfect global routing."""
+    """Prefix hits with an infinite cache and perfect global routing, counted in ``units`` (blocks or chunks)."""
 
-    blocks: int
-    hit_blocks: int
+    units: int
+    hit_units: int
     tokens: int
     hit_tokens: int
 
     @property
-    def block_share(self) -> float:
-        return self.hit_blocks / self.blocks if self.blocks else 0.0
+    def unit_share(self) -> float:
+        return self.hit_units / self.units if self.units else 0.0
 
     @property
     def token_share(self) -> float:
@@ -100,8 +113,10 @@ def parse_trace_line(text: str, line: int, block_tokens: int, source: str = "tra
     if input_length < 1 or output_length < 1:
         raise TraceError(f"{where}: input_length and output_length must be at least 1")
     ids = obj["hash_ids"]
-    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
-        raise TraceError(f"{where}: 'hash_ids' must be a list of integers")
+    if not isinstance(ids, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and -_ID_LIMIT <= h < _ID_LIMIT for h in ids
+    ):
+        raise TraceError(f"{where}: 'hash_ids' must be a list of 64-bit integers")
     expected = math.ceil(input_length / block_tokens)
     if len(ids) != expected:
         raise TraceError(
@@ -136,7 +151,7 @@ def load_trace(
 
 
 def infinite_cache_bound(requests: Iterable[TraceRequest], block_tokens: int) -> CacheBound:
-    """Blocks (and their tokens) whose id, hence whole prefix, appeared in an earlier request."""
+    """Blocks (and their tokens) whose id, hence whole prefix, appeared in an earlier request (units: blocks)."""
     seen: set[int] = set()
     blocks = hit_blocks = tokens = hit_tokens = 0
     for r in requests:
@@ -152,17 +167,54 @@ def infinite_cache_bound(requests: Iterable[TraceRequest], block_tokens: int) ->
     return CacheBound(blocks, hit_blocks, tokens, hit_tokens)
 
 
+def chunk_cache_bound(requests: Iterable[TraceRequest], block_tokens: int, chunk_tokens: int) -> CacheBound:
+    """Routable chunks (units: chunks; tokens: all prompt tokens) that an earlier request's chain held.
+
+    Chunk ``j`` of a request is the same content as in an earlier request exactly
+    when both have the same block ids up to its block and both chains reach ``j``
+    (a chain holds ``cacheable_chunks(input_length)`` chunks: the last prompt token
+    is always computed). Block-id prefixes are interned, so this is exact even
+    for a trace whose ids are not prefix-chained.
+    """
+    if block_tokens % chunk_tokens:
+        raise TraceError(f"block size {block_tokens} is not a multiple of chunk_tokens {chunk_tokens}")
+    per_block = block_tokens // chunk_tokens
+    prefixes: dict[tuple[int, int], int] = {}
+    seen: set[tuple[int, int]] = set()
+    chunks = hit_chunks = tokens = 0
+    for r in requests:
+        n = cacheable_chunks(r.input_length, chunk_tokens)
+        tokens += r.input_length
+        chunks += n
+        node = -1
+        for j in range(n):
+            if j % per_block == 0:
+                block = r.hash_ids[j // per_block]
+                node = prefixes.setdefault((node, block), len(prefixes))
+            key = (node, j % per_block)
+            if key in seen:
+                hit_chunks += 1
+            else:
+                seen.add(key)
+    return CacheBound(chunks, hit_chunks, tokens, hit_chunks * chunk_tokens)
+
+
 class PromptSynthesizer:
     """Deterministic prompts and chunk chains for trace requests.
 
     Block ``h`` holds tokens ``(h * 2654435761 + i * 40503 + 7) % SYNTHETIC_VOCAB``
-    for offsets ``i``; chunk keys follow ``store.keys`` over those tokens, memoized
-    per (parent key, block id), which is exact whatever the trace.
+    for offsets ``i >= ID_TOKENS`` and the digits of ``h`` before them, so distinct
+    ids give distinct blocks (a block is at least one chunk, so the first chunk of
+    a block already tells ids apart). Chunk keys follow ``protocol.chunk_keys``
+    over those tokens, memoized per (parent key, block id), which is exact
+    whatever the trace.
     """
 
     def __init__(self, fingerprint: bytes, block_tokens: int, chunk_tokens: int) -> None:
         if block_tokens % chunk_tokens:
             raise TraceError(f"block size {block_tokens} is not a multiple of chunk_tokens {chunk_tokens}")
+        if block_tokens < ID_TOKENS:
+            raise TraceError(f"block size {block_tokens} is below the {ID_TOKENS} tokens that name a block")
         self.block_tokens = block_tokens
         self.chunk_tokens = chunk_tokens
         self.root = root_key(fingerprint)
@@ -170,8 +222,12 @@ class PromptSynthesizer:
         self._keys: dict[tuple[bytes, int], tuple[bytes, ...]] = {}
 
     def block_tokens_of(self, block_id: int) -> np.ndarray:
-        """The synthesized tokens of one full block."""
-        return (self._offsets + (block_id * 2654435761)) % SYNTHETIC_VOCAB
+        """The synthesized tokens of one full block: its id's digits, then tokens mixed from id and offset."""
+        tokens = (self._offsets + (block_id % SYNTHETIC_VOCAB) * (2654435761 % SYNTHETIC_VOCAB)) % SYNTHETIC_VOCAB
+        code = (block_id << 1) ^ (block_id >> 63)  # zigzag: every 64-bit id to a distinct non-negative int
+        for i in range(ID_TOKENS):
+            code, tokens[i] = divmod(code, SYNTHETIC_VOCAB)
+        return tokens
 
     def _block_keys(self, parent: bytes, block_id: int) -> tuple[bytes, ...]:
         memo = self._keys.get((parent, block_id))
