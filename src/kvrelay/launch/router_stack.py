@@ -7,7 +7,8 @@ Contract:
   to the store, its replicas start from the map; its messages to workers go to
   ``send``), the ``Metrics`` (the router's series, with the per-worker page
   gauges when ``worker_pages``, and ``kvrelay_router_events``: every router
-  counter), the ``Ingress`` over ``models`` and the FastAPI app.
+  counter; and the fact store's written, lost and pending records,
+  ``facts.metrics``), the ``Ingress`` over ``models`` and the FastAPI app.
 - ``models`` is the ingress's model table, read at each request, so a caller
   may keep adding to it (the router process learns models from heartbeats).
   A model is served while at least one live worker's last heartbeat names it.
@@ -28,6 +29,7 @@ from kvrelay.api.ingress import Ingress, ServedModel
 from kvrelay.api.metrics import Metrics
 from kvrelay.api.router_metrics import add_router_metrics
 from kvrelay.core.router.machine import RouterConfig, new_router
+from kvrelay.facts.metrics import FactStoreCollector
 from kvrelay.facts.replica_map import ReplicaMap
 from kvrelay.facts.sink import record_sink
 from kvrelay.facts.store import FactStore
@@ -75,5 +77,6 @@ def build_router_stack(
         lambda: {(("counter", k),): v for k, v in router.state.counters.items()},
         "every router counter",
     )
+    metrics.registry.register(FactStoreCollector(facts))
     ingress = Ingress(router, models, metrics, serving)
     return RouterStack(router, facts, replicas, metrics, ingress, create_app(ingress))
