@@ -125,7 +125,7 @@ def test_a_routes_heartbeat_is_sent_as_it_was_when_the_route_was_planned() -> No
     for seq, prefill in enumerate((1e-4, 3e-4), start=1):
         driver.message(heartbeat("w0", seq=seq, prefill_s_per_token=prefill))
         driver.effects.clear()
-        driver.request(f"r{seq}", tuple(range(200)))
+        driver.request(f"r{seq}", tuple(range(seq * 1000, seq * 1000 + 200)))  # prefixes unshared: one route each
         (record,) = [e for e in driver.effects if isinstance(e, Record) and e.kind == "decision"]
         routes += [c for c in record.data["candidates"] if isinstance(c, WorkerRoute)]
     assert len(routes) == 2 and routes[0].heartbeat is not routes[1].heartbeat

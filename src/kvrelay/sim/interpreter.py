@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import assert_never
 
+from kvrelay.core.policies.base import Policy
 from kvrelay.core.router.events import (
     CancelTimer,
     ConsumerCancelled,
@@ -118,14 +119,16 @@ class Simulation:
         cluster: ClusterConfig,
         *,
         router_config: RouterConfig | None = None,
-        policy: str = "kvrelay",
+        policy: str | Policy = "kvrelay",
         seed: int = 0,
         log: bool = True,
         delta_tokens: int = 1,
         tick_s: float = 0.25,
         detect_s: float | None = 0.05,
         admission_s: float = 0.0,
+        rematch: bool = True,
     ) -> None:
+        """``policy``: a policy name or instance; ``rematch``: workers re-match a prefix when its prefill starts."""
         self.cluster = cluster
         config = router_config or RouterConfig(chunk_tokens=cluster.chunk_tokens)
         if config.chunk_tokens != cluster.chunk_tokens:
@@ -165,6 +168,7 @@ class Simulation:
                 delta_tokens,
                 self.known_chains,
                 admission_s,
+                rematch,
             )
             self._start_worker(wid, 0.0, offset=cluster.heartbeat_interval_s * i / cluster.workers)
         self._push(0.0, RouterTick())

@@ -20,6 +20,10 @@ class Work:
     pinned: list[bytes]
     accepted_at: float
     prefill_left: int
+    computed: list[bytes] = field(default_factory=list)
+    """Chain keys still to compute, in order (the plan's, less those re-matched at prefill start)."""
+    rematched: int = 0
+    """Chunks found resident when the prefill started (filled by another request meanwhile), not computed."""
     generated: int = 0
     emitted: int = 0
     in_flight: bool = False
@@ -39,6 +43,9 @@ class WorkerStats:
     generated_tokens: int = 0
     busy_s: float = 0.0
     restored_bytes: dict[str, int] = field(default_factory=dict)
+    rematched_chunks: int = 0
+    deferred: int = 0
+    """Times a prefill waited for another request to finish its next chunk."""
 
 
 def iteration_s(spec: WorkerSpec, decode_lanes: int, prefill_tokens: int) -> float:

@@ -18,6 +18,11 @@ Execution model (declared costs, logical time):
   prefill as in vLLM and Sarathi-Serve), and lasts
   ``decode_step(lanes) + prefill tokens * prefill_s_per_token``. A prefill that
   completes yields its first token at the end of that iteration.
+- Prefill start re-matches the prefix, as the live worker does: chunks of the
+  chain that another request put on the device since admission are shared,
+  not computed. A prefill whose next chunk another started request is
+  restoring or computing waits for it (without a lane) instead of computing it
+  twice; started work never waits, so nothing waits in a cycle.
 - Tokens are ``token_value(seed, absolute position)``, so a continuation draws
   what the first attempt would have. Deltas go out at the first token, then every
   ``delta_tokens`` tokens, and the rest with the result.
@@ -75,12 +80,15 @@ class SimWorker:
         delta_tokens: int = 1,
         known_chains: dict[str, tuple[bytes, ...]] | None = None,
         admission_s: float = 0.0,
+        rematch: bool = True,
     ) -> None:
+        """``rematch``: re-match the prefix when a prefill starts (False: only at admission, to compare)."""
         w = cluster.worker
         self.worker_id, self.cluster, self.spec = worker_id, cluster, w
         self.schedule, self.send, self.delta_tokens = schedule, send, max(1, delta_tokens)
         self.peers = peers  # caches of the live workers: peer restores read their ram and ssd
         self.admission_s = admission_s
+        self.rematch = rematch
         self.known_chains = known_chains if known_chains is not None else {}
         self._chain_memo: dict[tuple[str, int], tuple[bytes, ...]] = {}
         chunk_pages = cluster.chunk_tokens // cluster.page_tokens
@@ -101,6 +109,8 @@ class SimWorker:
     def _reset_runtime(self) -> None:
         self.plans: dict[Assignment, AdmissionPlan] = {}
         self.works: dict[Assignment, Work] = {}
+        self.filling: dict[bytes, Work] = {}
+        """Keys a started request is restoring or computing onto the device, and that request."""
         self.prefill_queue: list[Work] = []
         self.decoding: list[Work] = []
         self.busy = False
@@ -149,7 +159,7 @@ class SimWorker:
             pages_evictable=gpu.evictable_pages,
             page_tokens=self.cluster.page_tokens,
             chunk_tokens=self.cluster.chunk_tokens,
-            queue_delay_s=sum(x.prefill_left for x in waiting) * w.prefill_s_per_token,
+            queue_delay_s=sum(self._prefill_to_do(x) for x in waiting) * w.prefill_s_per_token,
             lower_tier_load_s=max(0.0, self.restore_free_at - now),
             active_lanes=len(self.decoding),
             max_lanes=w.max_lanes,
@@ -244,10 +254,14 @@ class SimWorker:
 
     def _start_work(self, now: float, offer: Offer) -> None:
         plan = self.plans.pop(offer.assignment)
-        work = Work(offer, plan, plan.demand_pages, list(plan.gpu_keys), now, plan.uncached_tokens)
+        work = Work(
+            offer, plan, plan.demand_pages, list(plan.gpu_keys), now, plan.uncached_tokens, list(plan.computed_keys)
+        )
         self.works[offer.assignment] = work
         self.stats.accepted += 1
         if plan.restore:
+            if self.rematch:
+                self._claim(work, [k for k, _ in plan.restore])
             start = max(now, self.restore_free_at)
             work.restore_done_at = self.restore_free_at = start + plan.restore_s
             work.in_flight = True
@@ -274,6 +288,53 @@ class SimWorker:
             self.prefill_queue.remove(work)
         if work in self.decoding:
             self.decoding.remove(work)
+        self._unclaim(work, work.computed)
+        self._unclaim(work, [k for k, _ in work.plan.restore])
+
+    def _claim(self, work: Work, keys: list[bytes]) -> None:
+        for key in keys:
+            self.filling.setdefault(key, work)
+
+    def _unclaim(self, work: Work, keys: list[bytes]) -> None:
+        for key in keys:
+            if self.filling.get(key) is work:
+                del self.filling[key]
+
+    def _rematch(self, work: Work) -> None:
+        """Share the leading chunks still to compute that are now on the device (another request filled them)."""
+        gpu, n = self.caches.gpu, 0
+        while n < len(work.computed) and work.computed[n] in gpu:
+            n += 1
+        if not n:
+            return
+        for key in work.computed[:n]:
+            gpu.pin(key)
+            work.pinned.append(key)
+        del work.computed[:n]
+        pages = n * gpu.chunk_pages
+        self.caches.release(pages)
+        work.reserved_pages -= pages
+        work.prefill_left -= n * self.cluster.chunk_tokens
+        work.rematched += n
+        self.stats.rematched_chunks += n
+
+    def _prefill_to_do(self, work: Work) -> int:
+        """Prompt tokens ``work`` will compute: for a prefill not started, less the leading chunks that are on
+        the device or that another started request is filling (it will share them)."""
+        if work.prefill_started_at is not None or not self.rematch:
+            return work.prefill_left
+        shared = 0
+        for key in work.computed:
+            filler = self.filling.get(key)
+            if not (key in self.caches.gpu or (filler is not None and filler is not work)):
+                break
+            shared += 1
+        return work.prefill_left - shared * self.cluster.chunk_tokens
+
+    def _waits(self, work: Work) -> bool:
+        """Whether another started request is filling the next chunk ``work`` would compute."""
+        filler = self.filling.get(work.computed[0]) if work.computed else None
+        return filler is not None and filler is not work
 
     def _release(self, assignment: Assignment) -> None:
         plan = self.plans.pop(assignment, None)
@@ -310,7 +371,9 @@ class SimWorker:
     def _restore_done(self, now: float, assignment: Assignment) -> None:
         work = self.works[assignment]
         work.in_flight = False
-        self._fill_gpu(work, [k for k, _ in work.plan.restore], computed=False)
+        restored = [k for k, _ in work.plan.restore]
+        self._fill_gpu(work, restored, computed=False)
+        self._unclaim(work, restored)
         for tier, n in work.plan.restore_bytes.items():
             self.stats.restored_bytes[tier] = self.stats.restored_bytes.get(tier, 0) + n
         if work.fenced:
@@ -331,6 +394,11 @@ class SimWorker:
         for work in self.prefill_queue:  # queue order; a waiting prefill holds its lane even without budget
             if lanes <= 0:
                 break
+            if work.prefill_started_at is None and self.rematch:
+                self._rematch(work)
+                if self._waits(work):
+                    self.stats.deferred += 1
+                    continue
             lanes -= 1
             if budget <= 0:
                 continue
@@ -339,6 +407,8 @@ class SimWorker:
             budget -= take
             if work.prefill_started_at is None:
                 work.prefill_started_at = now
+                if self.rematch:
+                    self._claim(work, work.computed)
         if not decode and not prefill:
             return
         tokens = sum(t for _, t in prefill)
@@ -371,7 +441,8 @@ class SimWorker:
                 events.append(machine.WorkQuiesced(now, work.offer.assignment))
             elif work.prefill_left == 0:
                 self.prefill_queue.remove(work)
-                self._fill_gpu(work, list(work.plan.computed_keys), computed=True)
+                self._fill_gpu(work, work.computed, computed=True)
+                self._unclaim(work, work.computed)
                 work.generated = 1
                 work.first_token_at = now
                 self.decoding.append(work)
@@ -403,10 +474,14 @@ class SimWorker:
 
     def _usage(self, work: Work) -> Usage:
         plan = work.plan
+        cached = dict(plan.cached_tokens)
+        shared = work.rematched * self.cluster.chunk_tokens
+        if shared:
+            cached["gpu"] = cached.get("gpu", 0) + shared
         return Usage(
             prompt_tokens=len(work.offer.prompt),
-            cached_tokens=cast(dict[Tier, int], dict(plan.cached_tokens)),
-            recomputed_tokens=plan.uncached_tokens,
+            cached_tokens=cast(dict[Tier, int], cached),
+            recomputed_tokens=plan.uncached_tokens - shared,
             generated_tokens=work.generated,
         )
 
@@ -416,6 +491,7 @@ class SimWorker:
         return Timings(
             queue_s=max(0.0, start - max(work.accepted_at, work.restore_done_at)),
             restore_s=work.plan.restore_s,
-            prefill_s=work.plan.uncached_tokens * self.spec.prefill_s_per_token,
+            prefill_s=(work.plan.uncached_tokens - work.rematched * self.cluster.chunk_tokens)
+            * self.spec.prefill_s_per_token,
             ttft_s=first - work.accepted_at,
         )

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.core.planning import exclusions
 from kvrelay.core.planning.exclusions import Exclusion
-from kvrelay.core.planning.index import GPU, LOCAL_MASK, RAM, SSD, ResidencyIndex
+from kvrelay.core.planning.index import GPU, LOCAL_MASK, PENDING, RAM, SSD, ResidencyIndex
 from kvrelay.core.planning.predicted_ttft import (
     PREDICTED_TTFT,
     Candidate,
@@ -307,15 +307,15 @@ def route_for(
         segments: tuple[RouteSegment, ...] = ()
         bounds = boundaries_of(segments, chunk_tokens)
     else:
-        allowed, allow_peer, allow_object = LOCAL_MASK, True, True
+        allowed, allow_peer, allow_object = LOCAL_MASK | (PENDING if scoring.pending else 0), True, True
         if excluded_pairs:
-            for tier, bit in (("gpu", GPU), ("ram", RAM), ("ssd", SSD)):
+            for tier, bit in (("gpu", GPU | PENDING), ("ram", RAM), ("ssd", SSD)):
                 if (wid, tier) in excluded_pairs:
                     allowed &= ~bit
             allow_peer = (wid, "peer") not in excluded_pairs
             allow_object = (wid, "object") not in excluded_pairs
         shift = index.shift_of(wid)
-        local = shift is not None and (present >> shift) & LOCAL_MASK
+        local = shift is not None and (present >> shift) & (LOCAL_MASK | PENDING)
         if not local and allow_peer and allow_object:
             segments, bounds = shared
         else:

@@ -1,9 +1,11 @@
 """The router's in-memory residency index: which worker holds which chunk key on which tier.
 
-Residency events (``protocol.messages.Residency``) are its only input. Each key
-maps to one packed integer: nibble 0 holds the shared object tier (``OBJECT``),
-nibble ``slot + 1`` holds the local tiers (``GPU | RAM | SSD``) of the worker
-in that slot. Memory is bounded by ``max_keys``: an LRU over keys by the time of
+Residency events (``protocol.messages.Residency``) are its input, plus the
+router's own prediction of what a routed request will leave on its worker's
+device (``PENDING``, kept by ``planning.pending``). Each key maps to one packed
+integer: nibble 0 holds the shared object tier (``OBJECT``), nibble ``slot + 1``
+holds the local tiers (``GPU | RAM | SSD``) and the ``PENDING`` mark of the
+worker in that slot. Memory is bounded by ``max_keys``: an LRU over keys by the time of
 their last store event; the oldest key is forgotten first (the router then
 merely under-estimates a cache hit; the worker stays authoritative).
 
@@ -24,8 +26,12 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import groupby, repeat, takewhile
 
 GPU, RAM, SSD, OBJECT = 1, 2, 4, 8
-TIER_BITS: dict[str, int] = {"gpu": GPU, "ram": RAM, "ssd": SSD, "object": OBJECT}
+PENDING = 8
+"""In a worker's nibble: a routed request is computing or restoring the key there (not resident yet)."""
+TIER_BITS: dict[str, int] = {"gpu": GPU, "ram": RAM, "ssd": SSD, "object": OBJECT, "pending": PENDING}
 LOCAL_MASK = GPU | RAM | SSD
+HELD_MASK = LOCAL_MASK | PENDING
+"""Everything a worker's nibble can hold."""
 PEER_SERVABLE = RAM | SSD
 """A peer serves its ram and ssd chunks, not its device pages."""
 SHARED_VALUES = 1 << 16
@@ -64,8 +70,9 @@ class ResidencyIndex:
         bit = TIER_BITS.get(tier)
         if bit is None:
             return
-        shift = 0 if bit == OBJECT else 4 * (self.slot(worker_id) + 1)
-        mine = self._worker_keys[worker_id] if bit != OBJECT else None
+        shared = tier == "object"
+        shift = 0 if shared else 4 * (self.slot(worker_id) + 1)
+        mine = None if shared else self._worker_keys[worker_id]
         entries = self._entries
         share = self._share()
         add = bit << shift
@@ -81,7 +88,8 @@ class ResidencyIndex:
         bit = TIER_BITS.get(tier)
         if bit is None:
             return
-        shift = 0 if bit == OBJECT else 4 * (self.slot(worker_id) + 1)
+        shared = tier == "object"
+        shift = 0 if shared else 4 * (self.slot(worker_id) + 1)
         entries = self._entries
         share = self._share()
         for key in keys:
@@ -93,7 +101,7 @@ class ResidencyIndex:
                 entries[key] = share(value, value)
             else:
                 del entries[key]
-            if bit != OBJECT and not (value >> shift) & LOCAL_MASK:
+            if not shared and not (value >> shift) & HELD_MASK:
                 self._worker_keys[worker_id].discard(key)
 
     def drop_worker(self, worker_id: str) -> int:
@@ -127,13 +135,17 @@ class ResidencyIndex:
         value = self._entries.pop(key)
         self.forgotten += 1
         for wid, s in self._slots.items():
-            if (value >> (4 * (s + 1))) & LOCAL_MASK:
+            if (value >> (4 * (s + 1))) & HELD_MASK:
                 self._worker_keys[wid].discard(key)
 
     def runs(self, chain: Sequence[bytes]) -> list[tuple[int, int]]:
         """``lookup(chain)`` run-length encoded: ``(packed value, consecutive keys with it)``, in chain order."""
         values = takewhile(bool, map(self._entries.get, chain, repeat(0)))
         return [(value, len(list(group))) for value, group in groupby(values)]
+
+    def value(self, key: bytes) -> int:
+        """The packed value of one key (0: nobody holds it)."""
+        return self._entries.get(key, 0)
 
     def lookup(self, chain: Sequence[bytes]) -> list[int]:
         """Packed values of the chain's leading keys, stopping at the first key nobody holds."""

@@ -49,6 +49,8 @@ class Scoring(NamedTuple):
     """Seconds of score added per second of the candidate's own prefill."""
     interleave: bool = False
     """Count the decode steps an idle worker with active lanes runs between the chunks of the prefill."""
+    pending: bool = False
+    """Count the chunks routed requests are computing on a worker as cached there (``planning.pending``)."""
 
 
 PREDICTED_TTFT = Scoring()

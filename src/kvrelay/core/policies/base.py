@@ -50,6 +50,9 @@ class Policy(ABC):
     interleave_below_busy_share: float = 0.0
     """Count the decode steps interleaved with a prefill (``candidates.Scoring.interleave``) while fewer
     than this share of workers have a queue; 0: never."""
+    predicts_on_route: bool = False
+    """Credit the chosen worker with the request's chunks as pending, and count pending chunks as cached on
+    their worker when planning (``planning.pending``, ``candidates.Scoring.pending``)."""
 
     @abstractmethod
     def choose(self, ctx: RoutingContext) -> Candidate | None:

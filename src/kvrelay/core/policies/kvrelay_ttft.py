@@ -45,6 +45,7 @@ class PredictedTTFT(Policy):
     needs_all_routes = False
     work_weight = WORK_WEIGHT
     interleave_below_busy_share = CALM_BUSY_SHARE
+    predicts_on_route = True
 
     def choose(self, ctx: RoutingContext) -> Candidate | None:
         return ctx.plan.best()

@@ -13,6 +13,7 @@ from kvrelay.core.planning import candidates as cand
 from kvrelay.core.planning import exclusions, predicted_ttft
 from kvrelay.core.planning.exclusions import ExclusionKind
 from kvrelay.core.planning.roster import plan_pruned
+from kvrelay.core.planning.routes import offered_route
 from kvrelay.core.policies.base import RoutingContext
 from kvrelay.core.router.events import (
     CancelTimer,
@@ -59,7 +60,9 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
     else:
         chain = prompt_chain(rs.fingerprint, prompt, config.chunk_tokens)
     policy, busy = state.policy, state.roster.busy_share()
-    scoring = predicted_ttft.Scoring(policy.work_weight * busy, busy < policy.interleave_below_busy_share)
+    scoring = predicted_ttft.Scoring(
+        policy.work_weight * busy, busy < policy.interleave_below_busy_share, policy.predicts_on_route
+    )
     if state.policy.needs_all_routes:
         plan = cand.plan(
             request.model,
@@ -106,8 +109,12 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
     if rs.parked_since is not None:
         state.parked.pop(request.request_id, None)
         rs.parked_since = None
-    gpu = sum(s.chunks for s in chosen.route if s.tier == "gpu") * config.chunk_tokens
+    offered = offered_route(chosen.route)
+    gpu = sum(s.chunks for s in offered if s.tier == "gpu") * config.chunk_tokens
     rs.demand_pages = predicted_ttft.page_demand(len(prompt), remaining, gpu, view.heartbeat.page_tokens)
+    if policy.predicts_on_route:
+        deadline = now + config.pending_timeout_s + 2 * chosen.predicted_ttft_s
+        state.pending.credit(chosen.worker_id, request.request_id, chain, deadline)
     rs.estimate_s = chosen.predicted_ttft_s - chosen.terms.queue_s
     load = view.load
     load.outstanding_s += rs.estimate_s
@@ -134,8 +141,8 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
                 max_new_tokens=remaining,
                 generated_before=len(rs.delivered),
                 sampling=request.sampling,
-                route=_peer_urls(state, chosen.route),
-                chain=chain[: sum(s.chunks for s in chosen.route)],
+                route=_peer_urls(state, offered),
+                chain=chain[: sum(s.chunks for s in offered)],
                 priority=state.policy.priority(ctx, chosen),
             ),
         )
@@ -230,6 +237,7 @@ def release(state: RouterState, rs: RequestState) -> None:
         load.active = max(0, load.active - 1)
     rs.holds_outstanding = rs.holds_inflight = False
     state.by_worker.get(wid, set()).discard(rs.request.request_id)
+    state.pending.release(rs.request.request_id)
     rs.worker_id = None
 
 

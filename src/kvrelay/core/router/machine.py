@@ -95,6 +95,8 @@ def step(state: RouterState, event: RouterEvent) -> tuple[RouterState, Effects]:
         case ConsumerCancelled(now=now, request_id=rid):
             _on_consumer_cancel(state, rid, now, fx)
         case Tick(now=now):
+            if expired := state.pending.expire(now):
+                state.count("pending_expired", expired)
             for wid, epoch in expire(state.registry, now, state.config.worker_expiry_s):
                 state.count("workers_expired")
                 _worker_lost(state, wid, epoch, now, fx, "heartbeats stopped")
@@ -188,6 +190,7 @@ def _worker_lost(state: RouterState, wid: str, epoch: int, now: float, fx: Effec
         del state.views[wid]
         state.roster.remove(wid)
     state.index.drop_worker(wid)
+    state.pending.drop_worker(wid)
     state.residency_seq.pop(wid, None)
     for rid in sorted(state.by_worker.get(wid, ())):
         rs = state.requests.get(rid)
@@ -270,6 +273,8 @@ def _on_residency(state: RouterState, msg: Residency, now: float, fx: Effects) -
     state.residency_seq[msg.worker_id] = (msg.epoch, msg.seq)
     if msg.stored:
         state.index.store(msg.worker_id, msg.tier, msg.stored)
+        if msg.tier == "gpu":
+            state.pending.settle(msg.worker_id, msg.stored)
     if msg.removed:
         state.index.remove(msg.worker_id, msg.tier, msg.removed)
     if msg.tier in ("ssd", "object"):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvrelay.core.planning.index import ResidencyIndex
+from kvrelay.core.planning.pending import DEFAULT_MAX_PENDING_KEYS, PendingCredits
 from kvrelay.core.planning.predicted_ttft import Candidate, WorkerView
 from kvrelay.core.planning.registry import Registry
 from kvrelay.core.planning.roster import Roster
@@ -36,6 +37,10 @@ class RouterConfig:
     max_index_keys: int = 2_000_000
     max_queue_wait_s: float = 60.0
     """How long a request may wait at the router for capacity before it fails with no_capacity."""
+    pending_timeout_s: float = 30.0
+    """A pending credit (``planning.pending``) lasts at most this long beyond twice its predicted TTFT."""
+    max_pending_keys: int = DEFAULT_MAX_PENDING_KEYS
+    """Bound of the (worker, key) pending credits held at once."""
     model_fingerprints: Mapping[str, bytes] = field(default_factory=dict)
     """Fingerprints to chain keys with; others are learned from heartbeats."""
 
@@ -88,6 +93,8 @@ class RouterState:
     rng: random.Random
     registry: Registry = field(default_factory=Registry)
     index: ResidencyIndex = field(default_factory=ResidencyIndex)
+    pending: PendingCredits = field(init=False)
+    """Chunks routed requests are computing, marked in ``index`` (``planning.pending``)."""
     views: dict[str, WorkerView] = field(default_factory=dict)
     """Live workers only."""
     roster: Roster = field(default_factory=Roster)
@@ -99,6 +106,9 @@ class RouterState:
     parked: dict[str, None] = field(default_factory=dict)
     """Requests waiting for capacity, in arrival order."""
     counters: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.pending = PendingCredits(self.index, self.config.max_pending_keys)
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
