@@ -32,7 +32,7 @@ def offer(prompt: tuple[int, ...] = PROMPT, max_new: int = 31, **kw: object) -> 
     [
         ({"epoch": 2}, "wrong_epoch"),
         ({"model": "x"}, "wrong_model"),
-        ({"model_fingerprint": "00"}, "wrong_model"),
+        ({"model_fingerprint": "00", "route": (RouteSegment("ram", 1),)}, "wrong_model"),
         ({"max_new": 4000}, "over_context_limit"),
         ({"chain": (b"\x00" * 16,)}, "wrong_model"),
         ({"route": (RouteSegment("gpu", 2),)}, "stale_route"),
@@ -44,6 +44,12 @@ def test_declines_name_the_reason_and_change_nothing(kw: dict, reason: str) -> N
     result = admit(pool, ME, offer(max_new=max_new, **kw))
     assert not result.accepted and result.reason == reason and result.detail
     assert pool.num_free == 64 and pool.num_reserved == 0
+
+
+def test_a_recompute_offer_of_another_fingerprint_is_served() -> None:
+    """A mixed cluster's router plans one engine's chain; the other engine's workers get recompute offers."""
+    result = admit(PagePool(64), ME, offer(model_fingerprint="ab" * 16))
+    assert result.accepted and result.prefix == ()
 
 
 def test_shutting_down_declines() -> None:

@@ -6,6 +6,8 @@ Rules (each a test below, and each proved to fire on a tree that breaks it):
 - ``core/`` imports only the standard library, ``msgspec`` (plain data), ``protocol/`` and itself;
 - ``models/`` imports neither ``worker/`` nor anything that serves (``launch/``, ``router/``, ``api/``, ``transport/``);
 - ``sim/`` imports neither ``worker/``, ``models/`` nor ``launch/`` (it runs without a model);
+- ``engines/`` imports neither ``worker/`` (another runtime's host), ``sim/``, nor a serving package
+  (``launch/``, ``router/``, ``api/``, ``transport/``): an engine host is driven by the transport, never drives it;
 - nothing imports ``cli/`` but ``cli/`` itself.
 
 Every import counts, including those inside functions and under ``TYPE_CHECKING``.
@@ -106,6 +108,11 @@ RULES = (
         ("kvrelay.worker", "kvrelay.models", "kvrelay.launch", "kvrelay.router", "kvrelay.api", "kvrelay.transport"),
         "kvrelay.sim imports no worker, model, launch or serving package",
     ),
+    _forbidden(
+        "kvrelay.engines",
+        ("kvrelay.worker", "kvrelay.sim", "kvrelay.launch", "kvrelay.router", "kvrelay.api", "kvrelay.transport"),
+        "kvrelay.engines imports no worker, sim, launch or serving package",
+    ),
     _cli_is_a_leaf,
 )
 
@@ -146,6 +153,7 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
         ("sim/workers.py", "from kvrelay.launch.child import ChildProcess\n", "kvrelay.sim imports no"),
         ("sim/workers.py", "import kvrelay.worker.page_pool\n", "kvrelay.sim imports no"),
         ("api/app.py", "from kvrelay.cli import serve\n", "nothing imports kvrelay.cli"),
+        ("engines/vllm/host.py", "from kvrelay.worker.host import WorkerController\n", "kvrelay.engines imports no"),
     ],
 )
 def test_a_wrong_import_is_caught(tmp_path: Path, rel: str, text: str, rule: str) -> None:

@@ -14,13 +14,23 @@ from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS, DEFAULT_PAGE_TOKEN
 from kvrelay.transport.auth import SECRET_ENV_VAR
 
 COMMAND = "worker"
+ENGINES = ("native", "vllm")
 ROUTER = Option(
     "router", str, [], "router WebSocket URL, e.g. ws://127.0.0.1:8001/workers; repeat for several", repeated=True
 )
 OPTIONS = (
     ROUTER,
     Option("worker_id", str, socket.gethostname(), "stable id of this worker (give each worker on a host its own)"),
-    Option("model", str, None, "model directory (config.json + safetensors) or .gguf file; none: Gemma 3 270M"),
+    Option("engine", str, "native", "the runtime: kvrelay's own (native) or a vLLM server", choices=ENGINES),
+    Option("engine_url", str, None, "with --engine vllm: the vLLM OpenAI server, e.g. http://127.0.0.1:8100"),
+    Option("kv_events", str, None, "with --engine vllm: its KV event publisher, e.g. tcp://127.0.0.1:5557"),
+    Option(
+        "model",
+        str,
+        None,
+        "model directory (config.json + safetensors) or .gguf file; none: Gemma 3 270M "
+        "(with --engine vllm: the directory the engine serves; none: the one it reports)",
+    ),
     Option("dtype", str, defaults.DTYPE, "weights and KV dtype", choices=DTYPE_NAMES),
     Option("kv_tokens", int, defaults.KV_TOKENS, "KV cache capacity in tokens"),
     Option("page_tokens", int, DEFAULT_PAGE_TOKENS, "tokens per KV page"),
@@ -67,29 +77,46 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, SecretError) as exc:
         print(f"kvrelay worker: {exc}", file=sys.stderr)
         return 2
+    from kvrelay.engines.vllm.client import EngineError
+    from kvrelay.engines.vllm.identity import EngineModelError
+    from kvrelay.launch.vllm_worker import VllmSettings
     from kvrelay.launch.worker import WorkerOptions, run_worker
     from kvrelay.launch.worker_assembly import StoreSpec, WorkerSettings
     from kvrelay.models.loading.weight_layout import ModelLoadError
 
-    settings = WorkerSettings(
-        values["worker_id"],
-        values["model"],
-        values["dtype"],
-        values["kv_tokens"],
-        values["page_tokens"],
-        values["chunk_tokens"],
-        values["lanes"],
-        values["token_budget"],
-        StoreSpec(
-            values["chunk_dir"] or defaults.chunk_dir(values["worker_id"]),
-            values["ram_bytes"],
-            values["ssd_bytes"],
-            values["object_dir"],
-            s3_endpoint=values["s3_endpoint"],
-            s3_bucket=values["s3_bucket"],
-            s3_prefix=values["s3_prefix"],
-        ),
-    )
+    settings: WorkerSettings | VllmSettings
+    if values["engine"] == "vllm":
+        if not values["engine_url"]:
+            print("kvrelay worker: --engine vllm needs --engine-url http://HOST:PORT of a vLLM server", file=sys.stderr)
+            return 2
+        settings = VllmSettings(
+            values["worker_id"],
+            values["engine_url"],
+            values["kv_events"],
+            values["model"],
+            values["dtype"],
+            max_lanes=values["lanes"],
+        )
+    else:
+        settings = WorkerSettings(
+            values["worker_id"],
+            values["model"],
+            values["dtype"],
+            values["kv_tokens"],
+            values["page_tokens"],
+            values["chunk_tokens"],
+            values["lanes"],
+            values["token_budget"],
+            StoreSpec(
+                values["chunk_dir"] or defaults.chunk_dir(values["worker_id"]),
+                values["ram_bytes"],
+                values["ssd_bytes"],
+                values["object_dir"],
+                s3_endpoint=values["s3_endpoint"],
+                s3_bucket=values["s3_bucket"],
+                s3_prefix=values["s3_prefix"],
+            ),
+        )
     options = WorkerOptions(settings, tuple(values["router"]), secret, values["heartbeat_s"], values["grace_s"])
 
     def ready(worker_id: str, epoch: int, model: str) -> None:
@@ -97,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(run_worker(options, ready))
-    except ModelLoadError as exc:
+    except (ModelLoadError, EngineError, EngineModelError) as exc:
         print(f"kvrelay worker: {exc}", file=sys.stderr)
         return 2
     return 0

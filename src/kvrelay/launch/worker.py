@@ -23,11 +23,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass
+from typing import Protocol
 
+from kvrelay.core.worker.machine import WorkerState
+from kvrelay.engines.vllm.host import VllmWorker
 from kvrelay.launch import defaults
-from kvrelay.launch.worker_assembly import WorkerParts, WorkerSettings, build_worker
+from kvrelay.launch.vllm_worker import VllmSettings, build_vllm_worker
+from kvrelay.launch.worker_assembly import WorkerSettings, build_worker
 from kvrelay.transport.worker_endpoint import WorkerEndpoint
 from kvrelay.worker.host import WorkerController
 
@@ -37,11 +41,32 @@ QUIESCE_S = 10.0
 """How long a handed-over or fenced step may take to finish before the runtime stops anyway."""
 
 
+class DrainableHost(Protocol):
+    """What ``drain`` needs of a worker host (``WorkerController``, or the vLLM worker)."""
+
+    @property
+    def worker_id(self) -> str: ...
+
+    @property
+    def state(self) -> WorkerState: ...
+
+    @property
+    def runs(self) -> Sized: ...
+
+    @property
+    def quiesced(self) -> asyncio.Event: ...
+
+    def shut_down(self) -> None: ...
+
+    def hand_over(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerOptions:
     """One worker process: what it builds, the routers it links to, their secret, heartbeat and drain periods."""
 
-    settings: WorkerSettings
+    settings: WorkerSettings | VllmSettings
+    """A native worker's, or a vLLM worker's (``kvrelay worker --engine vllm``)."""
     router_urls: tuple[str, ...]
     secret: bytes
     heartbeat_s: float = defaults.HEARTBEAT_S
@@ -54,31 +79,36 @@ async def run_worker(options: WorkerOptions, on_ready: Callable[[str, int, str],
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    parts = await build_worker(options.settings)
-    controller = parts.controller
-    endpoint = WorkerEndpoint(controller, options.router_urls, options.secret, heartbeat_interval_s=options.heartbeat_s)
-    controller.publish = endpoint.publish
+    host: WorkerController | VllmWorker
+    if isinstance(options.settings, VllmSettings):
+        vllm = await build_vllm_worker(options.settings)
+        host, name = vllm.controller, vllm.name
+    else:
+        native = await build_worker(options.settings)
+        host, name = native.controller, native.artifacts.name
+    endpoint = WorkerEndpoint(host, options.router_urls, options.secret, heartbeat_interval_s=options.heartbeat_s)
+    host.publish = endpoint.publish
+    if isinstance(options.settings, VllmSettings):
+        vllm.start()
     await endpoint.start()
-    on_ready(controller.worker_id, controller.epoch, parts.artifacts.name)
+    on_ready(host.worker_id, host.epoch, name)
     log.info(
-        "worker %s (epoch %d) serves %s; routers: %s",
-        controller.worker_id,
-        controller.epoch,
-        parts.artifacts.name,
-        ", ".join(options.router_urls),
+        "worker %s (epoch %d) serves %s; routers: %s", host.worker_id, host.epoch, name, ", ".join(options.router_urls)
     )
     try:
         await stop.wait()
-        await drain(parts, endpoint, options.grace_s)
+        await drain(host, endpoint, options.grace_s)
     finally:
         await endpoint.close()
-        parts.close()
-        log.info("worker %s stopped", controller.worker_id)
+        if isinstance(options.settings, VllmSettings):
+            await vllm.aclose()
+        else:
+            native.close()
+        log.info("worker %s stopped", host.worker_id)
 
 
-async def drain(parts: WorkerParts, endpoint: WorkerEndpoint, grace_s: float) -> None:
+async def drain(controller: DrainableHost, endpoint: WorkerEndpoint, grace_s: float) -> None:
     """Decline new offers, let running work finish within ``grace_s``, hand the rest over, close the link."""
-    controller = parts.controller
     controller.shut_down()
     log.info(
         "worker %s shutting down: %d assignments running, grace %.1f s",
@@ -97,7 +127,7 @@ async def drain(parts: WorkerParts, endpoint: WorkerEndpoint, grace_s: float) ->
         )
 
 
-async def _quiesce(controller: WorkerController, timeout_s: float) -> bool:
+async def _quiesce(controller: DrainableHost, timeout_s: float) -> bool:
     """Wait until the controller holds no reservation; False after ``timeout_s``."""
     if not controller.state.slots:
         return True

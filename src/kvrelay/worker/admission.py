@@ -5,7 +5,10 @@ holding a reservation and the referenced resident prefix, or a decline with a
 reason from the protocol's closed set, having changed nothing:
 
 1. validate the worker epoch and the model (name and fingerprint; the worker
-   recomputes the chunk chain itself and requires the offer's to match);
+   recomputes the chunk chain itself and requires the offer's to match); an
+   offer of another fingerprint is declined only when it claims cached chunks:
+   a recompute offer planned over another engine's chain (a mixed cluster of
+   native and vLLM workers) is served, as the worker computes its own KV;
 2. refuse when shutting down or over the context limit;
 3. find the resident prefix; the route's leading gpu segment must still be
    resident (else ``stale_route``, and the router re-scores without it);
@@ -66,7 +69,8 @@ def admit(pool: PagePool, me: WorkerIdentity, offer: Offer, shutting_down: bool 
         )
     if offer.model != me.model:
         return decline(DeclineReason.WRONG_MODEL, f"model '{offer.model}' is not served here; served: {me.model}")
-    if offer.model_fingerprint and offer.model_fingerprint != me.fingerprint.hex():
+    foreign = bool(offer.model_fingerprint) and offer.model_fingerprint != me.fingerprint.hex()
+    if foreign and (offer.chain or any(s.chunks for s in offer.route if s.tier != "recompute")):
         return decline(
             DeclineReason.WRONG_MODEL,
             f"fingerprint {offer.model_fingerprint[:16]}... differs from {me.fingerprint.hex()[:16]}...",

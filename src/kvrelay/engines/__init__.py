@@ -1,0 +1,1 @@
+"""Inference engines a kvrelay worker can serve through, besides its own paged runtime."""

@@ -1,0 +1,93 @@
+"""The figures a kvrelay worker reads from a vLLM server's Prometheus ``/metrics`` (pure).
+
+Names as vLLM 0.32 exports them (``vllm/v1/metrics/loggers.py``):
+``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc`` (a fraction, 0 to 1, of the device blocks in use;
+cached blocks no request holds count as free), ``vllm:cache_config_info``
+(labels ``num_gpu_blocks`` and ``block_size``), ``vllm:request_success_total``
+by ``finished_reason`` (``abort`` counts requests aborted, e.g. by a client
+that disconnected), ``vllm:prefix_cache_hits_total`` and
+``vllm:prefix_cache_queries_total``. Counts of every engine index are summed;
+the KV usage is the highest of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFigures:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    num_blocks: int = 0
+    block_size: int = 0
+    aborted: int = 0
+    """Requests the engine has aborted since it started."""
+    prefix_hits: int = 0
+    prefix_queries: int = 0
+
+    @property
+    def used_blocks(self) -> int:
+        """Device blocks requests hold now (rounded up)."""
+        return min(self.num_blocks, -int(-self.kv_usage * self.num_blocks // 1))
+
+
+class MetricsError(ValueError):
+    """An exposition that lacks what a kvrelay worker needs from vLLM."""
+
+
+def parse_metrics(text: str) -> EngineFigures:
+    """The figures of one ``/metrics`` exposition; ``MetricsError`` if it has no vLLM cache config."""
+    values: dict[str, float] = {}
+    num_blocks = block_size = 0
+    aborted = 0.0
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError as exc:
+        raise MetricsError(f"not a Prometheus exposition: {exc}") from None
+    for family in families:
+        for sample in family.samples:
+            name = sample.name
+            if name == "vllm:cache_config_info":
+                num_blocks += _int_label(sample.labels, "num_gpu_blocks")
+                block_size = block_size or _int_label(sample.labels, "block_size")
+            elif name == "vllm:request_success_total":
+                if sample.labels.get("finished_reason") == "abort":
+                    aborted += sample.value
+            elif name == "vllm:kv_cache_usage_perc":
+                values[name] = max(values.get(name, 0.0), sample.value)
+            elif name in _SUMMED:
+                values[name] = values.get(name, 0.0) + sample.value
+    if not num_blocks or not block_size:
+        raise MetricsError("no vllm:cache_config_info with num_gpu_blocks and block_size: is this a vLLM server?")
+    return EngineFigures(
+        running=int(values.get("vllm:num_requests_running", 0)),
+        waiting=int(values.get("vllm:num_requests_waiting", 0)),
+        kv_usage=values.get("vllm:kv_cache_usage_perc", 0.0),
+        num_blocks=num_blocks,
+        block_size=block_size,
+        aborted=int(aborted),
+        prefix_hits=int(values.get("vllm:prefix_cache_hits_total", 0)),
+        prefix_queries=int(values.get("vllm:prefix_cache_queries_total", 0)),
+    )
+
+
+_SUMMED = frozenset(
+    {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+    }
+)
+
+
+def _int_label(labels: dict[str, str], name: str) -> int:
+    try:
+        return int(labels.get(name, "0"))
+    except ValueError:
+        return 0

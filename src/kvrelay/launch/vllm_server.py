@@ -1,0 +1,196 @@
+"""A vLLM OpenAI server as a child process: its command line, start, readiness, kill and stop.
+
+Contract:
+- ``VllmServerSpec.argv`` runs ``VENV/bin/python -m vllm.entrypoints.openai.api_server``
+  (vLLM's ``vllm`` console script does not start from its CPU build's venv) on
+  ``host:port`` with prefix caching, token-id prompts' cached-token counts
+  (``--enable-prompt-tokens-details``), the KV block size kvrelay routes by
+  (``block_tokens``: vLLM's CPU attention takes multiples of 32), and KV
+  events published on ZMQ at ``tcp://*:EVENTS_PORT`` (vLLM binds an endpoint
+  with a wildcard and connects to any other). ``kv_cache_bytes`` sizes its KV
+  cache (vLLM rounds it down to whole blocks); ``eager`` skips torch.compile,
+  and with an explicit KV size vLLM then skips its warm-up too (start-up is
+  the cost of a test).
+- ``vllm_python(explicit)`` finds the interpreter of vLLM's venv: the explicit
+  path, ``$KVRELAY_VLLM_PYTHON``, ``.venv-vllm`` in the working directory, or
+  ``.venv-vllm`` at the root of this source tree; else ``VllmNotInstalled``
+  naming the fix (``make vllm``).
+- ``VllmServer`` starts the child in a process group of its own, with stdout
+  and stderr to ``log_path``. ``wait_ready(timeout)`` polls ``GET /health`` until
+  it answers 200 and fails early, with the log's tail, if the child exits.
+  ``kill()`` sends SIGKILL to the group (what a crash looks like); ``stop()``
+  sends SIGTERM, then SIGKILL after ``timeout``; ``start()`` again after either
+  restarts it on the same ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+VLLM_PYTHON_ENV = "KVRELAY_VLLM_PYTHON"
+VLLM_VENV = ".venv-vllm"
+READY_TIMEOUT_S = 300.0
+
+
+class VllmNotInstalled(RuntimeError):
+    """No interpreter of vLLM's venv was found."""
+
+
+class VllmStartError(RuntimeError):
+    """A vLLM server exited, or did not answer its health check, before it was ready."""
+
+
+def vllm_python(explicit: str | None = None) -> str:
+    """The Python of vLLM's venv (see the module contract)."""
+    candidates = [explicit, os.environ.get(VLLM_PYTHON_ENV)]
+    candidates += [str(Path.cwd() / VLLM_VENV / "bin" / "python")]
+    candidates += [str(Path(__file__).resolve().parents[3] / VLLM_VENV / "bin" / "python")]
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            return candidate
+    raise VllmNotInstalled(
+        f"no vLLM interpreter found (looked at --vllm-python, ${VLLM_PYTHON_ENV}, ./{VLLM_VENV}); "
+        f"run `make vllm` in the kvrelay checkout, or pass --vllm-python PATH/TO/VENV/bin/python"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class VllmServerSpec:
+    """One vLLM OpenAI server: model, address, KV event port, dtype and sizes."""
+
+    model: str
+    port: int
+    events_port: int
+    python: str
+    host: str = "127.0.0.1"
+    served_name: str | None = None
+    dtype: str = "bfloat16"
+    block_tokens: int = 64
+    max_model_len: int | None = None
+    kv_cache_bytes: int | None = None
+    max_num_seqs: int | None = None
+    threads: int = 1
+    """Torch threads of the engine (vLLM drops to 1 unless ``OMP_NUM_THREADS`` is set)."""
+    eager: bool = True
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def events_url(self) -> str:
+        """Where a subscriber connects for this server's KV events."""
+        return f"tcp://{self.host}:{self.events_port}"
+
+    def argv(self) -> list[str]:
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events_port}"}
+        args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
+        args += ["--host", self.host, "--port", str(self.port), "--dtype", self.dtype]
+        args += ["--block-size", str(self.block_tokens), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+        args += ["--kv-events-config", json.dumps(events), "--disable-uvicorn-access-log"]
+        if self.served_name:
+            args += ["--served-model-name", self.served_name]
+        if self.max_model_len:
+            args += ["--max-model-len", str(self.max_model_len)]
+        if self.kv_cache_bytes:
+            args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        if self.max_num_seqs:
+            args += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.eager:
+            args += ["--enforce-eager", "-O0"]
+        return [*args, *self.extra_args]
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the explicit --kv-cache-memory-bytes sizes the cache
+        env["OMP_NUM_THREADS"] = str(self.threads)
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+
+@dataclass
+class VllmServer:
+    """A started (or startable) vLLM server child; see the module contract."""
+
+    spec: VllmServerSpec
+    log_path: Path
+    env: dict[str, str] | None = None
+    process: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    started_at: float = field(default=0.0, init=False)
+
+    def start(self) -> VllmServer:
+        if self.process is not None and self.process.poll() is None:
+            raise VllmStartError(f"vLLM server on port {self.spec.port} is already running")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.spec.argv(),
+                env=self.spec.env(self.env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.started_at = time.monotonic()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> float:
+        """Block until ``/health`` answers 200; the seconds since ``start``. ``VllmStartError`` otherwise."""
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if not self.alive:
+                    raise VllmStartError(f"vLLM server on port {self.spec.port} exited; log tail:\n{self.tail()}")
+                try:
+                    if client.get(self.spec.url + "/health").status_code == 200:
+                        return time.monotonic() - self.started_at
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        raise VllmStartError(f"vLLM server on port {self.spec.port} not ready after {timeout} s; log:\n{self.tail()}")
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole process group (the API server, its engine core and workers)."""
+        self._signal_group(signal.SIGKILL)
+        if self.process is not None:
+            self.process.wait()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM the group; SIGKILL it if the server outlives ``timeout``."""
+        if self.process is None:
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal_group(signal.SIGKILL)
+        self.process.wait()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,120 @@
+"""One vLLM worker's parts: the engine client, the host, the ``/metrics`` poller and the KV event subscriber.
+
+``build_vllm_worker(settings)`` waits (up to ``engine_wait_s``) until the
+engine at ``engine_url`` answers, reads its served model (name, directory,
+context limit), version and figures (block count and size), fingerprints the
+model directory (``settings.model``, else the directory the engine reports
+serving: the worker must see the same files), and returns the wired
+``VllmParts``: the model's kvrelay name is its directory's name, as the
+router's catalog names it. ``start()`` starts polling ``/metrics`` every
+``poll_s`` and following the KV events at ``kv_events`` (none: the worker
+routes without residency); ``aclose()`` stops both and closes the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvrelay import paths
+from kvrelay.engines.vllm.admission import EngineIdentity
+from kvrelay.engines.vllm.client import EngineClient, EngineError
+from kvrelay.engines.vllm.host import VllmWorker
+from kvrelay.engines.vllm.identity import engine_fingerprint, kv_bytes_per_token
+from kvrelay.engines.vllm.subscriber import follow_kv_events
+from kvrelay.launch import defaults
+from kvrelay.launch.worker_assembly import new_epoch
+
+log = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per /metrics poll
+
+
+@dataclass(frozen=True, slots=True)
+class VllmSettings:
+    """How to build one vLLM worker: its id, its engine's URLs, the model directory and the engine's dtype."""
+
+    worker_id: str
+    engine_url: str
+    kv_events: str | None = None
+    model: str | None = None
+    """The directory the engine serves; None: the ``root`` the engine reports."""
+    dtype: str = defaults.DTYPE
+    """The dtype the engine runs (it counts in the fingerprint and the KV bytes per token)."""
+    max_lanes: int = 256
+    """Concurrent requests the engine runs at most (its ``--max-num-seqs``)."""
+    poll_s: float = 0.25
+    engine_wait_s: float = 600.0
+
+
+@dataclass
+class VllmParts:
+    controller: VllmWorker
+    client: EngineClient
+    settings: VllmSettings
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.controller.me.model
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        host = self.controller
+        self.tasks.append(loop.create_task(host.monitor(self.settings.poll_s)))
+        if self.settings.kv_events:
+            events = follow_kv_events(self.settings.kv_events, host.on_kv_frame, host.on_kv_reconnect)
+            self.tasks.append(loop.create_task(events))
+
+    async def aclose(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.client.close()
+
+
+async def build_vllm_worker(settings: VllmSettings) -> VllmParts:
+    """Connect to the engine and wire the worker's parts (see the module docstring)."""
+    client = EngineClient(settings.engine_url)
+    deadline = time.monotonic() + settings.engine_wait_s
+    while True:
+        try:
+            served = await client.served_model()
+            version = await client.version()
+            figures = await client.figures()
+            break
+        except EngineError as exc:
+            if time.monotonic() > deadline:
+                await client.close()
+                raise EngineError(f"{exc}; gave up after {settings.engine_wait_s:.0f} s") from None
+            log.info("waiting for the vLLM engine at %s: %s", settings.engine_url, exc)
+            await asyncio.sleep(1.0)
+    model_dir = Path(settings.model or served.root).expanduser()
+    fingerprint = await asyncio.to_thread(
+        engine_fingerprint, model_dir, version, settings.dtype, figures.block_size, paths.cache_dir() / "digests"
+    )
+    identity = EngineIdentity(
+        settings.worker_id, new_epoch(), model_dir.name, fingerprint, served.context_limit, figures.block_size
+    )
+    host = VllmWorker(
+        identity,
+        client,
+        served.name,
+        kv_bytes_per_token(model_dir, settings.dtype),
+        settings.max_lanes,
+        figures,
+    )
+    log.info(
+        "vLLM worker %s: engine %s (vllm %s) serves %s as '%s'; %d blocks of %d tokens, context %d",
+        settings.worker_id,
+        settings.engine_url,
+        version,
+        model_dir,
+        served.name,
+        figures.num_blocks,
+        figures.block_size,
+        served.context_limit,
+    )
+    return VllmParts(host, client, settings)

@@ -1,0 +1,181 @@
+"""The pure parts of the vLLM worker: KV events to chunk keys, /metrics figures, admission, request bodies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvrelay.engines.vllm import kv_events
+from kvrelay.engines.vllm.admission import EngineCapacity, EngineIdentity, admit_offer, block_demand
+from kvrelay.engines.vllm.client import parse_chunk, request_body
+from kvrelay.engines.vllm.host import attempt_seed
+from kvrelay.engines.vllm.metrics import MetricsError, parse_metrics
+from kvrelay.protocol.chunk_keys import chunk_chain, prompt_chain, root_key
+from kvrelay.protocol.messages import Assignment, FinishReason, Offer, RouteSegment, Sampling
+
+FP = b"vllm-fp-16-bytes"
+BS = 4
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def frame(seq: int, *events: dict) -> list[bytes]:
+    """A multipart frame as vLLM's ZmqEventPublisher sends it: topic, 8-byte seq, msgpack [ts, events, rank]."""
+    payload = msgspec.msgpack.encode([1.5, list(events), 0])
+    return [b"", seq.to_bytes(8, "big"), payload]
+
+
+def stored(hashes: list[int], tokens: list[int], parent: int | None = None, **extra: object) -> dict:
+    event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens}
+    event.update({"block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None})
+    event.update({"extra_keys": [None] * len(hashes), "group_idx": 0, "kv_cache_spec_kind": "full_attention"})
+    event.update(extra)
+    return event
+
+
+def mirror() -> kv_events.BlockMirror:
+    return kv_events.BlockMirror(root_key(FP), BS)
+
+
+def apply(m: kv_events.BlockMirror, parts: list[bytes]) -> kv_events.MirrorChange:
+    _, batch = kv_events.decode_frame(parts)
+    return kv_events.apply_batch(m, batch.events)
+
+
+def test_stored_blocks_become_the_routers_chain_keys() -> None:
+    tokens = list(range(100, 112))  # three blocks of four
+    m = mirror()
+    first = apply(m, frame(0, stored([11, 12], tokens[:8])))
+    second = apply(m, frame(1, stored([13], tokens[8:], parent=12)))
+    chain = chunk_chain(FP, tokens, BS)
+    assert first.stored == chain[:2] and second.stored == chain[2:]
+    assert prompt_chain(FP, [*tokens, 7], BS) == chain  # a prompt one token longer: the same routable chain
+    assert set(m.keys) == set(chain)
+
+
+def test_removal_counts_copies_and_clear_reports_everything() -> None:
+    tokens = list(range(8))
+    m = mirror()
+    apply(m, frame(0, stored([1, 2], tokens)))
+    apply(m, frame(1, stored([2], tokens[4:], parent=1)))  # the same block hash stored twice
+    chain = chunk_chain(FP, tokens, BS)
+    once = apply(m, frame(2, {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}))
+    assert once.removed == () and chain[1] in m.keys
+    twice = apply(m, frame(3, {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}))
+    assert twice.removed == (chain[1],)
+    cleared = apply(m, frame(4, {"type": "AllBlocksCleared"}))
+    assert cleared.cleared and cleared.removed == (chain[0],) and not m.keys
+
+
+def test_stored_then_removed_in_one_batch_nets_to_nothing() -> None:
+    m = mirror()
+    change = apply(m, frame(0, stored([1], [1, 2, 3, 4]), {"type": "BlockRemoved", "block_hashes": [1]}))
+    assert change == kv_events.MirrorChange()
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        stored([5], [1, 2, 3, 4], parent=999),  # a parent the mirror never saw
+        stored([5], [1, 2, 3, 4], medium="CPU"),
+        stored([5], [1, 2, 3, 4], group_idx=1),
+        stored([5], [1, 2, 3, 4], lora_name="adapter"),
+        stored([5], [1, 2, 3, 4], extra_keys=[("salt",)]),
+        stored([5], [1, 2, 3, 4, 5, 6, 7, 8], block_size=8),
+    ],
+)
+def test_blocks_that_are_not_the_chains_are_skipped(event: dict) -> None:
+    m = mirror()
+    assert apply(m, frame(0, event)).stored == () and m.skipped == 1 and not m.keys
+
+
+def test_malformed_frames_raise() -> None:
+    with pytest.raises(kv_events.KvEventError):
+        kv_events.decode_frame([b"", b"\x00"])
+    with pytest.raises(kv_events.KvEventError):
+        kv_events.decode_frame([b"", (0).to_bytes(8, "big"), b"\xc1"])
+
+
+@pytest.mark.parametrize(
+    ("last", "seq", "kind"),
+    [(None, 7, "first"), (3, 4, "next"), (3, 6, "gap"), (3, 3, "restarted"), (9, 0, "restarted")],
+)
+def test_continuity(last: int | None, seq: int, kind: str) -> None:
+    assert kv_events.continuity(last, seq).value == kind
+
+
+def test_metrics_of_a_real_exposition() -> None:
+    text = (DATA / "vllm_metrics.txt").read_text()
+    figures = parse_metrics(text)
+    assert (figures.num_blocks, figures.block_size, figures.running, figures.aborted) == (64, 64, 0, 0)
+    busy = text.replace('vllm:num_requests_running{engine="0",model_name="/tmp/vt/tiny-vllm"} 0.0', "").replace(
+        'finished_reason="abort",model_name="/tmp/vt/tiny-vllm"} 0.0', 'finished_reason="abort",model_name="x"} 3.0'
+    )
+    busy += 'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+    busy += 'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25\n'
+    figures = parse_metrics(busy)
+    assert (figures.running, figures.aborted, figures.kv_usage, figures.used_blocks) == (2, 3, 0.25, 16)
+    with pytest.raises(MetricsError):
+        parse_metrics('vllm:num_requests_running{engine="0"} 1.0\n')
+
+
+ME = EngineIdentity("v1", 5, "m", FP, context_limit=64, block_tokens=BS)
+PROMPT = tuple(range(1, 14))  # 13 tokens: three cacheable blocks
+
+
+def offer(**kw: object) -> Offer:
+    fields: dict = dict(
+        assignment=Assignment("r", 1), worker_id="v1", epoch=5, model="m", model_fingerprint=FP.hex(), prompt=PROMPT
+    )
+    fields.update(max_new_tokens=3)
+    fields.update(kw)
+    return Offer(**fields)
+
+
+ROOMY = EngineCapacity(total_blocks=16, used_blocks=0, promised_blocks=0)
+
+
+@pytest.mark.parametrize(
+    ("kw", "capacity", "up", "reason"),
+    [
+        ({"epoch": 4}, ROOMY, True, "wrong_epoch"),
+        ({"model": "x"}, ROOMY, True, "wrong_model"),
+        ({"model_fingerprint": "00", "chain": prompt_chain(b"00", PROMPT, BS)[:1]}, ROOMY, True, "wrong_model"),
+        ({"chain": (b"\x01" * 16,)}, ROOMY, True, "wrong_model"),
+        ({}, ROOMY, False, "shutting_down"),
+        ({"max_new_tokens": 60}, ROOMY, True, "over_context_limit"),
+        ({"route": (RouteSegment("gpu", 2),)}, ROOMY, True, "stale_route"),
+        ({}, EngineCapacity(16, used_blocks=13, promised_blocks=2), True, "no_capacity"),
+        ({}, EngineCapacity(16, used_blocks=1, promised_blocks=13), True, "no_capacity"),
+    ],
+)
+def test_declines_name_the_reason(kw: dict, capacity: EngineCapacity, up: bool, reason: str) -> None:
+    result = admit_offer(ME, offer(**kw), capacity, {}, up)
+    assert not result.accepted and result.reason == reason and result.detail
+
+
+def test_admission_shares_the_resident_prefix_and_serves_foreign_recompute_offers() -> None:
+    chain = prompt_chain(FP, PROMPT, BS)
+    held = {chain[0]: 1, chain[1]: 2}
+    warm = admit_offer(ME, offer(route=(RouteSegment("gpu", 2),), chain=chain[:2]), ROOMY, held, True)
+    assert warm.accepted and warm.prefix_chunks == 2 and warm.demand_blocks == block_demand(13, 3, 2, BS) == 2
+    tight = EngineCapacity(16, used_blocks=14, promised_blocks=0)
+    assert admit_offer(ME, offer(), tight, held, True).accepted  # 4 blocks minus the 2 resident fit in 2 free
+    foreign = admit_offer(ME, offer(model_fingerprint="ab" * 16), ROOMY, {}, True)
+    assert foreign.accepted and foreign.prefix_chunks == 0  # a mixed cluster's recompute offer
+
+
+def test_request_body_and_chunks() -> None:
+    sampling = Sampling(temperature=0.7, top_p=0.9, top_k=0, seed=3, stop_token_ids=(1,))
+    body = request_body("served", (5, 6), 8, sampling, attempt_seed(3, 0))
+    assert body["prompt"] == [5, 6] and body["max_tokens"] == 8 and body["return_token_ids"] and body["ignore_eos"]
+    assert body["top_k"] == -1 and body["stop_token_ids"] == [1] and body["stream_options"] == {"include_usage": True}
+    assert attempt_seed(3, 0) == attempt_seed(3, 0) != attempt_seed(3, 4) and 0 <= attempt_seed(3, 0) < 2**63
+    token = parse_chunk({"choices": [{"index": 0, "text": "a", "token_ids": [9, 10], "finish_reason": None}]})
+    assert token is not None and token.tokens == (9, 10) and token.finish_reason is None
+    last = parse_chunk({"choices": [{"token_ids": [4], "finish_reason": "length"}]})
+    assert last is not None and last.finish_reason is FinishReason.LENGTH
+    usage = parse_chunk({"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 128}}})
+    assert usage is not None and usage.cached_tokens == 128 and not usage.tokens
+    assert parse_chunk({"choices": [{"text": "", "token_ids": [], "finish_reason": None}]}) is None
