@@ -114,6 +114,21 @@ def test_worker_without_a_router_url_says_how_to_give_one(capsys: pytest.Capture
     assert "no router URL: pass --router ws://HOST:PORT/workers" in capsys.readouterr().err
 
 
+def test_engine_flags_that_cannot_work_name_the_fix(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    args = build_parser().parse_args(["worker", "--router", "ws://127.0.0.1:1/workers", "--engine", "vllm"])
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("KVRELAY_")}
+    os.environ["KVRELAY_SECRET"] = "s" * 32
+    try:
+        assert worker_cli.run(args) == 2
+        assert "--engine vllm needs --engine-url http://HOST:PORT" in capsys.readouterr().err
+        cluster = build_parser().parse_args(["cluster", "--engine", "vllm", "--model", str(tmp_path / "absent")])
+        assert cluster_cli.run(cluster) == 2
+        assert "--engine vllm needs --model DIR" in capsys.readouterr().err
+    finally:
+        del os.environ["KVRELAY_SECRET"]
+        os.environ.update(saved)
+
+
 def heartbeat(worker_id: str, model: str, context_limit: int) -> Heartbeat:
     return Heartbeat(
         worker_id=worker_id, epoch=1, seq=1, models=(model,), pages_total=64, pages_free=64, context_limit=context_limit

@@ -1,14 +1,19 @@
-"""Pytest fixtures over ``kvrelay.testing``: a moto S3 endpoint, test credentials, a fact-store database."""
+"""Pytest fixtures over ``kvrelay.testing``: a moto S3 endpoint, test credentials, a fact-store database, and real
+vLLM servers of a tiny model shared by the session."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvrelay.testing.databases import ENABLE_PG, pg_base_url, postgres_schema_url, sqlite_file_url
 from kvrelay.testing.moto import running_moto_server
+
+if TYPE_CHECKING:
+    from kvrelay.launch.vllm_server import VllmServer
 
 
 def use_test_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,3 +45,25 @@ def fact_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]
         pytest.skip(ENABLE_PG)
     with postgres_schema_url(base) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama vLLM's CPU build serves (``kvrelay.testing.vllm``), written once per session."""
+    from kvrelay.testing.vllm import make_vllm_tiny_model
+
+    return make_vllm_tiny_model(tmp_path_factory.mktemp("vllm-model") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def vllm_engines(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
+    """Two real vLLM servers of ``vllm_model`` (64 blocks of 64 tokens each) for the whole session.
+
+    Start-up is the cost (about a minute on a quiet 2-core machine; they start together), so every vLLM test
+    shares them; a test that kills or restarts one leaves it running again.
+    """
+    from kvrelay.testing.vllm import started_vllm_servers, tiny_vllm_spec
+
+    specs = [tiny_vllm_spec(vllm_model), tiny_vllm_spec(vllm_model)]
+    with started_vllm_servers(specs, tmp_path_factory.mktemp("vllm-logs")) as servers:
+        yield servers

@@ -108,14 +108,12 @@ def test_continuity(last: int | None, seq: int, kind: str) -> None:
 def test_metrics_of_a_real_exposition() -> None:
     text = (DATA / "vllm_metrics.txt").read_text()
     figures = parse_metrics(text)
-    assert (figures.num_blocks, figures.block_size, figures.running, figures.aborted) == (64, 64, 0, 0)
-    busy = text.replace('vllm:num_requests_running{engine="0",model_name="/tmp/vt/tiny-vllm"} 0.0', "").replace(
-        'finished_reason="abort",model_name="/tmp/vt/tiny-vllm"} 0.0', 'finished_reason="abort",model_name="x"} 3.0'
-    )
+    assert (figures.num_blocks, figures.block_size, figures.running, figures.prefix_hits) == (64, 64, 0, 512)
+    busy = text.replace('vllm:num_requests_running{engine="0",model_name="/tmp/vt/tiny-vllm"} 0.0', "")
     busy += 'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
     busy += 'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25\n'
     figures = parse_metrics(busy)
-    assert (figures.running, figures.aborted, figures.kv_usage, figures.used_blocks) == (2, 3, 0.25, 16)
+    assert (figures.running, figures.kv_usage, figures.used_blocks) == (2, 0.25, 16)
     with pytest.raises(MetricsError):
         parse_metrics('vllm:num_requests_running{engine="0"} 1.0\n')
 

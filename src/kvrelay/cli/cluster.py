@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvrelay.launch import defaults
 from kvrelay.launch.config import ConfigError, Option, add_options, resolve
 from kvrelay.models.dtypes import DTYPE_NAMES
+
+if TYPE_CHECKING:
+    from kvrelay.launch.vllm_server import VllmServerSpec
 
 COMMAND = "cluster"
 OPTIONS = (
@@ -16,6 +21,14 @@ OPTIONS = (
     Option("port", int, defaults.HTTP_PORT, "HTTP port of the OpenAI-compatible API"),
     Option("worker_port", int, 0, "port where the workers connect (0: any free port)"),
     Option("model", str, None, "model directory or .gguf file every worker serves; none: Gemma 3 270M"),
+    Option(
+        "engine",
+        str,
+        "native",
+        "the workers' runtime: kvrelay's own (native), or vllm: one vLLM server per worker (needs --model DIR)",
+        choices=("native", "vllm"),
+    ),
+    Option("vllm_python", str, None, "with --engine vllm: the Python of vLLM's venv (default: .venv-vllm)"),
     Option("dtype", str, defaults.DTYPE, "weights and KV dtype of the workers", choices=DTYPE_NAMES),
     Option("kv_tokens", int, defaults.KV_TOKENS, "KV cache capacity in tokens per worker"),
     Option("lanes", int, defaults.LANES, "concurrent sequences per worker"),
@@ -32,10 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvrelay.launch.cluster import ClusterOptions, run_cluster
+    from kvrelay.launch.vllm_server import VllmNotInstalled
 
     try:
         values = resolve(args, COMMAND, OPTIONS)
-    except ConfigError as exc:
+        engines: tuple[VllmServerSpec, ...] = ()
+        if values["engine"] == "vllm":
+            engines = _engines(values)
+    except (ConfigError, VllmNotInstalled) as exc:
         print(f"kvrelay cluster: {exc}", file=sys.stderr)
         return 2
     shared = ["--config", args.config] if args.config else []
@@ -59,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         tuple(router_args),
         tuple(worker_args),
         values["grace_s"],
+        engines,
     )
 
     def ready(http_url: str, workers: list[str]) -> None:
@@ -69,3 +87,29 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvrelay cluster: {exc}", file=sys.stderr)
         return 2
+
+
+def _engines(values: dict[str, Any]) -> tuple[VllmServerSpec, ...]:
+    """One vLLM server per worker on free loopback ports, its KV cache sized to ``kv_tokens``."""
+    from kvrelay.engines.vllm.identity import kv_bytes_per_token
+    from kvrelay.launch.ports import free_port
+    from kvrelay.launch.vllm_server import VllmServerSpec, vllm_python
+
+    model = values["model"]
+    if not model or not Path(model).expanduser().is_dir():
+        raise ConfigError("--engine vllm needs --model DIR, a model directory (config.json + weights) vLLM can load")
+    model_dir = Path(model).expanduser().resolve()
+    python = vllm_python(values["vllm_python"])
+    kv_bytes = values["kv_tokens"] * kv_bytes_per_token(model_dir, values["dtype"])
+    return tuple(
+        VllmServerSpec(
+            model=str(model_dir),
+            port=free_port(),
+            events_port=free_port(),
+            python=python,
+            dtype=values["dtype"],
+            kv_cache_bytes=kv_bytes,
+            max_num_seqs=values["lanes"],
+        )
+        for _ in range(values["workers"])
+    )

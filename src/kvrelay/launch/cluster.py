@@ -1,6 +1,10 @@
 """``kvrelay cluster``: a supervisor that runs one router and N worker child processes on this machine.
 
 Contract:
+- With ``engines`` (``kvrelay cluster --engine vllm``), one vLLM server per
+  worker starts first (all at once, in process groups of their own, logs under
+  the data directory's ``vllm/``); once each answers its health check, worker
+  i runs ``--engine vllm`` against server i. Engines stop after the workers.
 - The router child starts first (``python -m kvrelay.cli.main router ...``); once it
   prints its ready line, N worker children start, each named on its command
   line (``kvrelay.cli.main worker --worker-id w1 --router ws://.../workers ...``).
@@ -32,6 +36,8 @@ from dataclasses import dataclass
 
 from kvrelay.launch import defaults
 from kvrelay.launch.child import ChildProcess, ChildTimeout
+from kvrelay.launch.vllm_server import VllmServer, VllmServerSpec, VllmStartError
+from kvrelay.paths import data_dir
 from kvrelay.transport.auth import SECRET_ENV_VAR, SecretError, load_secret
 
 log = logging.getLogger(__name__)
@@ -52,6 +58,8 @@ class ClusterOptions:
     worker_args: tuple[str, ...] = ()
     """Further flags for every worker child (model, dtype, sizes, config file)."""
     grace_s: float = defaults.GRACE_S
+    engines: tuple[VllmServerSpec, ...] = ()
+    """One vLLM server per worker (``--engine vllm``), or none: native workers."""
 
 
 def child_argv(command: str, args: Sequence[str]) -> list[str]:
@@ -63,6 +71,8 @@ def run_cluster(options: ClusterOptions, on_ready: Callable[[str, list[str]], No
     """Run the router and workers until SIGINT/SIGTERM or the router's exit; the router's exit code."""
     if options.workers < 1:
         raise ValueError(f"--workers {options.workers}: a cluster needs at least 1 worker")
+    if options.engines and len(options.engines) != options.workers:
+        raise ValueError(f"{len(options.engines)} engines for {options.workers} workers; give one per worker")
     env = dict(os.environ)
     try:
         load_secret()
@@ -72,7 +82,18 @@ def run_cluster(options: ClusterOptions, on_ready: Callable[[str, list[str]], No
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda s, f: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     children: list[ChildProcess] = []
+    engines = [VllmServer(spec, data_dir() / "vllm" / f"engine-{spec.port}.log") for spec in options.engines]
     try:
+        for engine in engines:
+            engine.start()
+        for i, engine in enumerate(engines, 1):
+            log.info("w%d's vLLM engine: %s, KV events %s", i, engine.spec.url, engine.spec.events_url)
+        try:
+            for engine in engines:
+                engine.wait_ready()
+        except VllmStartError as exc:
+            log.error("%s", exc)
+            return 1
         router = ChildProcess(
             "router",
             child_argv(
@@ -109,6 +130,7 @@ def run_cluster(options: ClusterOptions, on_ready: Callable[[str, list[str]], No
                         "--grace-s",
                         str(options.grace_s),
                         *options.worker_args,
+                        *(_engine_args(engines[i - 1].spec) if engines else ()),
                     ],
                 ),
                 env,
@@ -134,8 +156,14 @@ def run_cluster(options: ClusterOptions, on_ready: Callable[[str, list[str]], No
             if child.process.poll() is None:
                 child.process.kill()
                 child.process.wait()
+        for engine in engines:
+            engine.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _engine_args(spec: VllmServerSpec) -> list[str]:
+    return ["--engine", "vllm", "--engine-url", spec.url, "--kv-events", spec.events_url, "--model", spec.model]
 
 
 def _wait_ready(child: ChildProcess, pattern: re.Pattern[str], stop: threading.Event) -> re.Match[str] | None:

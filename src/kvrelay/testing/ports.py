@@ -1,12 +1,7 @@
-"""Free loopback ports for servers that tests and benchmarks start."""
+"""Free loopback ports for servers that tests and benchmarks start (the supervisor's own, ``launch.ports``)."""
 
 from __future__ import annotations
 
-import socket
+from kvrelay.launch.ports import free_port
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bound, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["free_port"]

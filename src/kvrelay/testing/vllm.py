@@ -16,8 +16,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvrelay.launch.ports import free_port
 from kvrelay.launch.vllm_server import VllmServer, VllmServerSpec, vllm_python
-from kvrelay.testing.ports import free_port
 from kvrelay.testing.tiny_models import make_tiny_model
 
 VLLM_BLOCK_TOKENS = 64

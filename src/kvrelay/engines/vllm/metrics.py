@@ -4,11 +4,10 @@ Names as vLLM 0.32 exports them (``vllm/v1/metrics/loggers.py``):
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc`` (a fraction, 0 to 1, of the device blocks in use;
 cached blocks no request holds count as free), ``vllm:cache_config_info``
-(labels ``num_gpu_blocks`` and ``block_size``), ``vllm:request_success_total``
-by ``finished_reason`` (``abort`` counts requests aborted, e.g. by a client
-that disconnected), ``vllm:prefix_cache_hits_total`` and
-``vllm:prefix_cache_queries_total``. Counts of every engine index are summed;
-the KV usage is the highest of them.
+(labels ``num_gpu_blocks`` and ``block_size``), ``vllm:prefix_cache_hits_total``
+and ``vllm:prefix_cache_queries_total``. Counts of every engine index are
+summed; the KV usage is the highest of them. (An aborted request is counted
+nowhere: ``vllm:request_success_total`` counts only requests that finished.)
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ class EngineFigures:
     kv_usage: float = 0.0
     num_blocks: int = 0
     block_size: int = 0
-    aborted: int = 0
-    """Requests the engine has aborted since it started."""
     prefix_hits: int = 0
     prefix_queries: int = 0
 
@@ -44,7 +41,6 @@ def parse_metrics(text: str) -> EngineFigures:
     """The figures of one ``/metrics`` exposition; ``MetricsError`` if it has no vLLM cache config."""
     values: dict[str, float] = {}
     num_blocks = block_size = 0
-    aborted = 0.0
     try:
         families = list(text_string_to_metric_families(text))
     except ValueError as exc:
@@ -55,9 +51,6 @@ def parse_metrics(text: str) -> EngineFigures:
             if name == "vllm:cache_config_info":
                 num_blocks += _int_label(sample.labels, "num_gpu_blocks")
                 block_size = block_size or _int_label(sample.labels, "block_size")
-            elif name == "vllm:request_success_total":
-                if sample.labels.get("finished_reason") == "abort":
-                    aborted += sample.value
             elif name == "vllm:kv_cache_usage_perc":
                 values[name] = max(values.get(name, 0.0), sample.value)
             elif name in _SUMMED:
@@ -70,7 +63,6 @@ def parse_metrics(text: str) -> EngineFigures:
         kv_usage=values.get("vllm:kv_cache_usage_perc", 0.0),
         num_blocks=num_blocks,
         block_size=block_size,
-        aborted=int(aborted),
         prefix_hits=int(values.get("vllm:prefix_cache_hits_total", 0)),
         prefix_queries=int(values.get("vllm:prefix_cache_queries_total", 0)),
     )

@@ -1,0 +1,70 @@
+"""vLLM workers behind kvrelay's faces: a mixed cluster (native and vLLM workers, one router) and
+``kvrelay cluster --workers 2 --engine vllm``, which starts its own vLLM servers, streaming to the official
+``openai`` client."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvrelay.launch.vllm_server import VllmServer
+from tests.support.processes import CLUSTER_READY, Router, child_env, kvrelay, start_worker, stop_all, wait_until
+from tests.support.vllm_cluster import engine_counts, routed_completion, vllm_worker
+
+
+def test_a_mixed_cluster_serves_through_both_runtimes(
+    vllm_engines: list[VllmServer], vllm_model: Path, tmp_path: Path
+) -> None:
+    router = Router(tmp_path, vllm_model, "--policy", "round_robin")
+    native = start_worker(tmp_path, "n0", router.workers_url, vllm_model)
+    engine = vllm_engines[1]
+    vllm = vllm_worker(tmp_path, "v1", router.workers_url, engine)
+    try:
+        for worker in (native, vllm):
+            worker.wait_for(r"kvrelay worker ready", 120)
+        wait_until(lambda: sorted(router.live_workers()) == ["n0", "v1"] or None, 30, "both workers live")
+        models = {w["models"][0] for w in router.live_workers().values()}
+        assert models == {vllm_model.name}  # one model name, two kinds of KV
+        before = engine_counts(engine)["done"]
+        prompt = [9 + (i * 3) % 250 for i in range(200)]
+        for k in range(4):
+            answer = routed_completion(router.http_url, vllm_model.name, [*prompt, k], 6)
+            assert answer["finish"] == "length" and answer["usage"]["completion_tokens"] == 6, answer
+        assert engine_counts(engine)["done"] - before == 2  # round robin: two through vLLM, two natively
+        assert router.cluster()["router_counters"].get("declines", 0) == 0
+    finally:
+        stop_all([native, vllm, router.child])
+
+
+@pytest.mark.timeout(900)
+def test_cluster_with_vllm_engines_serves_the_openai_api(vllm_model: Path, tmp_path: Path) -> None:
+    args = ["--workers", "2", "--engine", "vllm", "--model", str(vllm_model), "--dtype", "float32", "--port", "0"]
+    args += ["--kv-tokens", "4096", "--lanes", "4", "--db", f"sqlite:///{tmp_path / 'facts.sqlite3'}"]
+    cluster = kvrelay("cluster", "cluster", args, child_env(tmp_path))
+    try:
+        http_url = cluster.wait_for(CLUSTER_READY, 600).group(1)
+        engines = [m.group(1) for m in (cluster.wait_for(rf"w{i}'s vLLM engine: (\S+),", 5) for i in (1, 2))]
+        client = openai.OpenAI(base_url=http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == [vllm_model.name]
+        stream = client.completions.create(
+            model=vllm_model.name,
+            prompt="the quick brown fox jumps over the lazy dog " * 8,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 1
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+        cluster.signal(signal.SIGTERM)
+        assert cluster.process.wait(120) == 0
+        for url in engines:  # the supervisor stopped its engines
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(url + "/health", timeout=2)
+    finally:
+        cluster.stop()
