@@ -170,6 +170,7 @@ def test_killed_engine_streams_complete_and_its_restart_clears_the_routers_belie
     settle(router, "v0")
     wait_until(lambda: not router.cluster()["requests"] or None, 30, "no request in flight")
     epoch_before = router.live_workers()["v0"]["epoch"]
+    retries_before = router.cluster()["router_counters"].get("retries", 0)
     results: dict[int, dict[str, Any]] = {}
     first_tokens = [threading.Event() for _ in range(4)]
 
@@ -193,6 +194,7 @@ def test_killed_engine_streams_complete_and_its_restart_clears_the_routers_belie
     for result in results.values():
         assert result["usage"]["completion_tokens"] == 160, result
         assert result["finish"]["choices"][0]["finish_reason"] == "length", result
+    assert router.cluster()["router_counters"].get("retries", 0) > retries_before  # continued on v1
 
     victim.start().wait_ready()
     workers[0].wait_for(r"vLLM engine at \S+ is back", 60)

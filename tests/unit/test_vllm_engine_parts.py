@@ -1,19 +1,24 @@
-"""The pure parts of the vLLM worker: KV events to chunk keys, /metrics figures, admission, request bodies."""
+"""The vLLM worker without an engine: KV events to chunk keys and epochs, /metrics figures, admission, bodies."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 
 from kvrelay.engines.vllm import kv_events
 from kvrelay.engines.vllm.admission import EngineCapacity, EngineIdentity, admit_offer, block_demand
-from kvrelay.engines.vllm.client import parse_chunk, request_body
-from kvrelay.engines.vllm.host import attempt_seed
-from kvrelay.engines.vllm.metrics import MetricsError, parse_metrics
+from kvrelay.engines.vllm.client import EngineClient, parse_chunk, request_body
+from kvrelay.engines.vllm.host import VllmWorker, attempt_seed
+from kvrelay.engines.vllm.identity import EngineModelError, engine_fingerprint, kv_bytes_per_token
+from kvrelay.engines.vllm.metrics import EngineFigures, MetricsError, parse_metrics
+from kvrelay.models.loading.loader import load_artifacts
 from kvrelay.protocol.chunk_keys import chunk_chain, prompt_chain, root_key
-from kvrelay.protocol.messages import Assignment, FinishReason, Offer, RouteSegment, Sampling
+from kvrelay.protocol.messages import Assignment, FinishReason, Offer, Residency, RouteSegment, Sampling
+from kvrelay.testing.tiny_models import make_tiny_model
 
 FP = b"vllm-fp-16-bytes"
 BS = 4
@@ -177,3 +182,68 @@ def test_request_body_and_chunks() -> None:
     usage = parse_chunk({"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 128}}})
     assert usage is not None and usage.cached_tokens == 128 and not usage.tokens
     assert parse_chunk({"choices": [{"text": "", "token_ids": [], "finish_reason": None}]}) is None
+
+
+def worker_host() -> tuple[VllmWorker, list[Residency]]:
+    published: list[Residency] = []
+    identity = EngineIdentity("v1", 5, "m", FP, context_limit=64, block_tokens=BS)
+    figures = EngineFigures(num_blocks=16, block_size=BS)
+    host = VllmWorker(identity, EngineClient("http://127.0.0.1:9"), "served", 64, 4, figures, published.append)
+    return host, published
+
+
+def test_lost_or_cleared_kv_events_start_a_new_epoch_and_forget_the_mirror() -> None:
+    async def scenario() -> None:
+        host, published = worker_host()
+        host.on_kv_frame(frame(3, stored([1, 2], list(range(8)))))  # the first frame seen may have any seq
+        assert len(host.mirror.keys) == 2 and published[-1].stored and host.epoch == 5
+        host.on_kv_frame(frame(4, stored([3], list(range(8, 12)), parent=2)))
+        assert host.epoch == 5 and len(host.mirror.keys) == 3
+        host.on_kv_frame(frame(6, stored([4], [1, 1, 1, 1])))  # seq 5 was lost: removals may be missing
+        gap_epoch = host.epoch
+        assert gap_epoch > 5 and list(host.mirror.keys) == [chunk_chain(FP, [1, 1, 1, 1], BS)[0]]
+        assert published[-1].epoch == gap_epoch and host.heartbeat().epoch == gap_epoch
+        host.on_kv_frame(frame(7, {"type": "AllBlocksCleared"}))
+        assert host.epoch > gap_epoch and not host.mirror.keys
+        host.on_kv_frame(frame(0, stored([9], [2, 2, 2, 2])))  # a restarted publisher
+        restarted = host.epoch
+        assert restarted > gap_epoch + 1 and len(host.mirror.keys) == 1
+        host.on_disconnect("ws://router")  # a lost router link keeps the mirror and publishes it again
+        assert host.epoch > restarted and len(host.mirror.keys) == 1
+        count = len(published)
+        host.heartbeat()
+        await asyncio.sleep(0)
+        assert len(published) == count + 1 and set(published[-1].stored) == set(host.mirror.keys)
+        assert published[-1].epoch == host.epoch
+        await host.engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_unreachable_engine_declines_and_reports_no_free_blocks_until_it_is_back() -> None:
+    async def scenario() -> None:
+        host, _ = worker_host()
+        host.on_figures(None)
+        assert not host.engine_up and host.epoch > 5 and host.heartbeat().pages_free == 0
+        down_epoch = host.epoch
+        replies: list[object] = []
+        host.on_offer(offer(epoch=down_epoch), replies.append)
+        assert replies and not replies[0].accepted and replies[0].reason == "shutting_down"  # type: ignore[attr-defined]
+        host.on_figures(EngineFigures(num_blocks=16, block_size=BS, kv_usage=0.25))
+        assert host.engine_up and host.epoch > down_epoch and host.heartbeat().pages_free == 12
+        await host.engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_vllm_fingerprint_never_equals_a_native_one_and_names_engine_dtype_and_block(tmp_path: Path) -> None:
+    model = make_tiny_model("llama", tmp_path / "tiny", head_dim=32)
+    native = load_artifacts(model, torch.float32).fingerprint
+    base = engine_fingerprint(model, "0.32.0", "float32", 64)
+    assert base == engine_fingerprint(model, "0.32.0", "float32", 64) != native
+    others = {engine_fingerprint(model, "0.33.0", "float32", 64), engine_fingerprint(model, "0.32.0", "bfloat16", 64)}
+    others.add(engine_fingerprint(model, "0.32.0", "float32", 32))
+    assert base not in others and len(others) == 3
+    assert kv_bytes_per_token(model, "float32") == 2 * 2 * 2 * 32 * 4
+    with pytest.raises(EngineModelError, match="config.json"):
+        engine_fingerprint(tmp_path, "0.32.0", "float32", 64)
