@@ -90,8 +90,10 @@ def run_cluster(options: ClusterOptions, on_ready: Callable[[str, list[str]], No
             log.info("w%d's vLLM engine: %s, KV events %s", i, engine.spec.url, engine.spec.events_url)
         try:
             for engine in engines:
-                engine.wait_ready()
+                engine.wait_ready(stop=stop)
         except VllmStartError as exc:
+            if stop.is_set():
+                return 0
             log.error("%s", exc)
             return 1
         router = ChildProcess(

@@ -17,7 +17,8 @@ Contract:
   naming the fix (``make vllm``).
 - ``VllmServer`` starts the child in a process group of its own, with stdout
   and stderr to ``log_path``. ``wait_ready(timeout)`` polls ``GET /health`` until
-  it answers 200 and fails early, with the log's tail, if the child exits.
+  it answers 200 and fails early, with the log's tail, if the child exits (or
+  at once when the caller's ``stop`` event is set).
   ``kill()`` sends SIGKILL to the group (what a crash looks like); ``stop()``
   sends SIGTERM, then SIGKILL after ``timeout``; ``start()`` again after either
   restarts it on the same ports.
@@ -29,6 +30,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,11 +150,14 @@ class VllmServer:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> float:
-        """Block until ``/health`` answers 200; the seconds since ``start``. ``VllmStartError`` otherwise."""
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S, stop: threading.Event | None = None) -> float:
+        """Block until ``/health`` answers 200; the seconds since ``start``. ``VllmStartError`` otherwise,
+        also as soon as ``stop`` is set."""
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
+                if stop is not None and stop.is_set():
+                    raise VllmStartError(f"stopped while the vLLM server on port {self.spec.port} was starting")
                 if not self.alive:
                     raise VllmStartError(f"vLLM server on port {self.spec.port} exited; log tail:\n{self.tail()}")
                 try:

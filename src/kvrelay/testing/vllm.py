@@ -2,7 +2,7 @@
 
 ``make_vllm_tiny_model(directory)`` writes the tiny Llama of
 ``kvrelay.testing.tiny_models`` sized so vLLM's CPU attention takes it (head
-size 32; a 2,048-token context). ``tiny_vllm_spec(model_dir, blocks)`` is a
+size 32; a 2,048-token context), without an EOS token. ``tiny_vllm_spec(model_dir, blocks)`` is a
 loopback ``VllmServerSpec`` on free ports with ``blocks`` KV blocks of
 ``VLLM_BLOCK_TOKENS`` tokens, float32, eager. ``started_vllm_servers(specs,
 log_dir)`` starts several at once (their start-ups overlap), waits until each
@@ -30,8 +30,11 @@ READY_TIMEOUT_S = 420.0
 
 
 def make_vllm_tiny_model(directory: Path, seed: int = 0) -> Path:
-    """A tiny random Llama (head size 32, context 2,048) as real files in ``directory``."""
-    return make_tiny_model("llama", directory, seed=seed, head_dim=32, max_position_embeddings=TINY_CONTEXT)
+    """A tiny random Llama (head size 32, context 2,048, no EOS token, so every greedy stream runs to its
+    budget) as real files in ``directory``."""
+    return make_tiny_model(
+        "llama", directory, seed=seed, head_dim=32, max_position_embeddings=TINY_CONTEXT, eos_token_id=None
+    )
 
 
 def tiny_vllm_spec(model_dir: Path, blocks: int = 64, python: str | None = None) -> VllmServerSpec:
