@@ -247,3 +247,51 @@ def test_cancel_during_prefill(model_dir: Path) -> None:
         assert h.pool.num_reserved == 0 and h.pool.num_referenced == 0
 
     run(model_dir, body, num_pages=96)
+
+
+LEADER = tuple(5 + (i * 37) % 250 for i in range(1000))  # 15 full chunks + 40 tokens: four 256-token steps
+FOLLOWERS = [LEADER[:960] + tuple(5 + (i * 11 + 7 * j) % 250 for j in range(50)) for i in range(1, 4)]
+
+
+def test_followers_share_the_prefix_their_leader_is_computing(model_dir: Path) -> None:
+    """Offered before the leader's first token, each follower waits for the leader, re-matches its 15 chunks
+    and computes its own 50 tokens; its tokens are those of its prompt alone. Without sharing it recomputes."""
+
+    async def follow(h: WorkerHarness) -> list[Result]:
+        expected = [h.reference(p, 6) for p in FOLLOWERS]
+        _, leader = h.offer("leader", LEADER, 6)
+        followers = [h.offer(f"f{i}", p, 6)[1] for i, p in enumerate(FOLLOWERS)]
+        results = [await r.wait_for(Result, timeout=60) for r in followers]
+        await leader.wait_for(Result, timeout=60)
+        assert [list(r.tokens) for r in results] == expected
+        await h.quiesce()
+        h.pool.check()
+        assert h.pool.num_reserved == 0 and h.pool.num_referenced == 0
+        return results
+
+    async def shared(h: WorkerHarness) -> None:
+        for r in await follow(h):
+            assert r.usage.cached_tokens == {"gpu": 960} and r.usage.recomputed_tokens == 50
+
+    async def alone(h: WorkerHarness) -> None:
+        for r in await follow(h):
+            assert r.usage.cached_tokens == {} and r.usage.recomputed_tokens == 1010
+
+    run(model_dir, shared, num_pages=512)
+    run(model_dir, alone, num_pages=512, share_prefill=False)
+
+
+def test_a_follower_cancelled_while_it_waits_releases_its_pages(model_dir: Path) -> None:
+    async def body(h: WorkerHarness) -> None:
+        _, leader = h.offer("leader", LEADER, 6)
+        waiting, replies = h.offer("f0", FOLLOWERS[0], 6)
+        _, other = h.offer("f1", FOLLOWERS[1], 6)
+        h.cancel(waiting)  # fenced: the worker sends nothing more for it
+        assert (await other.wait_for(Result, timeout=60)).usage.cached_tokens == {"gpu": 960}
+        await leader.wait_for(Result, timeout=60)
+        await h.quiesce()
+        assert replies.of(Result) == [] and replies.deltas == []
+        h.pool.check()
+        assert h.pool.num_reserved == 0 and h.pool.num_referenced == 0
+
+    run(model_dir, body, num_pages=512)

@@ -84,6 +84,7 @@ class WorkerHarness:
         restore: RestoreHandler | None = None,
         epoch: int = 1,
         context_limit: int = 4096,
+        share_prefill: bool = True,
     ) -> None:
         self.artifacts = load_artifacts(model_dir, torch.float32)
         config = self.artifacts.config
@@ -103,6 +104,7 @@ class WorkerHarness:
             config.kv_bytes_per_token(4),
             restore=restore,
             publish=self.published.append,
+            share_prefill=share_prefill,
         )
         self.controller.pool.on_residency = self.controller.publish_residency
         self.pool = self.controller.pool

@@ -8,7 +8,7 @@ import sys
 
 from kvrelay.core.router.state import RouterConfig
 from kvrelay.launch import defaults
-from kvrelay.launch.config import ConfigError, Option, add_options, resolve
+from kvrelay.launch.config import ConfigError, Option, add_options, parse_bool, resolve
 from kvrelay.transport.auth import SECRET_ENV_VAR
 
 COMMAND = "router"
@@ -48,6 +48,12 @@ OPTIONS = (
         ROUTER_DEFAULTS.worker_expiry_s,
         "seconds without heartbeats after which a worker is fenced",
     ),
+    Option(
+        "predict_on_route",
+        parse_bool,
+        ROUTER_DEFAULTS.predict_on_route,
+        "credit the chosen worker with a routed request's chunks until they are resident (true or false)",
+    ),
 )
 
 
@@ -71,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         progress_timeout_s=values["progress_timeout_s"],
         worker_expiry_s=values["worker_expiry_s"],
         chunk_tokens=values["chunk_tokens"],
+        predict_on_route=values["predict_on_route"],
     )
     options = RouterOptions(
         secret=secret,

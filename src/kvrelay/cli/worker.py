@@ -8,7 +8,7 @@ import socket
 import sys
 
 from kvrelay.launch import defaults
-from kvrelay.launch.config import ConfigError, Option, add_options, resolve
+from kvrelay.launch.config import ConfigError, Option, add_options, parse_bool, resolve
 from kvrelay.models.dtypes import DTYPE_NAMES
 from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS, DEFAULT_PAGE_TOKENS
 from kvrelay.transport.auth import SECRET_ENV_VAR
@@ -37,6 +37,12 @@ OPTIONS = (
     Option("chunk_tokens", int, DEFAULT_CHUNK_TOKENS, "tokens per routed KV chunk"),
     Option("lanes", int, defaults.LANES, "concurrent sequences on the device"),
     Option("token_budget", int, defaults.TOKEN_BUDGET, "tokens per device iteration (chunked prefill budget)"),
+    Option(
+        "share_prefill",
+        parse_bool,
+        True,
+        "re-match a prompt's prefix before its prefill and wait for a request already filling it (true or false)",
+    ),
     Option(
         "chunk_dir",
         str,
@@ -116,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
                 s3_bucket=values["s3_bucket"],
                 s3_prefix=values["s3_prefix"],
             ),
+            share_prefill=values["share_prefill"],
         )
     options = WorkerOptions(settings, tuple(values["router"]), secret, values["heartbeat_s"], values["grace_s"])
 

@@ -36,6 +36,20 @@ class ConfigError(ValueError):
     """An option value that cannot be used; the message names its source."""
 
 
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def parse_bool(text: str) -> bool:
+    """``true``/``false`` (also 1/0, yes/no, on/off, any case): the parser of a switch option."""
+    word = text.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ValueError("expected true or false")
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
     name: str

@@ -57,6 +57,8 @@ class WorkerSettings:
     lanes: int = defaults.LANES
     token_budget: int = defaults.TOKEN_BUDGET
     store: StoreSpec | None = None
+    share_prefill: bool = True
+    """Re-match a prefix before its prefill and wait for a request filling it (``worker.shared_prefill``)."""
 
     def engine_options(self) -> EngineOptions:
         """The worker's engine: ``kv_tokens`` rounded down to whole pages (at least one), chunks of ``chunk_tokens``."""
@@ -134,7 +136,9 @@ async def build_worker(settings: WorkerSettings) -> WorkerParts:
     identity = WorkerIdentity(
         settings.worker_id, new_epoch(), artifacts.name, artifacts.fingerprint, context_limit, settings.chunk_tokens
     )
-    controller = WorkerController(identity, pool, runtime, config.kv_bytes_per_token(kv.k.element_size()))
+    controller = WorkerController(
+        identity, pool, runtime, config.kv_bytes_per_token(kv.k.element_size()), share_prefill=settings.share_prefill
+    )
     pool.on_residency = controller.publish_residency
     peer = attach_store(settings.store, controller, kv, artifacts.fingerprint) if settings.store is not None else None
     return WorkerParts(artifacts, config, runtime, pool, controller, context_limit, peer)

@@ -66,3 +66,7 @@ class Run:
     restore_s: float = 0.0
     submitted_at: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    rematched: int = 0
+    """Chunks shared at the re-match before the prefill (``shared_prefill``), not computed."""
+    queued_tokens: int = 0
+    """Prompt tokens this run adds to the worker's reported queue."""

@@ -8,7 +8,9 @@ this module only carries effects:
 - ``RequestAdmission`` -> ``admit`` against the pool (atomic reservation);
 - ``StartWork`` -> restore (injected handler, on a thread, off the device
   loop), then one runtime job for the uncached tokens and the decode budget;
-  the route is activated only after the restore copies completed;
+  the route is activated only after the restore copies completed; before the
+  job enters the device queue the prefix is re-matched, and a run whose next
+  chunk another started run is filling waits for it (``shared_prefill``);
 - runtime token events -> ``TokensProduced`` -> deltas, as soon as they exist;
 - ``FenceWork`` -> mark the job cancelled at once (the machine sends nothing
   more for it); the runtime answers once the step in flight has finished,
@@ -42,16 +44,16 @@ from kvrelay.protocol.messages import (
     Residency,
     Result,
     Tier,
-    Timings,
-    Usage,
     WireMessage,
 )
+from kvrelay.worker.accounting import learn_restore_rates, learned_speeds, timings_of, usage_of
 from kvrelay.worker.admission import WorkerIdentity, admit
-from kvrelay.worker.handlers import Reply, RestoreHandler, RestoreReport, Run
+from kvrelay.worker.handlers import Reply, RestoreHandler, Run
 from kvrelay.worker.kv_capture import Checkpointer
 from kvrelay.worker.page_pool import PagePool
 from kvrelay.worker.runtime.jobs import Job, JobResult, RuntimeEvent, TokenEvent
 from kvrelay.worker.runtime.loop import PagedRuntime
+from kvrelay.worker.shared_prefill import FillingChunks, rematch
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,10 @@ class WorkerController:
         decode_s_per_token: float = 0.05,
         restore_bytes_per_s: Mapping[Tier, float] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        share_prefill: bool = True,
     ) -> None:
+        """``share_prefill``: re-match a prefix before its prefill and wait for a run filling it (False: match
+        at admission only, to compare)."""
         self.me = identity
         self.worker_id, self.epoch = identity.worker_id, identity.epoch
         self.pool = pool
@@ -84,6 +89,8 @@ class WorkerController:
         self.decode_s_per_token = decode_s_per_token
         self.restore_bytes_per_s = dict(restore_bytes_per_s or {})
         self.clock = clock
+        self.share_prefill = share_prefill
+        self.filling = FillingChunks()
         self.state = machine.new_worker(identity.worker_id, identity.epoch, (identity.model,), identity.context_limit)
         self.runs: dict[Assignment, Run] = {}
         self._replies: dict[Assignment, Reply] = {}
@@ -261,6 +268,8 @@ class WorkerController:
             first = run.taken
             pages = [run.page_table[first + i * ppc : first + (i + 1) * ppc] for i in range(wanted)]
             run.restoring = True
+            if self.share_prefill:
+                self.filling.claim(run, keys)
             asyncio.get_running_loop().create_task(self._restore_then_submit(run, keys, pages))
         else:
             self._submit(run)
@@ -275,7 +284,7 @@ class WorkerController:
         run.restoring = False
         if report is not None:
             run.restore_s = report.seconds
-            self._learn_restore_rates(report)
+            learn_restore_rates(self.restore_bytes_per_s, report)
             for tier, n in report.bytes_by_tier.items():
                 run.bytes_by_tier[tier] = run.bytes_by_tier.get(tier, 0) + n
             for tier in report.tiers:
@@ -283,12 +292,25 @@ class WorkerController:
             self._take(run, run.taken + len(report.tiers) * self.pool.pages_per_chunk)
             run.kv_end = (run.registered + len(report.tiers)) * self.me.chunk_tokens
             self._register_through(run, run.registered + len(report.tiers), run.offer.prompt)
+        waiters = self.filling.filled(run)
         if run.fenced:
             self._step(machine.WorkQuiesced(self.clock(), run.offer.assignment))
         else:
             self._submit(run)
+        self._resubmit(waiters)
 
     def _submit(self, run: Run) -> None:
+        """Re-match the prefix and enter the device queue, or wait for the run filling the next chunk."""
+        if self.share_prefill:
+            rematch(self.pool, run, self.me.chunk_tokens)
+            rest = run.admission.chain[run.registered :]
+            filler = self.filling.filler_of(rest[0], run) if rest else None
+            if filler is not None:
+                shared = self.filling.claimed_run(rest, run)
+                self._queue_tokens(run, len(run.offer.prompt) - (run.registered + shared) * self.me.chunk_tokens)
+                self.filling.wait(run, filler)
+                return
+            self.filling.claim(run, rest)
         cached = run.registered * self.me.chunk_tokens
         offer = run.offer
         job = Job(
@@ -300,7 +322,7 @@ class WorkerController:
             priority=offer.priority,
         )
         loop = asyncio.get_running_loop()
-        self._pending_prefill_tokens += len(job.tokens)
+        self._queue_tokens(run, len(job.tokens))
         run.submitted_at = self.clock()
 
         def on_event(event: RuntimeEvent) -> None:
@@ -319,29 +341,40 @@ class WorkerController:
             case _:
                 assert_never(event)
 
+    def _queue_tokens(self, run: Run, tokens: int) -> None:
+        """Set the prompt tokens ``run`` adds to the reported queue."""
+        self._pending_prefill_tokens += tokens - run.queued_tokens
+        run.queued_tokens = tokens
+
+    def _resubmit(self, waiters: list[Run]) -> None:
+        """The run these waited for registered its chunks or ended: they re-match and go on."""
+        for waiter in waiters:
+            if not waiter.fenced:
+                self._submit(waiter)
+
     def _on_token(self, run: Run, event: TokenEvent) -> None:
         now = self.clock()
+        self._take(run, event.position // self.pool.page_tokens + 1)
         if not run.generated:
-            self._pending_prefill_tokens -= len(run.offer.prompt) - run.registered * self.me.chunk_tokens
+            self._queue_tokens(run, 0)
             self._register_through(run, len(run.offer.prompt) // self.me.chunk_tokens, run.offer.prompt)
+            self._resubmit(self.filling.filled(run))
         run.token_times.append(now)
         run.generated.append(event.token)
-        self._take(run, event.position // self.pool.page_tokens + 1)
         self._step(machine.TokensProduced(now, run.offer.assignment, (event.token,)))
 
     def _on_job_result(self, run: Run, event: JobResult) -> None:
         a = run.offer.assignment
-        if not run.generated:
-            self._pending_prefill_tokens -= len(run.offer.prompt) - run.registered * self.me.chunk_tokens
+        self._queue_tokens(run, 0)
         run.kv_end = event.kv_end
-        self._learn_speeds(run, event)
+        self.prefill_s_per_token, self.decode_s_per_token = learned_speeds(
+            run, event, self.prefill_s_per_token, self.decode_s_per_token
+        )
         if event.finish_reason == FinishReason.CANCELLED and run.fenced:
             self._step(machine.WorkQuiesced(self.clock(), a))
             return
         self._step(
-            machine.WorkFinished(
-                self.clock(), a, event.finish_reason, self._usage(run), self._timings(run), event.error
-            )
+            machine.WorkFinished(self.clock(), a, event.finish_reason, usage_of(run), timings_of(run), event.error)
         )
 
     def _fence(self, assignment: Assignment) -> None:
@@ -351,6 +384,10 @@ class WorkerController:
         run.fenced = True
         if run.handle is not None:
             run.handle.cancel()
+        elif self.filling.is_waiting(run):  # no work in flight: quiescent now (after this step's effects)
+            self.filling.forget_waiter(run)
+            self._queue_tokens(run, 0)
+            asyncio.get_running_loop().call_soon(self._step, machine.WorkQuiesced(self.clock(), assignment))
 
     def _release(self, assignment: Assignment) -> None:
         run = self.runs.pop(assignment, None)
@@ -364,6 +401,7 @@ class WorkerController:
         assert reservation is not None
         self.pool.release(reservation)
         self.pool.unref(run.page_table[: run.taken])
+        self._resubmit(self.filling.filled(run))
 
     # --- pages and chunks ------------------------------------------------------------
 
@@ -387,46 +425,3 @@ class WorkerController:
                 self.checkpointer.capture(key, pages)
             run.parent_key = key
             run.registered += 1
-
-    # --- accounting ------------------------------------------------------------------
-
-    def _usage(self, run: Run) -> Usage:
-        cached = sum(run.cached_tokens.values())
-        return Usage(
-            prompt_tokens=len(run.offer.prompt),
-            cached_tokens=dict(run.cached_tokens),
-            recomputed_tokens=len(run.offer.prompt) - cached,
-            generated_tokens=len(run.generated),
-        )
-
-    def _timings(self, run: Run) -> Timings:
-        times = run.token_times
-        return Timings(
-            queue_s=max(0.0, run.submitted_at - run.accepted_at - run.restore_s),
-            restore_s=run.restore_s,
-            prefill_s=(times[0] - run.submitted_at) if times else 0.0,
-            ttft_s=(times[0] - run.accepted_at) if times else 0.0,
-            inter_token_s=tuple(b - a for a, b in zip(times, times[1:])),
-        )
-
-    def _learn_restore_rates(self, report: RestoreReport) -> None:
-        """Moving averages of restore bytes per second per tier, for heartbeats."""
-        if report.seconds <= 0:
-            return
-        total = sum(report.bytes_by_tier.values())
-        for tier, nbytes in report.bytes_by_tier.items():
-            if nbytes < 1 << 16:
-                continue
-            rate = total / report.seconds
-            old = self.restore_bytes_per_s.get(tier)
-            self.restore_bytes_per_s[tier] = rate if old is None else 0.8 * old + 0.2 * rate
-
-    def _learn_speeds(self, run: Run, result: JobResult) -> None:
-        """Exponential moving averages of measured prefill and decode speeds, for heartbeats."""
-        uncached = len(run.offer.prompt) - sum(run.cached_tokens.values())
-        if result.first_token_s is not None and result.admitted_s is not None and uncached >= 32:
-            per_token = (result.first_token_s - result.admitted_s) / uncached
-            self.prefill_s_per_token = 0.8 * self.prefill_s_per_token + 0.2 * per_token
-        gaps = [b - a for a, b in zip(run.token_times, run.token_times[1:])]
-        if gaps:
-            self.decode_s_per_token = 0.8 * self.decode_s_per_token + 0.2 * (sum(gaps) / len(gaps))

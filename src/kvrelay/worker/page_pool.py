@@ -192,6 +192,19 @@ class PagePool:
         reservation.pages = []
         return n
 
+    def release_leading(self, reservation: Reservation, n: int) -> list[int]:
+        """Return the first ``n`` reserved pages to the free list (the sequence shares resident pages instead)."""
+        if reservation.released:
+            raise PagePoolError(f"reservation of {reservation.owner} was already released")
+        if n > len(reservation.pages):
+            raise PagePoolError(f"{reservation.owner} returns {n} pages but holds {len(reservation.pages)}")
+        pages = reservation.pages[:n]
+        del reservation.pages[:n]
+        for p in pages:
+            self._reserved.discard(p)
+            self._free.append(p)
+        return pages
+
     def allocate(self, n: int, owner: str = "") -> list[int]:
         """Reserve and take ``n`` pages at once (for a caller without admission); ``PoolExhaustedError`` if short."""
         reservation = self.reserve(owner, n)

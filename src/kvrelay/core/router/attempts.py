@@ -60,9 +60,8 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
     else:
         chain = prompt_chain(rs.fingerprint, prompt, config.chunk_tokens)
     policy, busy = state.policy, state.roster.busy_share()
-    scoring = predicted_ttft.Scoring(
-        policy.work_weight * busy, busy < policy.interleave_below_busy_share, policy.predicts_on_route
-    )
+    predicts = policy.predicts_on_route and config.predict_on_route
+    scoring = predicted_ttft.Scoring(policy.work_weight * busy, busy < policy.interleave_below_busy_share, predicts)
     if state.policy.needs_all_routes:
         plan = cand.plan(
             request.model,
@@ -112,7 +111,7 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
     offered = offered_route(chosen.route)
     gpu = sum(s.chunks for s in offered if s.tier == "gpu") * config.chunk_tokens
     rs.demand_pages = predicted_ttft.page_demand(len(prompt), remaining, gpu, view.heartbeat.page_tokens)
-    if policy.predicts_on_route:
+    if predicts:
         deadline = now + config.pending_timeout_s + 2 * chosen.predicted_ttft_s
         state.pending.credit(chosen.worker_id, request.request_id, chain, deadline)
     rs.estimate_s = chosen.predicted_ttft_s - chosen.terms.queue_s

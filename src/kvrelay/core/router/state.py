@@ -37,6 +37,8 @@ class RouterConfig:
     max_index_keys: int = 2_000_000
     max_queue_wait_s: float = 60.0
     """How long a request may wait at the router for capacity before it fails with no_capacity."""
+    predict_on_route: bool = True
+    """Let a policy that predicts on route credit pending chunks (``planning.pending``); False: never."""
     pending_timeout_s: float = 30.0
     """A pending credit (``planning.pending``) lasts at most this long beyond twice its predicted TTFT."""
     max_pending_keys: int = DEFAULT_MAX_PENDING_KEYS
