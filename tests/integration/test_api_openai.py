@@ -82,23 +82,24 @@ def test_streaming_chat_sync_and_async(server: ServerThread, model_dir: Path) ->
 
 
 @pytest.mark.parametrize(
-    ("body", "status", "needle"),
+    ("body", "status", "param", "needle"),
     [
-        ({"model": "nope", "prompt": "x"}, 404, "served models"),
-        ({"prompt": "x"}, 400, "model"),
-        ({"model": "M", "prompt": "x", "n": 2}, 400, "n = 2"),
-        ({"model": "M", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ({"model": "M", "prompt": "x", "max_tokens": 10_000_000}, 413, "context limit"),
-        ({"model": "M", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ({"model": "nope", "prompt": "x"}, 404, "model", "served models"),
+        ({"prompt": "x"}, 400, "model", "the field is required"),
+        ({"model": "M", "prompt": "x", "n": 2}, 400, "n", "n must be 1"),
+        ({"model": "M", "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "at least 1"),
+        ({"model": "M", "prompt": "x", "max_tokens": 10_000_000}, 413, "max_tokens", "context limit"),
+        ({"model": "M", "prompt": "x", "temperature": "hot"}, 400, "temperature", "from 0 (greedy) to 2"),
     ],
 )
 def test_errors_use_the_openai_format(
-    server: ServerThread, model_dir: Path, body: dict, status: int, needle: str
+    server: ServerThread, model_dir: Path, body: dict, status: int, param: str, needle: str
 ) -> None:
     if body.get("model") == "M":
         body = {**body, "model": model_dir.name}
     r = httpx.post(server.base_url + "/v1/completions", json=body)
     assert r.status_code == status
+    assert r.json()["error"]["param"] == param
     assert needle in r.json()["error"]["message"]
 
 

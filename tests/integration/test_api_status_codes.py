@@ -49,7 +49,9 @@ def test_no_worker_serving_the_model_is_a_503(tokenizer) -> None:  # type: ignor
 
 def test_every_worker_without_capacity_is_a_429(tokenizer) -> None:  # type: ignore[no-untyped-def]
     offers: list[object] = []
-    router = ClusterRouter(new_router(RouterConfig(max_queue_wait_s=0.3)), lambda w, m: offers.append(m), tick_s=0.05)
+    # The worker sends one heartbeat only, so it must not expire while a busy machine prepares the request.
+    config = RouterConfig(max_queue_wait_s=0.3, worker_expiry_s=120.0)
+    router = ClusterRouter(new_router(config), lambda w, m: offers.append(m), tick_s=0.05)
     # One live worker whose whole pool (2 pages of 16 tokens) is smaller than the request needs.
     router.receive(heartbeat("w0", models=("m",), pages_total=2, pages_free=2, context_limit=4096))
     r = post(router, tokenizer, {"model": "m", "prompt": "hello " * 40, "max_tokens": 32})

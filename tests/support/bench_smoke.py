@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ def run_bench(script: str, argv: list[str], out: Path) -> tuple[int, list[dict[s
     spec = importlib.util.spec_from_file_location(f"bench_{Path(script).stem}", BENCH_DIR / script)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # so a process pool can pickle the bench's functions by name
     spec.loader.exec_module(bench)
     threads = torch.get_num_threads()
     try:

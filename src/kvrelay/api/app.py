@@ -2,76 +2,163 @@
 
 Streaming responses are server-sent events in OpenAI's chunk format ending
 with ``data: [DONE]``. A client that disconnects cancels its request through
-the router to the worker. Errors use OpenAI's error body with the HTTP status
-of ``api.errors``; a malformed body is a 400 naming the field.
+the router to the worker. Every error, a wrong route or method included, is
+OpenAI's error body (``api.responses.ErrorBody``) with the HTTP status of
+``api.errors``; a malformed body is a 400 naming the field, a body larger than
+``Ingress.body_limit()`` a 413 sent before it is read whole. The bodies are read
+and prepared by the ingress (off the event loop), so the OpenAPI document
+(``/openapi.json``, from ``api.openapi``) describes them itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import (
-    JSONResponse,
-    Response,
-    StreamingResponse,
-)
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
+from kvrelay.api import openapi
+from kvrelay.api.body import read_body
 from kvrelay.api.errors import APIError
 from kvrelay.api.ingress import Final, Ingress, Prepared, TextDelta
+from kvrelay.api.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    Delta,
+    FinishReason,
+    Health,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    Usage,
+)
 from kvrelay.api.schema import ChatRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+_GENERATION_ERRORS = (400, 404, 413, 429, 500, 503)
+
+
+def _events(chunk: str) -> dict[str, Any]:
+    """The ``text/event-stream`` content whose events carry ``chunk`` as JSON (or an error body), then ``[DONE]``;
+    in OpenAPI 3.1 an event stream's ``schema`` describes one event."""
+    data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [openapi.ref(chunk), openapi.ref("ErrorBody")]},
+    }
+    return {
+        "schema": {
+            "type": "object",
+            "required": ["data"],
+            "if": {"properties": {"data": {"const": "[DONE]"}}},
+            "else": {"properties": {"data": data}},
+        }
+    }
 
 
 def create_app(ingress: Ingress) -> FastAPI:
     app = FastAPI(title="kvrelay", version="0.1.0")
 
+    def document() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi.COMPONENTS)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = document  # type: ignore[method-assign]
+
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return _json(exc.body(), exc.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        message = f"invalid request: {field or 'body'}: {first.get('msg', 'malformed')}"
-        return JSONResponse(APIError(400, message, param=field, code="invalid_value").body(), status_code=400)
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 405:
+            allowed = exc.headers.get("Allow", "") if exc.headers else ""
+            message = f"{request.method} is not allowed on {request.url.path}; use {allowed or 'another method'}"
+            error = APIError(405, message, "invalid_request_error", None, "method_not_allowed")
+        elif exc.status_code == 404:
+            message = f"no such route: {request.method} {request.url.path}; /openapi.json lists the routes"
+            error = APIError(404, message, "invalid_request_error", None, "not_found")
+        else:
+            error = APIError(exc.status_code, str(exc.detail), "invalid_request_error", None, None)
+        return _json(error.body(), error.status, exc.headers)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": 0, "owned_by": "kvrelay"} for name in sorted(ingress.models)
-            ],
-        }
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.exception("%s %s failed", request.method, request.url.path)
+        error = APIError(500, f"the server failed on this request ({type(exc).__name__})", "server_error")
+        return _json(error.body(), 500)
 
-    @app.get("/health")
+    @app.get("/v1/models", responses=openapi.responses({"application/json": {"schema": openapi.ref("ModelList")}}, ()))
+    async def models() -> Response:
+        cards = [ModelCard(id=name, object="model", created=0, owned_by="kvrelay") for name in sorted(ingress.models)]
+        return _json(ModelList(object="list", data=cards))
+
+    @app.get(
+        "/health",
+        responses={
+            200: {"description": "a live worker serves a model", "content": _health_content()},
+            503: {"description": "no live worker serves any model", "content": _health_content()},
+        },
+    )
     async def health() -> Response:
         ready = [name for name in ingress.models if ingress.serving(name)]
-        body = {"status": "ok" if ready else "unavailable", "models": ready}
-        return JSONResponse(body, status_code=200 if ready else 503)
+        return _json(Health(status="ok" if ready else "unavailable", models=ready), 200 if ready else 503)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        responses={200: {"description": "Prometheus text exposition", "content": {"text/plain": _TEXT}}},
+        response_class=Response,
+    )
     async def metrics() -> Response:
         return Response(generate_latest(ingress.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        prepared = ingress.prepare_completion(body)
-        return await respond(request, prepared, body.stream, _include_usage(body), chat=False)
+    @app.post(
+        "/v1/completions",
+        openapi_extra=openapi.request_body(CompletionRequest),
+        responses=openapi.responses(
+            {"application/json": {"schema": openapi.ref("Completion")}, "text/event-stream": _events("Completion")},
+            _GENERATION_ERRORS,
+        ),
+        response_class=Response,
+    )
+    async def completions(request: Request) -> Response:
+        body, prepared = await ingress.completion(await read_body(request, ingress.body_limit()))
+        return await respond(request, prepared, body.streamed, body.include_usage, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request) -> Response:
-        prepared = ingress.prepare_chat(body)
-        return await respond(request, prepared, body.stream, _include_usage(body), chat=True)
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=openapi.request_body(ChatRequest),
+        responses=openapi.responses(
+            {
+                "application/json": {"schema": openapi.ref("ChatCompletion")},
+                "text/event-stream": _events("ChatCompletionChunk"),
+            },
+            _GENERATION_ERRORS,
+        ),
+        response_class=Response,
+    )
+    async def chat(request: Request) -> Response:
+        body, prepared = await ingress.chat(await read_body(request, ingress.body_limit()))
+        return await respond(request, prepared, body.streamed, body.include_usage, chat=True)
 
     async def respond(request: Request, p: Prepared, stream: bool, include_usage: bool, chat: bool) -> Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -87,8 +174,15 @@ def create_app(ingress: Ingress) -> FastAPI:
     return app
 
 
-def _include_usage(body: CompletionRequest | ChatRequest) -> bool:
-    return bool(body.stream_options and body.stream_options.include_usage)
+_TEXT: dict[str, Any] = {"schema": {"type": "string"}}
+
+
+def _health_content() -> dict[str, Any]:
+    return {"application/json": {"schema": openapi.ref("Health")}}
+
+
+def _json(body: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(body), status, headers, media_type="application/json")
 
 
 async def _first(events: AsyncIterator[TextDelta | Final]) -> TextDelta | Final:
@@ -100,37 +194,31 @@ async def _first(events: AsyncIterator[TextDelta | Final]) -> TextDelta | Final:
         raise
 
 
-def _usage(final: Final) -> dict[str, Any]:
-    return {
-        "prompt_tokens": final.prompt_tokens,
-        "completion_tokens": final.completion_tokens,
-        "total_tokens": final.prompt_tokens + final.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
-    }
+def _usage(final: Final) -> Usage:
+    return Usage(
+        prompt_tokens=final.prompt_tokens,
+        completion_tokens=final.completion_tokens,
+        total_tokens=final.prompt_tokens + final.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=final.cached_tokens),
+    )
 
 
 def _chunk(
-    rid: str, created: int, p: Prepared, chat: bool, text: str | None, finish: str | None, first: bool
-) -> dict[str, Any]:
+    rid: str, created: int, p: Prepared, chat: bool, text: str | None, finish: FinishReason | None, first: bool
+) -> ChatCompletionChunk | Completion:
     if chat:
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text is not None:
-            delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": p.model.name,
-            "choices": [choice],
-        }
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": p.model.name,
-        "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}],
-    }
+        delta = Delta(role="assistant" if first else None, content=text)
+        choice = ChunkChoice(index=0, delta=delta, finish_reason=finish)
+        return ChatCompletionChunk(
+            id=rid, object="chat.completion.chunk", created=created, model=p.model.name, choices=[choice]
+        )
+    return Completion(
+        id=rid,
+        object="text_completion",
+        created=created,
+        model=p.model.name,
+        choices=[CompletionChoice(index=0, text=text or "", finish_reason=finish)],
+    )
 
 
 async def _sse(
@@ -142,8 +230,8 @@ async def _sse(
     first_event: TextDelta | Final,
     events: AsyncIterator[TextDelta | Final],
 ) -> AsyncIterator[bytes]:
-    def line(obj: dict[str, Any]) -> bytes:
-        return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    def line(obj: Any) -> bytes:
+        return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
     first = True
     try:
@@ -155,16 +243,10 @@ async def _sse(
             else:
                 yield line(_chunk(rid, created, p, chat, None if chat else "", event.finish_reason, first))
                 if include_usage:
-                    yield line(
-                        {
-                            "id": rid,
-                            "object": "chat.completion.chunk" if chat else "text_completion",
-                            "created": created,
-                            "model": p.model.name,
-                            "choices": [],
-                            "usage": _usage(event),
-                        }
-                    )
+                    last = _chunk(rid, created, p, chat, None, None, False)
+                    last.choices = []
+                    last.usage = _usage(event)
+                    yield line(last)
                 break
             try:
                 event = await events.__anext__()
@@ -179,7 +261,7 @@ async def _sse(
 
 async def _whole(
     request: Request, rid: str, created: int, p: Prepared, chat: bool, events: AsyncIterator[TextDelta | Final]
-) -> JSONResponse:
+) -> Response:
     async def collect() -> tuple[str, Final]:
         parts: list[str] = []
         async for event in events:
@@ -204,26 +286,27 @@ async def _whole(
         with contextlib.suppress(asyncio.CancelledError):
             await work  # the cancellation closes ``events`` inside ``collect``, which cancels through the router
         await events.aclose()  # type: ignore[attr-defined]
-        return JSONResponse({}, status_code=499)
+        return _json({}, 499)
     text, final = work.result()
     if chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": final.finish_reason,
-            "logprobs": None,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": final.finish_reason, "logprobs": None}
-        obj = "text_completion"
-    return JSONResponse(
-        {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": p.model.name,
-            "choices": [choice],
-            "usage": _usage(final),
-        }
+        message = AssistantMessage(role="assistant", content=text)
+        return _json(
+            ChatCompletion(
+                id=rid,
+                object="chat.completion",
+                created=created,
+                model=p.model.name,
+                choices=[ChatChoice(index=0, message=message, finish_reason=final.finish_reason)],
+                usage=_usage(final),
+            )
+        )
+    return _json(
+        Completion(
+            id=rid,
+            object="text_completion",
+            created=created,
+            model=p.model.name,
+            choices=[CompletionChoice(index=0, text=text, finish_reason=final.finish_reason)],
+            usage=_usage(final),
+        )
     )

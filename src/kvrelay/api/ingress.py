@@ -1,10 +1,15 @@
-"""The ingress: tokenization, chat templating and the bridge from HTTP requests to the router.
+"""The ingress: request bodies to prepared requests, and the bridge from HTTP requests to the router.
 
 It never depends on the model runtime: it submits protocol requests to a
-``ClusterRouter`` and turns the consumer's token deltas into text. Contract of
-``Ingress.generate``: it yields ``TextDelta``s then exactly one ``Final``; if
-the caller stops iterating early (a client disconnected) the request is
-cancelled through the router, which cancels it at the worker.
+``ClusterRouter`` and turns the consumer's token deltas into text. Contract:
+- ``Ingress.completion(raw)`` / ``Ingress.chat(raw)`` decode a body
+  (``api.body``), render the chat (``api.templates``), tokenize and validate it on
+  a pool of ``PREPARE_THREADS`` threads, so a huge prompt never stalls the event
+  loop; invalid input raises ``APIError`` naming the field.
+- ``Ingress.body_limit()`` is the byte bound of a request body (``api.body``).
+- ``Ingress.generate`` yields ``TextDelta``s then exactly one ``Final``; if the
+  caller stops iterating early (a client disconnected) the request is cancelled
+  through the router, which cancels it at the worker.
 """
 
 from __future__ import annotations
@@ -14,14 +19,19 @@ import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
+from kvrelay.api.body import body_limit, decode_body
 from kvrelay.api.detokenize import IncrementalText
 from kvrelay.api.errors import APIError, from_failure, invalid
 from kvrelay.api.metrics import IngressSeries, Metrics
+from kvrelay.api.openapi import describe
+from kvrelay.api.responses import FinishReason
 from kvrelay.api.schema import ChatRequest, CompletionRequest, SamplingFields
-from kvrelay.api.templates import render_chat
+from kvrelay.api.templates import TemplateRejected, canonical_turns, render_chat
 from kvrelay.core.router.events import Outcome, Request
 from kvrelay.protocol.messages import Sampling
 from kvrelay.router.cluster_router import ClusterRouter, Consumer
@@ -60,23 +70,64 @@ class TextDelta:
 
 @dataclass(frozen=True, slots=True)
 class Final:
-    finish_reason: str
+    finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     ttft_s: float | None
 
 
+PREPARE_THREADS = 4
+"""Threads that decode, template and tokenize request bodies, off the event loop."""
+PROBE_CHARS_PER_TOKEN = 8
+CUT_SLACK = 64
+
+
 class Ingress:
+    """Requests from HTTP bodies to the router (see the module contract)."""
+
     def __init__(
-        self, router: ClusterRouter, models: dict[str, ServedModel], metrics: Metrics, serving: Callable[[str], bool]
+        self,
+        router: ClusterRouter,
+        models: dict[str, ServedModel],
+        metrics: Metrics,
+        serving: Callable[[str], bool],
+        max_body_bytes: int | None = None,
     ) -> None:
         self.router = router
         self.models = models
         self.metrics = metrics
         self.serving = serving
         """Whether at least one live worker serves a model now."""
+        self.max_body_bytes = max_body_bytes
+        """The bound on a request body's bytes; None: ``api.body.body_limit`` of the served models' contexts."""
         self.series = IngressSeries.register(metrics.registry)
+        self._pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="kvrelay-prepare")
+
+    def body_limit(self) -> int:
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return body_limit(model.context_limit for model in list(self.models.values()))
+
+    async def completion(self, raw: bytes) -> tuple[CompletionRequest, Prepared]:
+        """The completion request in ``raw``, decoded and prepared on a worker thread; ``APIError`` if invalid."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._completion, raw)
+
+    async def chat(self, raw: bytes) -> tuple[ChatRequest, Prepared]:
+        """The chat request in ``raw``, decoded, templated and prepared on a worker thread; ``APIError`` if invalid."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._chat, raw)
+
+    def close(self) -> None:
+        """Stop the preparing threads; a preparation under way finishes on its own."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _completion(self, raw: bytes) -> tuple[CompletionRequest, Prepared]:
+        body = decode_body(raw, CompletionRequest, partial(describe, CompletionRequest))
+        return body, self.prepare_completion(body)
+
+    def _chat(self, raw: bytes) -> tuple[ChatRequest, Prepared]:
+        body = decode_body(raw, ChatRequest, partial(describe, ChatRequest))
+        return body, self.prepare_chat(body)
 
     def model(self, name: str) -> ServedModel:
         served = self.models.get(name)
@@ -91,62 +142,85 @@ class Ingress:
         return served
 
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
+        """Tokenize the prompt (text gets the tokenizer's special tokens) and validate the request."""
         model = self.model(body.model)
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, str):
+            ids = _encode(model, prompt, special=True, param="prompt")
+        elif all(isinstance(t, int) for t in prompt):
             ids = [t for t in prompt if isinstance(t, int)]
-            bad = [t for t in ids if not 0 <= t < model.vocab_size]
+            bad = [t for t in ids if t >= model.vocab_size]
             if bad:
-                raise invalid(f"prompt token ids {bad[:5]} are outside the vocabulary of {model.vocab_size}", "prompt")
-        elif isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise invalid("only one prompt per request is supported (n = 1)", "prompt")
-            ids = list(model.tokenizer.encode(prompt[0]))
+                raise invalid(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary of '{model.name}' "
+                    f"(ids 0 to {model.vocab_size - 1})",
+                    "prompt",
+                )
+        elif any(isinstance(t, int) for t in prompt):
+            raise invalid(
+                "`prompt` mixes token ids and strings; send a string, an array of token ids, or an array of one string",
+                "prompt",
+            )
+        elif len(prompt) != 1:
+            raise invalid(
+                f"`prompt` holds {len(prompt)} strings; kvrelay takes one prompt per request: send one string",
+                "prompt",
+            )
+        elif not prompt[0]:
+            raise invalid("the prompt is empty; send the text to continue", "prompt")
         else:
-            ids = list(model.tokenizer.encode(prompt))
-        return self._prepare(body, model, ids, default_max=16)
+            ids = _encode(model, str(prompt[0]), special=True, param="prompt")
+        return self._prepare(body, model, ids, default_max=16, prompt_param="prompt")
 
     def prepare_chat(self, body: ChatRequest) -> Prepared:
+        """Render the messages with the model's chat template (``api.templates``), tokenize, validate."""
         model = self.model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = render_chat(model.tokenizer, model.architecture, messages)
-        return self._prepare(body, model, ids, default_max=None)
+        turns = canonical_turns((m.role, m.text()) for m in body.messages)
+        try:
+            text = render_chat(model.tokenizer, model.architecture, turns)
+        except TemplateRejected as exc:
+            raise invalid(f"the chat template of '{model.name}' rejects these messages: {exc}", "messages") from None
+        ids = _encode(model, text, special=False, param="messages")
+        return self._prepare(body, model, ids, default_max=None, prompt_param="messages")
 
-    def _prepare(self, body: SamplingFields, model: ServedModel, ids: list[int], default_max: int | None) -> Prepared:
-        if body.n != 1:
-            raise invalid(f"n = {body.n} is not supported; kvrelay returns one choice (n = 1)", "n")
+    def _prepare(
+        self, body: SamplingFields, model: ServedModel, ids: list[int], default_max: int | None, prompt_param: str
+    ) -> Prepared:
         if not ids:
-            raise invalid("the prompt is empty", "prompt")
+            raise invalid("the prompt is empty; send the text to continue", prompt_param)
         room = model.context_limit - len(ids)
         if room < 1:
-            raise APIError(
-                413,
-                f"the prompt has {len(ids)} tokens; the context limit of '{model.name}' is {model.context_limit}",
-                "invalid_request_error",
-                "prompt",
-                "context_length_exceeded",
-            )
+            raise _over_context(model, prompt_param, f"{len(ids):,} tokens")
         asked = body.max_completion_tokens or body.max_tokens
         max_tokens = asked if asked is not None else (default_max or min(room, 1024))
         if len(ids) + max_tokens > model.context_limit:
             raise APIError(
                 413,
                 f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the context limit "
-                f"{model.context_limit} of '{model.name}'",
+                f"{model.context_limit} of '{model.name}'; ask for at most {room} tokens",
                 "invalid_request_error",
-                "max_tokens",
+                "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
                 "context_length_exceeded",
             )
         stops = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
         stop_ids = tuple(s for s in stops if isinstance(s, int))
-        bad = [t for t in stop_ids if not 0 <= t < model.vocab_size]
+        bad = [t for t in stop_ids if t >= model.vocab_size]
         if bad:
-            raise invalid(f"stop token ids {bad[:5]} are outside the vocabulary of {model.vocab_size}", "stop")
+            raise invalid(
+                f"stop token ids {bad[:5]} are outside the vocabulary of '{model.name}' "
+                f"(ids 0 to {model.vocab_size - 1})",
+                "stop",
+            )
         stop_ids += model.eos_token_ids
         stop_strings = tuple(s for s in stops if isinstance(s, str) and s)
         # Draws use the seed modulo 2**64 (models.sampling); reducing it here keeps every seed encodable on the wire.
         seed = body.seed % 2**64 if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "little")
-        sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=seed, stop_token_ids=stop_ids)
+        sampling = Sampling(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=seed,
+            stop_token_ids=stop_ids,
+        )
         return Prepared(model, ids, max_tokens, sampling, stop_strings)
 
     async def generate(self, p: Prepared) -> AsyncIterator[TextDelta | Final]:
@@ -208,10 +282,12 @@ class Ingress:
                 for tier, n in outcome.usage.cached_tokens.items():
                     self.series.cached_tokens.labels(tier=tier).inc(n)
                 self.series.recomputed_tokens.inc(outcome.usage.recomputed_tokens)
-                reason = (
+                reason: FinishReason = (
                     "stop"
                     if outcome.finish_reason == "stop"
-                    else ("length" if outcome.finish_reason == "length" else outcome.finish_reason)
+                    else "length"
+                    if outcome.finish_reason == "length"
+                    else "error"
                 )
                 yield Final(reason, len(p.prompt), len(outcome.tokens), cached, _since(started, first_token_at))
                 return
@@ -219,6 +295,35 @@ class Ingress:
             if not finished:
                 self.router.cancel(rid)
                 self.series.disconnects.inc()
+
+
+def _encode(model: ServedModel, text: str, special: bool, param: str) -> list[int]:
+    """``text``'s token ids, by the tokenizers library's batch encoder: it releases the GIL while it works and,
+    unlike transformers' ``encode``, never reconfigures the shared tokenizer, so threads may call it at once.
+
+    A text longer than ``PROBE_CHARS_PER_TOKEN`` characters per token of the context is first
+    encoded in part: when that head alone has more than ``context_limit + CUT_SLACK`` tokens, the
+    whole cannot fit, and the 413 comes without encoding the rest (a cut changes the tokens only
+    next to it, by far fewer than ``CUT_SLACK``).
+    """
+    encoder = model.tokenizer.backend_tokenizer
+    probe = model.context_limit * PROBE_CHARS_PER_TOKEN
+    if len(text) > probe:
+        head = len(encoder.encode_batch([text[:probe]], add_special_tokens=special)[0].ids)
+        if head > model.context_limit + CUT_SLACK:
+            raise _over_context(model, param, f"more than {head - CUT_SLACK:,} tokens")
+    return list(encoder.encode_batch([text], add_special_tokens=special)[0].ids)
+
+
+def _over_context(model: ServedModel, param: str, size: str) -> APIError:
+    return APIError(
+        413,
+        f"the prompt has {size}; the context limit of '{model.name}' is {model.context_limit:,} tokens; "
+        "send a shorter prompt",
+        "invalid_request_error",
+        param,
+        "context_length_exceeded",
+    )
 
 
 def _since(started: float, at: float | None) -> float | None:

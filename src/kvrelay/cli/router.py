@@ -43,6 +43,12 @@ OPTIONS = (
         "seconds an accepted request may go silent before it is re-routed",
     ),
     Option(
+        "max_body_bytes",
+        int,
+        None,
+        "most bytes a request body may have (none: 64 bytes per token of the largest served context + 64 KiB)",
+    ),
+    Option(
         "worker_expiry_s",
         float,
         ROUTER_DEFAULTS.worker_expiry_s,
@@ -88,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         db_url=values["db"],
         policy=values["policy"],
         config=config,
+        max_body_bytes=values["max_body_bytes"],
     )
 
     def ready(http_url: str, workers_url: str) -> None:

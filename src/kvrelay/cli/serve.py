@@ -33,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"concurrent sequences on the device (default {defaults.LANES})",
     )
     parser.add_argument("--db", default=None, help="fact store URL (default: SQLite under the data directory)")
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="most bytes a request body may have (default: 64 bytes per token of the model's context + 64 KiB)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     worker = WorkerSettings(
         defaults.SERVE_WORKER_ID, model=args.model, dtype=args.dtype, kv_tokens=args.kv_tokens, lanes=args.lanes
     )
-    options = ServeOptions(host=args.host, port=args.port, db_url=args.db, worker=worker)
+    options = ServeOptions(
+        host=args.host, port=args.port, db_url=args.db, worker=worker, max_body_bytes=args.max_body_bytes
+    )
     asyncio.run(serve(options))
     return 0

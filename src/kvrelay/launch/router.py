@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class RouterOptions:
     """One router process: its secret, where it listens, the models whose tokenizers it loads, its fact store,
-    policy, and the pure router's configuration (chunk size and timeouts)."""
+    policy, the pure router's configuration (chunk size and timeouts), and the bound on request bodies (None: from
+    the served models' contexts)."""
 
     secret: bytes
     host: str = defaults.HOST
@@ -50,6 +51,7 @@ class RouterOptions:
     db_url: str | None = None
     policy: str = defaults.POLICY
     config: RouterConfig = field(default_factory=RouterConfig)
+    max_body_bytes: int | None = None
 
 
 class _HeartbeatTap:
@@ -116,7 +118,12 @@ async def run_router(options: RouterOptions, on_ready: Callable[[str, str], None
     catalog = ModelCatalog(loaded)
     endpoint = RouterEndpoint(options.secret, host=options.host, port=options.worker_port)
     stack = build_router_stack(
-        config=options.config, policy=options.policy, db_url=options.db_url, send=endpoint.send, models=catalog.served
+        config=options.config,
+        policy=options.policy,
+        db_url=options.db_url,
+        send=endpoint.send,
+        models=catalog.served,
+        max_body_bytes=options.max_body_bytes,
     )
     router = stack.router
     stack.metrics.gauge(

@@ -8,7 +8,9 @@ Contract:
   ``send``), the ``Metrics`` (the router's series, with the per-worker page
   gauges when ``worker_pages``, and ``kvrelay_router_events``: every router
   counter; and the fact store's written, lost and pending records,
-  ``facts.metrics``), the ``Ingress`` over ``models`` and the FastAPI app.
+  ``facts.metrics``), the ``Ingress`` over ``models`` (request bodies bounded by
+  ``max_body_bytes``; None: the bound ``api.body`` derives from the models'
+  contexts) and the FastAPI app.
 - ``models`` is the ingress's model table, read at each request, so a caller
   may keep adding to it (the router process learns models from heartbeats).
   A model is served while at least one live worker's last heartbeat names it.
@@ -50,6 +52,7 @@ class RouterStack:
 
     async def close(self) -> None:
         await self.router.close()
+        self.ingress.close()
         self.facts.close()
 
 
@@ -61,6 +64,7 @@ def build_router_stack(
     send: Callable[[str, WireMessage], None],
     models: dict[str, ServedModel],
     worker_pages: bool = True,
+    max_body_bytes: int | None = None,
 ) -> RouterStack:
     """Open the fact store and wire router, metrics, ingress and app (see the module contract)."""
     facts = FactStore(db_url)
@@ -78,5 +82,5 @@ def build_router_stack(
         "every router counter",
     )
     metrics.registry.register(FactStoreCollector(facts))
-    ingress = Ingress(router, models, metrics, serving)
+    ingress = Ingress(router, models, metrics, serving, max_body_bytes)
     return RouterStack(router, facts, replicas, metrics, ingress, create_app(ingress))

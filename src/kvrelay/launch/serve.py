@@ -36,13 +36,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
-    """One embedded server: where it listens, its fact store, and its one worker (``worker.store``
-    None: chunk files under the data directory, ``chunks/<worker_id>``)."""
+    """One embedded server: where it listens, its fact store, its one worker (``worker.store``
+    None: chunk files under the data directory, ``chunks/<worker_id>``), and the bound on request
+    bodies (None: from the model's context)."""
 
     host: str = defaults.HOST
     port: int = defaults.HTTP_PORT
     db_url: str | None = None
     heartbeat_s: float = defaults.HEARTBEAT_S
+    max_body_bytes: int | None = None
     worker: WorkerSettings = field(default_factory=lambda: WorkerSettings(defaults.SERVE_WORKER_ID))
 
 
@@ -80,6 +82,7 @@ class Embedded:
 
     async def close(self) -> None:
         await self.stack.router.close()
+        self.stack.ingress.close()
         self.worker.close()
         self.stack.facts.close()
 
@@ -114,6 +117,7 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
         send=to_worker,
         models={served.name: served},
         worker_pages=False,
+        max_body_bytes=options.max_body_bytes,
     )
     router = stack.router
     controller.publish = to_router
