@@ -22,12 +22,14 @@ from kvrelay.core.policies import POLICY_NAMES, make_policy
 from kvrelay.core.policies.base import RoutingContext
 from kvrelay.core.policies.dynamo_kv import DynamoKV
 from kvrelay.core.policies.kvrelay_ttft import PredictedTTFT
+from kvrelay.core.policies.llmd_affinity import LlmdAffinity
 from kvrelay.core.policies.llmd_scorer import LlmdScorer
 from kvrelay.core.policies.mooncake_conductor import MooncakeConductor
 from kvrelay.core.policies.sglang_cache_aware import (
     ApproximateTree,
     SGLangCacheAware,
 )
+from kvrelay.core.policies.smg_cache_aware import SmgCacheAware, SmgKvEvents
 from kvrelay.core.router.events import Request
 from kvrelay.protocol.chunk_keys import prompt_chain
 from kvrelay.protocol.messages import Heartbeat
@@ -36,7 +38,7 @@ from tests.support.router_driver import heartbeat as idle_heartbeat
 
 PROMPT = tuple(range(1, 64 * 8 + 2))
 CHAIN = prompt_chain(b"m", PROMPT, 64)
-PEERS = ("sglang_cache_aware", "dynamo", "llm_d", "mooncake")
+PEERS = ("smg_cache_aware", "smg_kv_events", "sglang_cache_aware", "dynamo", "llm_d", "llm_d_scorers", "mooncake")
 
 
 def heartbeat(worker_id: str, **overrides: object) -> Heartbeat:
@@ -184,6 +186,87 @@ def test_sglang_evicts_on_its_interval_with_its_bound() -> None:
         policy.on_routed(ctx, ctx.plan.routes[0].best)
     assert policy.tree.size("w0") == 50 + 80  # the 80-token prompt routed at 0.0 went first
     assert policy.tree.match(PROMPT[:80]) == {}
+
+
+# --- SGLang Model Gateway (smg) cache_aware ------------------------------------------
+
+
+def test_smg_sends_a_miss_to_the_least_loaded_worker_not_the_smallest_tree() -> None:
+    policy = SmgCacheAware()
+    policy.tree.insert(tuple(range(50_000, 50_100)), "w1", 0.0)  # w1 has the smallest tree ...
+    loads = {"w0": active(3), "w1": active(5), "w2": active(2)}  # ... w2 the fewest requests in flight
+    chosen = policy.choose(context(idle("w0", "w1", "w2"), loads=loads))
+    assert chosen is not None and chosen.worker_id == "w2"
+    assert SGLangCacheAware().choose(context(idle("w0", "w1", "w2"), loads=loads)) is not None
+
+
+def test_smg_ties_on_load_go_to_the_worker_it_routed_fewer_requests_to() -> None:
+    policy = SmgCacheAware()
+    ctx = context(idle("w0", "w1"))
+    for _ in range(2):
+        policy.on_routed(ctx, ctx.plan.routes[0].best)  # w0 got two requests, now finished
+    miss = tuple(range(80_000, 80_513))
+    chosen = policy.choose(context(idle("w0", "w1"), prompt=miss))
+    assert chosen is not None and chosen.worker_id == "w1"
+
+
+def test_smg_a_hit_goes_to_the_last_worker_that_inserted_at_the_deepest_node() -> None:
+    policy = SmgCacheAware()
+    policy.tree.insert(PROMPT, "w0", 1.0)
+    policy.tree.insert(PROMPT, "w1", 2.0)
+    chosen = policy.choose(context(idle("w0", "w1", "w2"), loads={"w1": active(9)}))
+    assert chosen is not None and chosen.worker_id == "w1"  # load does not matter while balanced
+    assert policy.tree.deepest_tenant(PROMPT[:200]) == (200, "w1")
+    assert policy.tree.deepest_tenant((99_999,)) == (0, None)
+
+
+def test_smg_kv_events_takes_the_largest_device_overlap_then_the_lower_load() -> None:
+    policy = SmgKvEvents()
+    residency = [("w0", "gpu", 3), ("w1", "gpu", 6), ("w2", "gpu", 6), ("w2", "ram", 8)]
+    loads = {"w1": active(4), "w2": active(1)}
+    chosen = policy.choose(context(idle("w0", "w1", "w2"), residency=residency, loads=loads))
+    assert chosen is not None and chosen.worker_id == "w2"
+    nothing = policy.choose(context(idle("w0", "w1"), residency=[("w0", "ram", 8)], loads={"w0": active(1)}))
+    assert nothing is not None and nothing.worker_id == "w1"  # a host copy is no device overlap: least loaded
+
+
+# --- llm-d: prefix-cache-affinity filter, token-load scorer --------------------------
+
+
+def test_llmd_sticks_to_the_worker_it_routed_the_prefix_to_until_the_ttft_gate_breaks() -> None:
+    policy = LlmdAffinity()
+    ctx = context(idle("w0", "w1"))
+    policy.on_routed(ctx, next(r for r in ctx.routes if r.worker_id == "w0").best)
+    busy = {"w0": predicted_ttft.WorkerLoad(outstanding_s=5.0)}  # 5,000 tokens in flight: 5 s at 1 ms a token
+    chosen = policy.choose(context(idle("w0", "w1"), loads=busy))
+    assert chosen is not None and chosen.worker_id == "w0"  # sticky (8/8 >= 0.8), 5 s behind < 18 s
+    swamped = {"w0": predicted_ttft.WorkerLoad(outstanding_s=19.0)}
+    chosen = policy.choose(context(idle("w0", "w1"), loads=swamped))
+    assert chosen is not None and chosen.worker_id == "w1"  # 19 s behind: every worker, the lighter wins
+
+
+def test_llmd_below_the_affinity_threshold_takes_the_lightest_token_load() -> None:
+    policy = LlmdAffinity()
+    ctx = context(idle("w0", "w1"))
+    policy.on_routed(ctx, next(r for r in ctx.routes if r.worker_id == "w0").best)
+    half = PROMPT[: 6 * 64] + tuple(range(90_000, 90_129))  # 6 of 8 blocks: 0.75 < 0.8
+    loads = {"w0": predicted_ttft.WorkerLoad(outstanding_s=0.5), "w1": predicted_ttft.WorkerLoad(outstanding_s=0.1)}
+    scores = policy.scores(context(idle("w0", "w1"), loads=loads, prompt=half))
+    assert scores["w0"].prefix == pytest.approx(0.75) and scores["w1"].prefix == 0.0
+    assert scores["w0"].token_load == pytest.approx(1 - 500 / 4_194_304)
+    chosen = policy.choose(context(idle("w0", "w1"), loads=loads, prompt=half))
+    assert chosen is not None and chosen.worker_id == "w1"
+
+
+def test_llmd_forgets_the_least_recently_routed_blocks_beyond_the_devices_capacity() -> None:
+    policy = LlmdAffinity()
+    small = [heartbeat("w0", pages_total=40)]  # 40 pages of 16 tokens: 10 chunks
+    ctx = context(small)
+    policy.on_routed(ctx, ctx.plan.routes[0].best)  # 8 blocks
+    other = tuple(range(70_000, 70_513))
+    ctx2 = context(small, prompt=other)
+    policy.on_routed(ctx2, ctx2.plan.routes[0].best)  # 8 more: the first prompt's oldest 6 go
+    assert policy.index.matched("w0", CHAIN) == 0 and policy.index.matched("w0", ctx2.chain) == 8
 
 
 # --- Dynamo KV router ---------------------------------------------------------------

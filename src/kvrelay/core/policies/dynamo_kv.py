@@ -1,6 +1,22 @@
 """NVIDIA Dynamo's KV router: the lowest overlap-adjusted prefill + decode block cost.
 
-Source followed (read, not copied):
+Current version checked (read, not copied): ai-dynamo/dynamo
+``lib/kv-router/src/scheduling/selector/default.rs`` (commit 07a6c9ce,
+``DefaultWorkerScorer::worker_logit``): ``logit = prefill_load_scale *
+max(0, raw_prefill_blocks - overlap_credit_blocks) + decode_cost_blocks +
+decode_active_request_weight * active_requests`` with ``overlap_credit_blocks =
+overlap_score_credit * decay * device + host_cache_hit_weight * host +
+disk_cache_hit_weight * disk + shared_cache_multiplier * shared``;
+``lib/kv-router/src/scheduling/config.rs`` (commit 0243c51b, ``KvRouterConfig``
+defaults): credit 1.0, prefill load scale 1.0, host 0.75, disk 0.25,
+temperature 0.0, decay and shared-cache multiplier 0 (off), predict-on-route
+side index off (``router_predicted_ttl_secs`` None); the Python CLI
+(``components/src/dynamo/common/configuration/groups/kv_router_args.py``, commit fde23ef6) has
+the same defaults. That is the formula below, so there is no older variant to
+keep: with the decay and the shared credit off, the current cost is the one this
+policy computed before.
+
+Sources first followed:
 
 - ai-dynamo/dynamo ``lib/kv-router/src/scheduling/selector/reference.rs``
   (``DefaultWorkerScorer::worker_logit``): per worker,

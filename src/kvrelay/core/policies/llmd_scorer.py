@@ -1,4 +1,10 @@
-"""llm-d's inference scheduler: a weighted sum of prefix, queue and KV-utilisation scorers.
+"""llm-d's inference scheduler with its built-in profile: a weighted sum of prefix, queue and KV-utilisation scorers.
+
+The EPP still falls back to this profile when it is given no configuration
+(llm-d/llm-d-router commit ebab6879, ``pkg/epp/config/loader/defaults.go``:
+queue 2, kv-cache utilisation 2, prefix 3); llm-d's well-lit guides now deploy
+the prefix-cache-affinity filter and the token-load scorer instead (policy
+``llm_d``, ``llmd_affinity``).
 
 Source followed (read, not copied):
 
@@ -60,7 +66,7 @@ class LlmdScores:
 
 
 class LlmdScorer(Policy):
-    name = "llm_d"
+    name = "llm_d_scorers"
 
     def __init__(
         self,

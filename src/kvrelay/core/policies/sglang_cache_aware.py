@@ -1,4 +1,8 @@
-"""SGLang router's ``cache_aware`` policy: an approximate prefix tree of what it routed.
+"""sgl-router's ``cache_aware`` policy (sglang-router 0.3.2): an approximate prefix tree of what it routed.
+
+This is the older variant; its successor, SGLang Model Gateway (smg), sends a
+request below the cache threshold to the least-loaded worker instead of the one
+with the smallest tree and has a KV-event mode (``smg_cache_aware``).
 
 Source followed (read, not copied):
 
@@ -128,6 +132,24 @@ class ApproximateTree:
                 break
             node, i = child, i + m
         return matched
+
+    def deepest_tenant(self, tokens: Sequence[int]) -> tuple[int, str | None]:
+        """The longest prefix of ``tokens`` in the tree, and the tenant that inserted last at its deepest node
+        (the node the match ends in, partly matched or not); ``(0, None)`` when nothing matches."""
+        node, i, n = self.root, 0, len(tokens)
+        deepest: _Node | None = None
+        while i < n:
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            m = _shared_length(child.key, tokens, i)
+            deepest, i = child, i + m
+            if m < len(child.key):
+                break
+            node = child
+        if deepest is None or not deepest.tenants:
+            return 0, None
+        return i, max(deepest.tenants.items(), key=lambda kv: (kv[1], kv[0]))[0]
 
     def evict(self, max_size: int) -> None:
         """Remove least-recently-used leaves of every tenant larger than ``max_size`` until it fits."""
