@@ -160,3 +160,39 @@ def test_default_config_figures_and_errors(tmp_path: Path) -> None:
         load_cluster_config(bad)
     with pytest.raises(ClusterConfigError, match="does not exist"):
         load_cluster_config(tmp_path / "none.toml")
+
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_a_vllm_fleet_restores_only_from_its_own_host_ram() -> None:
+    """No shared tier, no peers, no disk: a prefix computed on one worker is never restored on another."""
+    from kvrelay.sim.replay import ReplayOptions, replay
+    from kvrelay.sim.trace import TraceRequest
+
+    fleet = load_cluster_config(CONFIGS / "cluster-vllm-fleet.toml")
+    assert fleet.tiers == ("ram",) and fleet.rates_of(fleet.worker) == {"ram": 20e9}
+    sim = Simulation(fleet, seed=0)
+    assert [set(w.heartbeat(0.0).restore_bytes_per_s) for w in sim.workers.values()] == [{"ram"}] * 8
+    trace = [TraceRequest(i + 1, 300.0 * i, 4000, 4, (1, 2, 3, 4, 5, 6, 7, 100 + i)) for i in range(16)]
+    m = replay(trace, fleet, "round_robin", ReplayOptions(block_tokens=512))
+    assert m["completed"] == 16 and set(m["cached_tokens_by_tier"]) <= {"gpu", "ram"}
+    assert m["bytes_restored_by_tier"].keys() <= {"ram"}
+
+
+def test_worker_groups_give_workers_their_own_specs(tmp_path: Path) -> None:
+    mixed = load_cluster_config(CONFIGS / "cluster-heterogeneous.toml")
+    slow, fast = mixed.spec_of(0), mixed.spec_of(7)
+    assert [mixed.spec_of(i).prefill_s_per_token for i in range(8)] == [2.5e-4] * 4 + [1e-4] * 4
+    assert slow.restore_bytes_per_s == {"ram": 12e9, "ssd": 5e9, "peer": 10e9, "object": 2e9}
+    assert slow.gpu_kv_tokens == fast.gpu_kv_tokens and slow.decode_step_s == 0.04
+    sim = Simulation(mixed, seed=0)
+    assert sim.workers["w0"].heartbeat(0.0).prefill_s_per_token == 2.5e-4
+    assert sim.workers["w4"].heartbeat(0.0).prefill_s_per_token == 1e-4
+    bad = tmp_path / "bad.toml"
+    bad.write_text("workers = 2\n[[worker_group]]\ncount = 3\n")
+    with pytest.raises(ClusterConfigError, match="add up to more than workers"):
+        load_cluster_config(bad)
+    bad.write_text('tiers = ["ram", "tape"]\n')
+    with pytest.raises(ClusterConfigError, match=r"unknown tier\(s\) \['tape'\]"):
+        load_cluster_config(bad)

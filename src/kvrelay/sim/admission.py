@@ -17,10 +17,11 @@ section 7, steps 2 to 4). It decides; the caller (``sim.workers``) reserves.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvrelay.protocol.chunk_keys import cacheable_chunks
-from kvrelay.protocol.messages import DeclineReason, Offer
+from kvrelay.protocol.messages import DeclineReason, Offer, Tier
 from kvrelay.sim.cache import WorkerCaches
 from kvrelay.sim.cluster_config import ClusterConfig
 
@@ -47,8 +48,8 @@ class AdmissionDecline:
     detail: str
 
 
-def _tier_rates(cluster: ClusterConfig) -> dict[str, float]:
-    return {"gpu": float("inf"), **{str(tier): rate for tier, rate in cluster.worker.restore_bytes_per_s.items()}}
+def _tier_rates(rates: Mapping[Tier, float]) -> dict[str, float]:
+    return {"gpu": float("inf"), **{str(tier): rate for tier, rate in rates.items()}}
 
 
 def _source_for(
@@ -60,11 +61,11 @@ def _source_for(
     rates: dict[str, float],
 ) -> str | None:
     """The fastest tier holding ``key`` that is at least as fast as ``planned``, or None."""
-    options = [t for t in caches.restore_sources(key) if t != "gpu"]
+    options = [t for t in caches.restore_sources(key) if t != "gpu" and t in rates]
     peer_caches = [peers[source]] if source in peers else [c for c in peers.values() if c is not caches]
-    if any(key in p.ram or key in p.ssd for p in peer_caches):
+    if "peer" in rates and any(key in p.ram or key in p.ssd for p in peer_caches):
         options.append("peer")
-    floor = rates[planned]
+    floor = rates.get(planned, float("inf"))
     usable = [t for t in options if rates[t] >= floor]
     return max(usable, key=lambda t: rates[t]) if usable else None
 
@@ -75,11 +76,13 @@ def plan_admission(
     caches: WorkerCaches,
     peers: dict[str, WorkerCaches],
     cluster: ClusterConfig,
+    restore_rates: Mapping[Tier, float] | None = None,
 ) -> AdmissionPlan | AdmissionDecline:
     """Decide an offer against the worker's caches; touches nothing.
 
     ``chain`` is the chunk chain of the offer's prompt as the worker derives it;
-    the offer's own (routed) chain must be a prefix of it.
+    the offer's own (routed) chain must be a prefix of it. ``restore_rates`` are the
+    worker's (default: the cluster's ``worker``, on the cluster's tiers).
     """
     if chain[: len(offer.chain)] != offer.chain:
         return AdmissionDecline(DeclineReason.STALE_ROUTE, "the offered chain is not the chain of this prompt")
@@ -93,7 +96,7 @@ def plan_admission(
         return AdmissionDecline(
             DeclineReason.STALE_ROUTE, f"route covers {len(planned)} chunks but the chain has {usable}"
         )
-    rates = _tier_rates(cluster)
+    rates = _tier_rates(cluster.rates_of(cluster.worker) if restore_rates is None else restore_rates)
     gpu_keys: list[bytes] = []
     restore: list[tuple[bytes, str]] = []
     for i, (tier, source) in enumerate(planned):

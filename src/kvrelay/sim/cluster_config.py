@@ -4,6 +4,13 @@
 a Llama-3-8B-class model); every figure there carries a comment saying where it
 comes from. Omitted keys take the defaults below; unknown keys are an error that
 names the key and the keys allowed.
+
+``tiers`` names the lower tiers the cluster has (``ram``, ``ssd``, ``peer``,
+``object``): a vLLM fleet, say, has device KV and a host-RAM offload per worker
+and nothing shared (``tiers = ["ram"]``). ``[[worker_group]]`` tables make a
+cluster of workers that differ: each has a ``count`` and a ``[worker_group.worker]``
+table of the keys in which its workers differ from ``[worker]``; the first groups'
+workers come first, the rest of the ``workers`` take ``[worker]``.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from typing import Any
 
 from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS, DEFAULT_PAGE_TOKENS
 from kvrelay.protocol.messages import RESTORE_TIERS, Tier
+
+LOWER_TIERS: tuple[Tier, ...] = ("ram", "ssd", "peer", "object")
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[3] / "configs" / "cluster-default.toml"
 
@@ -55,6 +64,14 @@ class NetworkSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerGroup:
+    """``count`` workers whose spec is ``worker`` (the cluster's, with the group's keys replaced)."""
+
+    count: int = 1
+    worker: WorkerSpec = field(default_factory=WorkerSpec)
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterConfig:
     workers: int = 8
     model: str = "llama-3-8b"
@@ -65,10 +82,25 @@ class ClusterConfig:
     object_write_through: bool = True
     worker: WorkerSpec = field(default_factory=WorkerSpec)
     network: NetworkSpec = field(default_factory=NetworkSpec)
+    tiers: tuple[Tier, ...] = LOWER_TIERS
+    """The lower tiers the cluster has (a subset of ``LOWER_TIERS``)."""
+    worker_group: tuple[WorkerGroup, ...] = ()
 
     @property
     def chunk_bytes(self) -> int:
         return self.chunk_tokens * self.kv_bytes_per_token
+
+    def spec_of(self, index: int) -> WorkerSpec:
+        """The spec of the ``index``-th worker (0-based): its group's, else ``worker``."""
+        for group in self.worker_group:
+            if index < group.count:
+                return group.worker
+            index -= group.count
+        return self.worker
+
+    def rates_of(self, spec: WorkerSpec) -> dict[Tier, float]:
+        """The restore rates a worker of ``spec`` has: those of the cluster's tiers."""
+        return {t: r for t, r in spec.restore_bytes_per_s.items() if t in self.tiers}
 
     @property
     def fingerprint(self) -> bytes:
@@ -76,16 +108,23 @@ class ClusterConfig:
         return f"kvrelay-sim:{self.model}:kv{self.kv_bytes_per_token}:chunk{self.chunk_tokens}".encode()
 
 
-def _build(cls: type, table: dict[str, Any], where: str) -> Any:
+def _build(cls: type, table: dict[str, Any], where: str, base: Any = None) -> Any:
     allowed = {f.name: f for f in fields(cls)}
     unknown = sorted(set(table) - set(allowed))
     if unknown:
         raise ClusterConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
     values: dict[str, Any] = {}
-    default = cls()
+    default = base if base is not None else cls()
     for name, value in table.items():
         current = getattr(default, name)
-        if isinstance(current, (WorkerSpec, NetworkSpec)):
+        if name == "worker_group":
+            continue  # built last, over the finished [worker]
+        if name == "tiers":
+            bad = [t for t in value if t not in LOWER_TIERS] if isinstance(value, list) else ["(not a list)"]
+            if bad:
+                raise ClusterConfigError(f"{where}.tiers: unknown tier(s) {bad}; tiers: {', '.join(LOWER_TIERS)}")
+            values[name] = tuple(t for t in LOWER_TIERS if t in value)
+        elif isinstance(current, (WorkerSpec, NetworkSpec)):
             if not isinstance(value, dict):
                 raise ClusterConfigError(f"{where}: [{name}] must be a table")
             values[name] = _build(type(current), value, f"{where}.{name}")
@@ -100,7 +139,26 @@ def _build(cls: type, table: dict[str, Any], where: str) -> Any:
             raise ClusterConfigError(f"{where}.{name}: expected {type(current).__name__}, got {value!r}")
         else:
             values[name] = type(current)(value)
-    return replace(default, **values)
+    built = replace(default, **values)
+    groups = table.get("worker_group")
+    if groups is not None:
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise ClusterConfigError(f"{where}: worker_group must be an array of tables ([[worker_group]])")
+        built = replace(built, worker_group=tuple(_group(g, built.worker, f"{where}.worker_group") for g in groups))
+    return built
+
+
+def _group(table: dict[str, Any], worker: WorkerSpec, where: str) -> WorkerGroup:
+    unknown = sorted(set(table) - {"count", "worker"})
+    if unknown:
+        raise ClusterConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: count, worker")
+    count = table.get("count")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ClusterConfigError(f"{where}.count: expected a positive integer, got {count!r}")
+    spec = table.get("worker", {})
+    if not isinstance(spec, dict):
+        raise ClusterConfigError(f"{where}.worker must be a table")
+    return WorkerGroup(count, _build(WorkerSpec, spec, f"{where}.worker", base=worker))
 
 
 def validate(config: ClusterConfig) -> ClusterConfig:
@@ -116,6 +174,10 @@ def validate(config: ClusterConfig) -> ClusterConfig:
         ),
         (all(v > 0 for v in w.restore_bytes_per_s.values()), "restore rates must be positive"),
         (0.0 <= config.network.loss < 1.0, "network.loss must be in [0, 1)"),
+        (
+            sum(g.count for g in config.worker_group) <= config.workers,
+            "the worker groups' counts add up to more than workers",
+        ),
     ]
     for ok, message in checks:
         if not ok:

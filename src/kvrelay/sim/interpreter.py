@@ -169,6 +169,7 @@ class Simulation:
                 self.known_chains,
                 admission_s,
                 rematch,
+                cluster.spec_of(i),
             )
             self._start_worker(wid, 0.0, offset=cluster.heartbeat_interval_s * i / cluster.workers)
         self._push(0.0, RouterTick())

@@ -55,7 +55,7 @@ from kvrelay.sim.admission import (
     plan_admission,
 )
 from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
-from kvrelay.sim.cluster_config import ClusterConfig
+from kvrelay.sim.cluster_config import ClusterConfig, WorkerSpec
 from kvrelay.sim.events import AdmissionDue, IterationDone, RestoreDone, WorkerDue
 from kvrelay.sim.tokens import token_value
 from kvrelay.sim.work import Work, WorkerStats, iteration_s
@@ -81,10 +81,13 @@ class SimWorker:
         known_chains: dict[str, tuple[bytes, ...]] | None = None,
         admission_s: float = 0.0,
         rematch: bool = True,
+        spec: WorkerSpec | None = None,
     ) -> None:
-        """``rematch``: re-match the prefix when a prefill starts (False: only at admission, to compare)."""
-        w = cluster.worker
+        """``rematch``: re-match the prefix when a prefill starts (False: only at admission, to compare);
+        ``spec``: this worker's costs and capacities (default: the cluster's ``worker``)."""
+        w = spec if spec is not None else cluster.worker
         self.worker_id, self.cluster, self.spec = worker_id, cluster, w
+        self.rates = cluster.rates_of(w)
         self.schedule, self.send, self.delta_tokens = schedule, send, max(1, delta_tokens)
         self.peers = peers  # caches of the live workers: peer restores read their ram and ssd
         self.admission_s = admission_s
@@ -95,10 +98,10 @@ class SimWorker:
         self.caches = WorkerCaches(
             w.gpu_kv_tokens // cluster.page_tokens,
             chunk_pages,
-            w.ram_kv_tokens // cluster.chunk_tokens,
-            w.ssd_kv_tokens // cluster.chunk_tokens,
+            w.ram_kv_tokens // cluster.chunk_tokens if "ram" in cluster.tiers else 0,
+            w.ssd_kv_tokens // cluster.chunk_tokens if "ssd" in cluster.tiers else 0,
             shared,
-            cluster.object_write_through,
+            cluster.object_write_through and "object" in cluster.tiers,
         )
         self.epoch = 0
         self.alive = False
@@ -166,7 +169,7 @@ class SimWorker:
             prefill_s_per_token=w.prefill_s_per_token,
             decode_s_per_token=w.decode_step(len(self.decoding)),
             prefill_chunk_tokens=w.prefill_chunk_tokens,
-            restore_bytes_per_s=dict(w.restore_bytes_per_s),
+            restore_bytes_per_s=dict(self.rates),
             kv_bytes_per_token=self.cluster.kv_bytes_per_token,
             context_limit=w.context_limit,
         )
@@ -243,7 +246,8 @@ class SimWorker:
         return chain
 
     def _admit(self, now: float, offer: Offer) -> machine.AdmissionDecided:
-        decision = plan_admission(offer, self.chain_of(offer), self.caches, self.peers, self.cluster)
+        peers = self.peers if "peer" in self.cluster.tiers else {}
+        decision = plan_admission(offer, self.chain_of(offer), self.caches, peers, self.cluster, self.rates)
         if isinstance(decision, AdmissionDecline):
             return machine.AdmissionDecided(now, offer.assignment, False, decision.reason, decision.detail)
         for key in decision.gpu_keys:
