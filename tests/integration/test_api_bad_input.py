@@ -12,8 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
+from kvrelay.api.responses import ChatCompletionChunk, Completion
 from kvrelay.models.loading.tokenizer import GEMMA_CHAT_TEMPLATE
 from kvrelay.testing.tiny_models import make_tiny_model
 from tests.support.server_thread import ServerThread
@@ -136,3 +138,26 @@ def test_the_openapi_document_describes_what_the_server_answers(http: httpx.Clie
         assert post_doc["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("Request")
     assert set(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert http.get("/metrics").headers["content-type"].startswith("text/plain")
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "chunk"),
+    [
+        ("/v1/completions", {"prompt": "hello"}, Completion),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}, ChatCompletionChunk),
+    ],
+)
+def test_streamed_events_are_the_documented_chunks(
+    http: httpx.Client, model_dir: Path, path: str, extra: dict, chunk: type
+) -> None:
+    """schemathesis found the event stream documented as one string: in OpenAPI 3.1 its schema is one event's."""
+    document = http.get("/openapi.json").json()
+    event = document["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    carried = event["else"]["properties"]["data"]["contentSchema"]["anyOf"]
+    assert carried == [{"$ref": f"#/components/schemas/{chunk.__name__}"}, {"$ref": "#/components/schemas/ErrorBody"}]
+    body = {"model": model_dir.name, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", path, json={**body, **extra}) as response:
+        data = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [msgspec.json.decode(d, type=chunk) for d in data[:-1]]
+    assert chunks[-1].usage is not None and chunks[-1].choices == []

@@ -4,13 +4,16 @@ refusals (each a 4xx naming the field), with a real tiny tokenizer and a real ro
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from kvrelay.api.app import create_app
 from kvrelay.api.body import body_limit
 from kvrelay.api.errors import APIError
 from kvrelay.api.ingress import CUT_SLACK, PROBE_CHARS_PER_TOKEN, Ingress, Prepared, ServedModel
@@ -163,3 +166,26 @@ def test_ingress_lag_bench_smoke(tmp_path: Path, tokenizer: Any) -> None:
     args = ["--model", str(model), "--text-bytes", "20000", "--turns", "50", "--rounds", "1", "--processes", "1"]
     code, figures = run_bench("ingress_lag.py", args, tmp_path / "lag.json")
     assert code == 0 and len(figures) == 12
+
+
+def test_an_unexpected_failure_is_a_500_in_openai_format(ingress: Ingress, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def failing(raw: bytes) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ingress, "completion", failing)
+    transport = httpx.ASGITransport(app=create_app(ingress), raise_app_exceptions=False)
+
+    async def call() -> httpx.Response:
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvrelay") as client:
+            return await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+
+    response = asyncio.run(call())
+    assert response.status_code == 500
+    assert response.json() == {
+        "error": {
+            "message": "the server failed on this request (RuntimeError)",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }

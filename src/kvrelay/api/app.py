@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -48,8 +47,6 @@ from kvrelay.api.responses import (
     Usage,
 )
 from kvrelay.api.schema import ChatRequest, CompletionRequest
-
-log = logging.getLogger(__name__)
 
 _GENERATION_ERRORS = (400, 404, 413, 429, 500, 503)
 
@@ -102,8 +99,8 @@ def create_app(ingress: Ingress) -> FastAPI:
         return _json(error.body(), error.status, exc.headers)
 
     @app.exception_handler(Exception)
-    async def server_error(request: Request, exc: Exception) -> Response:
-        log.exception("%s %s failed", request.method, request.url.path)
+    async def server_error(_: Request, exc: Exception) -> Response:
+        # Starlette re-raises the exception after this response, so the server logs its traceback.
         error = APIError(500, f"the server failed on this request ({type(exc).__name__})", "server_error")
         return _json(error.body(), 500)
 
