@@ -139,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(format_table(results))
     samples = {name: m.pop("ttft_samples_s") for name, m in results.items()}
+    for m in results.values():
+        m.pop("ttft_by_request_s")
     if args.plot_path or (args.json_path and len(policies) > 1):
         from kvrelay.sim.plot import plot_ttft
 

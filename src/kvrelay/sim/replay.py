@@ -42,6 +42,10 @@ class ReplayOptions:
     """Logical time allowed after the last arrival before the replay is declared stuck."""
     log_path: str | None = None
     """Write the byte-stable event log here (large: one line per event)."""
+    predict_on_route: bool = True
+    """The router credits pending chunks (``RouterConfig.predict_on_route``); False to compare."""
+    share_prefill: bool = True
+    """Workers re-match a prefix when its prefill starts (``Simulation(rematch=...)``); False to compare."""
 
 
 def _percentiles(values: list[float]) -> dict[str, float | None]:
@@ -64,13 +68,15 @@ def replay(
     if options.rate_scale <= 0:
         raise ValueError(f"rate scale must be positive, got {options.rate_scale}")
     wall = time.perf_counter()
+    config = router_config or RouterConfig(chunk_tokens=cluster.chunk_tokens)
     sim = Simulation(
         cluster,
-        router_config=router_config or RouterConfig(chunk_tokens=cluster.chunk_tokens),
+        router_config=replace(config, predict_on_route=config.predict_on_route and options.predict_on_route),
         policy=policy,
         seed=options.seed,
         log=options.log_path is not None,
         delta_tokens=options.delta_tokens,
+        rematch=options.share_prefill,
     )
     synth = PromptSynthesizer(cluster.fingerprint, options.block_tokens, cluster.chunk_tokens)
     last = 0.0
@@ -96,6 +102,7 @@ def _metrics(
 ) -> dict[str, Any]:
     prompt_tokens = sum(r.input_length for r in requests)
     ttfts: list[float] = []
+    by_request: dict[str, float] = {}
     completed = cached = recomputed = 0
     cached_by_tier: dict[str, int] = {}
     errors: dict[str, int] = {}
@@ -107,6 +114,7 @@ def _metrics(
             completed += 1
             if c.first_token_at is not None:
                 ttfts.append(c.first_token_at - c.submitted_at)
+                by_request[c.request_id] = ttfts[-1]
         else:
             kind = str(o.failure.kind if o.failure is not None else o.finish_reason)
             errors[kind] = errors.get(kind, 0) + 1
@@ -152,6 +160,7 @@ def _metrics(
         "simulated_s": sim.now,
         "wall_s": wall_s,
         "ttft_samples_s": sorted(ttfts),
+        "ttft_by_request_s": by_request,
     }
 
 
