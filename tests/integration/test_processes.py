@@ -26,6 +26,7 @@ from kvrelay.testing.tiny_models import make_tiny_model
 from tests.support.processes import (
     CLUSTER_READY,
     StreamingRequest,
+    children_of,
     complete,
     two_worker_cluster,
     wait_until,
@@ -170,22 +171,6 @@ def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(
 def test_a_missing_source_names_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="neither a model directory nor a .gguf file"):
         load_served_model(str(tmp_path / "nothing"))
-
-
-def children_of(pid: int) -> dict[int, str]:
-    """Command lines of the live child processes of ``pid``."""
-    found = {}
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            text = status.read_text()
-            cmdline = (status.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        parent = re.search(r"^PPid:\s+(\d+)", text, re.MULTILINE)
-        state = re.search(r"^State:\s+(\S)", text, re.MULTILINE)
-        if parent and int(parent.group(1)) == pid and state and state.group(1) != "Z":
-            found[int(status.parent.name)] = cmdline.replace(b"\0", b" ").decode()
-    return found
 
 
 @pytest.mark.timeout(150)

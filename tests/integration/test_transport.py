@@ -20,6 +20,7 @@ from kvrelay.protocol.codec import ProtocolError, encode
 from kvrelay.protocol.messages import (
     Assignment,
     Delta,
+    Fenced,
     Heartbeat,
     OfferResult,
     Residency,
@@ -405,3 +406,37 @@ def test_the_control_path_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert {f["name"] for f in figures} >= {"offer_delivery_median", "delta_to_consumer_median"}
     assert all(set(f) == {"name", "value", "unit", "baseline", "baseline_value"} for f in figures)
+
+
+class FenceAwareHost(ScriptedHost):
+    """A worker host that keeps its epoch when a link drops, but moves on when a router says it was fenced."""
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(worker_id, new_epoch_on_disconnect=False)
+        self.fenced: list[int] = []
+
+    def on_fenced(self, fenced: Fenced) -> None:
+        if fenced.epoch == self.epoch:
+            self.fenced.append(fenced.epoch)
+            self.epoch += 1
+            self.seq = 0
+
+
+def test_a_worker_linking_again_in_a_fenced_epoch_is_told_so_and_comes_back_in_a_newer_one() -> None:
+    async def scenario() -> None:
+        side = await RouterSide().start()
+        host = FenceAwareHost("w0")
+        first = await start_worker(host, side.url, interval_s=5.0)
+        await side.wait_route("w0", 1)
+        await first.close()  # the router sees the connection end and fences epoch 1
+        await side.endpoint.wait_until(lambda: side.unavailable == [("w0", 1)], 5)
+        second = await start_worker(host, side.url, interval_s=5.0)  # the same host links again, still in epoch 1
+        await side.wait_route("w0", 2, timeout_s=2.0)  # well before its next periodic heartbeat
+        assert host.fenced == [1] and side.endpoint.counters["fenced_notices"] == 1
+        assert second.counters["fenced_notices"] == 1
+        assert list((await side.submit("r", max_new=3).outcome()).tokens) == expected(3)
+        assert host.offers[-1].epoch == 2
+        await second.close()
+        await side.close()
+
+    run(scenario)

@@ -91,3 +91,22 @@ def test_restarted_worker_serves_again_in_its_new_epoch() -> None:
     assert (before.worker_id, before.epoch) == ("w0", 1)
     assert (after.worker_id, after.epoch) == ("w0", 2)
     assert sim.consumers["after"].outcomes[0].finish_reason == "length"
+
+
+def test_a_partition_past_the_expiry_fences_the_worker_and_it_comes_back_in_a_new_epoch() -> None:
+    """One worker: its heartbeats are cut longer than the expiry, so the router fences its epoch. After the
+    heal the router answers the old epoch's heartbeat with a fence notice, the worker moves to a new epoch,
+    and the request it was running (parked meanwhile: no other server) continues there, gapless."""
+    sim = Simulation(small_cluster(workers=1), seed=5)
+    sim.submit(request("s", tokens(6, 640), 400), at=0.5)
+    sim.partition("w0", "router", start=1.0, end=5.0)
+    assert sim.run(until=300.0)
+    assert_invariants(sim)
+    first, second = offers_of(sim, "s")
+    assert (first.worker_id, first.epoch) == ("w0", 1) and (second.worker_id, second.epoch) == ("w0", 2)
+    assert second.at > 5.0 and second.generated_before > 0
+    assert sim.router.counters["workers_expired"] == 1 and sim.router.counters["fenced_notices"] >= 1
+    assert sim.workers["w0"].state.counters["epochs_ended"] == 1
+    outcome = sim.consumers["s"].outcomes[0]
+    assert outcome.finish_reason == "length" and outcome.attempts == 2
+    assert list(outcome.tokens) == expected_stream(sim, "s", 400)

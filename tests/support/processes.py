@@ -171,6 +171,8 @@ class StreamingRequest:
         self.pieces: list[str] = []
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
+        self.error_event: dict[str, Any] | None = None
+        """The ``error`` object of an SSE error event, when the stream ended with one."""
         self.error: BaseException | None = None
         self.first = threading.Event()
         self.done = threading.Event()
@@ -182,6 +184,8 @@ class StreamingRequest:
     def _consume(self, http_url: str, model: str, prompt: list[int], max_tokens: int) -> None:
         try:
             for chunk in stream_completion(http_url, model, prompt, max_tokens):
+                if "error" in chunk:
+                    self.error_event = chunk["error"]
                 if chunk.get("usage"):
                     self.usage = chunk["usage"]
                 for choice in chunk.get("choices", ()):
@@ -203,3 +207,50 @@ class StreamingRequest:
         if self.error is not None:
             raise AssertionError(f"the streaming request failed: {self.error!r}") from self.error
         return "".join(self.pieces)
+
+
+class OpenAIStream:
+    """A greedy streaming completion read by the official ``openai`` client on a thread: ``text`` its pieces,
+    ``error`` what the client raised (an ``openai.APIError`` for an error event in the stream)."""
+
+    def __init__(self, http_url: str, model: str, prompt: list[int], max_tokens: int) -> None:
+        import openai
+
+        self.text: list[str] = []
+        self.error: BaseException | None = None
+        self.first, self.done = threading.Event(), threading.Event()
+        client = openai.OpenAI(base_url=http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        args = (client, model, prompt, max_tokens)
+        threading.Thread(target=self._read, args=args, name="openai-stream", daemon=True).start()
+
+    def _read(self, client: Any, model: str, prompt: list[int], max_tokens: int) -> None:
+        try:
+            stream = client.completions.create(
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+            )
+            for chunk in stream:
+                self.text.append(chunk.choices[0].text if chunk.choices else "")
+                self.first.set()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            self.error = exc
+        finally:
+            self.first.set()
+            self.done.set()
+
+
+def children_of(pid: int) -> dict[int, str]:
+    """Command lines of the live child processes of ``pid``."""
+    import re
+
+    found = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            text = status.read_text()
+            cmdline = (status.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = re.search(r"^PPid:\s+(\d+)", text, re.MULTILINE)
+        state = re.search(r"^State:\s+(\S)", text, re.MULTILINE)
+        if parent and int(parent.group(1)) == pid and state and state.group(1) != "Z":
+            found[int(status.parent.name)] = cmdline.replace(b"\0", b" ").decode()
+    return found

@@ -7,6 +7,7 @@ import pytest
 from kvrelay.core.worker.machine import (
     AdmissionDecided,
     CancelReceived,
+    EpochEnded,
     FenceWork,
     OfferReceived,
     ReleaseReservation,
@@ -191,3 +192,26 @@ def test_runtime_protocol_violations_are_errors() -> None:
         step(s, AdmissionDecided(0.0, Assignment("nope", 1), True))
     with pytest.raises(ValueError, match="not fenced"):
         step(s, WorkQuiesced(0.0, Assignment("nope", 1)))
+
+
+def test_a_fenced_epoch_fences_every_assignment_and_offers_of_the_old_epoch_are_declined() -> None:
+    state = machine()
+    accepted(state, offer("running"))
+    step(state, OfferReceived(0.0, offer("admitting")))
+    state, effects = step(state, EpochEnded(1.0, 3))
+    assert effects == [FenceWork(Assignment("running", 1))]
+    assert state.epoch == 3 and state.counters["epochs_ended"] == 1
+    # nothing more is sent for either: the running one quiesces, the late grant is released at once
+    state, effects = step(state, TokensProduced(1.0, Assignment("running", 1), (5,)))
+    assert effects == []
+    state, effects = step(state, AdmissionDecided(1.0, Assignment("admitting", 1), True))
+    assert effects == [ReleaseReservation(Assignment("admitting", 1))]
+    state, effects = step(state, WorkQuiesced(1.0, Assignment("running", 1)))
+    assert effects == [ReleaseReservation(Assignment("running", 1))] and not holds_reservations(state)
+    state, effects = step(state, OfferReceived(2.0, offer("late", epoch=2)))
+    (declined,) = messages(effects)
+    assert isinstance(declined, OfferResult) and declined.reason == "wrong_epoch" and declined.epoch == 3
+    state, effects = step(state, OfferReceived(2.0, offer("new", epoch=3)))
+    assert effects == [RequestAdmission(offer("new", epoch=3))]
+    with pytest.raises(ValueError, match="does not follow"):
+        step(state, EpochEnded(3.0, 3))

@@ -43,6 +43,8 @@ def from_failure(failure: RequestError, model: str) -> APIError:
             return APIError(429, message, "rate_limit_error", None, "no_capacity")
         case ErrorKind.OVER_CONTEXT_LIMIT:
             return APIError(413, failure.detail, "invalid_request_error", "messages", "context_length_exceeded")
+        case ErrorKind.SHUTTING_DOWN:
+            return APIError(503, failure.detail, "service_unavailable", None, "shutting_down")
         case ErrorKind.GAVE_UP | ErrorKind.DUPLICATE_REQUEST:
             return APIError(500, f"the request failed: {failure.text}", "server_error", None, "internal_error")
         case _:

@@ -7,9 +7,10 @@ It never depends on the model runtime: it submits protocol requests to a
   a pool of ``PREPARE_THREADS`` threads, so a huge prompt never stalls the event
   loop; invalid input raises ``APIError`` naming the field.
 - ``Ingress.body_limit()`` is the byte bound of a request body (``api.body``).
-- ``Ingress.generate`` yields ``TextDelta``s then exactly one ``Final``; if the
-  caller stops iterating early (a client disconnected) the request is cancelled
-  through the router, which cancels it at the worker.
+- ``Ingress.generate`` yields ``TextDelta``s then exactly one ``Final``, or
+  raises ``APIError`` when the request failed (after the text of the tokens it
+  got, if any); if the caller stops iterating early (a client disconnected) the
+  request is cancelled through the router, which cancels it at the worker.
 """
 
 from __future__ import annotations
@@ -278,6 +279,9 @@ class Ingress:
                 if text:
                     emitted += text
                     yield TextDelta(text, ())
+                if outcome.failure is not None:  # after some tokens: the stream ends with an error saying why
+                    self.series.errors.labels(reason=outcome.failure.kind).inc()
+                    raise from_failure(outcome.failure, p.model.name)
                 cached = sum(outcome.usage.cached_tokens.values())
                 for tier, n in outcome.usage.cached_tokens.items():
                     self.series.cached_tokens.labels(tier=tier).inc(n)

@@ -60,6 +60,13 @@ OPTIONS = (
         ROUTER_DEFAULTS.predict_on_route,
         "credit the chosen worker with a routed request's chunks until they are resident (true or false)",
     ),
+    Option(
+        "drain_s",
+        float,
+        defaults.DRAIN_S,
+        "on SIGINT/SIGTERM, seconds running requests may take to finish; then each ends with an error event "
+        "that says so, and the router exits 0",
+    ),
 )
 
 
@@ -95,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         policy=values["policy"],
         config=config,
         max_body_bytes=values["max_body_bytes"],
+        drain_s=values["drain_s"],
     )
 
     def ready(http_url: str, workers_url: str) -> None:

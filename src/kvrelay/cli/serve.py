@@ -12,7 +12,7 @@ from kvrelay.models.dtypes import DTYPE_NAMES
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=defaults.HOST, help=f"address to listen on (default {defaults.HOST})")
     parser.add_argument(
-        "--port", type=int, default=defaults.HTTP_PORT, help=f"HTTP port (default {defaults.HTTP_PORT})"
+        "--port", type=int, default=defaults.HTTP_PORT, help=f"HTTP port, 0: any free (default {defaults.HTTP_PORT})"
     )
     parser.add_argument(
         "--model", default=None, help="model directory (config.json + safetensors) or GGUF file; default: Gemma 3 270M"
@@ -39,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="most bytes a request body may have (default: 64 bytes per token of the model's context + 64 KiB)",
     )
+    parser.add_argument(
+        "--drain-s",
+        type=float,
+        default=defaults.DRAIN_S,
+        help="on SIGINT/SIGTERM, seconds running requests may take to finish; then each ends with an error "
+        f"event that says so, and the server exits 0 (default {defaults.DRAIN_S:g})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +56,16 @@ def run(args: argparse.Namespace) -> int:
         defaults.SERVE_WORKER_ID, model=args.model, dtype=args.dtype, kv_tokens=args.kv_tokens, lanes=args.lanes
     )
     options = ServeOptions(
-        host=args.host, port=args.port, db_url=args.db, worker=worker, max_body_bytes=args.max_body_bytes
+        host=args.host,
+        port=args.port,
+        db_url=args.db,
+        drain_s=args.drain_s,
+        worker=worker,
+        max_body_bytes=args.max_body_bytes,
     )
-    asyncio.run(serve(options))
+
+    def ready(http_url: str) -> None:
+        print(f"kvrelay serve ready http={http_url}", flush=True)
+
+    asyncio.run(serve(options, ready))
     return 0

@@ -39,6 +39,9 @@ HEARTBEAT_S = 0.5
 """Seconds between a worker's heartbeats."""
 GRACE_S = 10.0
 """On shutdown, seconds a worker's running requests may take before they are handed over."""
+DRAIN_S = 30.0
+"""On SIGINT/SIGTERM, seconds the HTTP face (``kvrelay serve``, ``kvrelay router``) lets running requests take;
+then each ends with a ``shutting_down`` error that says how many of its tokens were delivered."""
 SERVE_WORKER_ID = "local-0"
 """The id of ``kvrelay serve``'s one worker."""
 

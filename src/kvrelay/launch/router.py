@@ -9,26 +9,27 @@ Contract:
   called once both listen, with the bound ports.
 - The models the ingress offers are learned from heartbeats (``ModelCatalog``);
   the router loads only the tokenizers of ``model_sources``.
-- On SIGINT/SIGTERM the HTTP server stops, then the worker endpoint (workers
-  see close code 1001 and reconnect to whatever listens next), the router's
-  timers, and the fact store (flushed).
+- On SIGINT/SIGTERM the HTTP face drains within ``drain_s`` (``launch.drain``:
+  no new request; running ones go on while the workers stay linked; what is
+  still running at the bound ends with an error event that says so), then the
+  worker endpoint closes (workers see close code 1001 and reconnect to whatever
+  listens next), then the router's timers and the fact store (flushed: every
+  recorded outcome written); ``run_router`` returns normally.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
-
 from kvrelay.core.router.machine import RouterConfig
 from kvrelay.launch import defaults
 from kvrelay.launch.catalog import ModelCatalog, load_served_model
+from kvrelay.launch.drain import listen, serve_until_stopped
 from kvrelay.launch.router_stack import build_router_stack
 from kvrelay.protocol.messages import Heartbeat, WireMessage
 from kvrelay.router.cluster_router import ClusterRouter
@@ -52,6 +53,7 @@ class RouterOptions:
     policy: str = defaults.POLICY
     config: RouterConfig = field(default_factory=RouterConfig)
     max_body_bytes: int | None = None
+    drain_s: float = defaults.DRAIN_S
 
 
 class _HeartbeatTap:
@@ -96,21 +98,8 @@ def cluster_snapshot(router: ClusterRouter, endpoint: RouterEndpoint) -> dict[st
     }
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(512)
-    sock.setblocking(False)
-    return sock
-
-
 async def run_router(options: RouterOptions, on_ready: Callable[[str, str], None] = lambda h, w: None) -> None:
-    """Serve until SIGINT/SIGTERM (see the module contract)."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    """Serve until SIGINT/SIGTERM, then drain and stop (see the module contract)."""
     loaded = {}
     for source in options.model_sources:
         served = await asyncio.to_thread(load_served_model, source)
@@ -135,23 +124,15 @@ async def run_router(options: RouterOptions, on_ready: Callable[[str, str], None
     app.add_api_route("/cluster", lambda: cluster_snapshot(router, endpoint), methods=["GET"])
     router.start()
     sock: socket.socket | None = None
-    try:
-        await endpoint.start(_HeartbeatTap(router, catalog), registry_liveness(router))
-        sock = _listen(options.host, options.port)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        serving = loop.create_task(server.serve(sockets=[sock]))
-        while not server.started and not serving.done():
-            await asyncio.sleep(0.01)
-        if serving.done():
-            serving.result()
-        port = sock.getsockname()[1]
+
+    def ready(port: int) -> None:
         on_ready(f"http://{options.host}:{port}", endpoint.url)
         log.info("router: HTTP on http://%s:%d, workers on %s", options.host, port, endpoint.url)
-        stopping = loop.create_task(stop.wait())
-        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        server.should_exit = True
-        await serving
+
+    try:
+        await endpoint.start(_HeartbeatTap(router, catalog), registry_liveness(router))
+        sock = listen(options.host, options.port)
+        await serve_until_stopped(app, sock, router, options.drain_s, ready)
     finally:
         await endpoint.close()
         await stack.close()

@@ -16,11 +16,13 @@ Contract:
   A model is served while at least one live worker's last heartbeat names it.
 - Nothing is started: the caller adds its own gauges and routes, wires its
   workers, then calls ``router.start()``. ``close`` stops the router's timers,
-  then closes the fact store (flushing it).
+  then closes the fact store (flushing it) and logs what it wrote and lost.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +40,12 @@ from kvrelay.facts.store import FactStore
 from kvrelay.protocol.messages import WireMessage
 from kvrelay.router.cluster_router import ClusterRouter
 
+log = logging.getLogger(__name__)
+
+FACTS_CLOSE_S = 30.0
+"""How long closing the stack waits for the fact writer to write what it holds (it gives up at the first
+database failure, so a database that is down does not hold a shutdown this long)."""
+
 
 @dataclass
 class RouterStack:
@@ -51,9 +59,23 @@ class RouterStack:
     app: FastAPI
 
     async def close(self) -> None:
+        """Stop the router's timers, then close the fact store: every record it accepted is written (or
+        counted as lost) before this returns, within ``FACTS_CLOSE_S``; the totals are logged."""
         await self.router.close()
         self.ingress.close()
-        self.facts.close()
+        drained = await asyncio.to_thread(self.facts.close, FACTS_CLOSE_S)
+        stats = self.facts.stats()
+        lost = stats.dropped + stats.overflow + stats.rejected + stats.unknown_kinds + stats.closed_drops
+        log.log(
+            logging.INFO if drained and not lost else logging.WARNING,
+            "fact store closed%s: %d records written, %d lost (dropped %d, overflow %d, rejected %d)",
+            "" if drained else f" after {FACTS_CLOSE_S:.0f} s, its writer stopped",
+            stats.written,
+            lost,
+            stats.dropped,
+            stats.overflow,
+            stats.rejected,
+        )
 
 
 def build_router_stack(

@@ -6,6 +6,15 @@ thread runs the model. The router and the worker talk through the same
 protocol messages as over WebSockets, handed over with ``loop.call_soon`` so
 neither re-enters the other. Facts go to SQLite under the data directory unless
 ``--db`` names another URL.
+
+A fence notice from the router reaches the worker the same way: when the loop
+stalled past the worker expiry (a long request on the loop, a paused process),
+the router fences the worker's epoch and answers its next heartbeat with
+``Fenced``; the worker moves to a new epoch and is routed again at once.
+
+On SIGINT/SIGTERM the server drains within ``drain_s`` (``launch.drain``), then
+stops the router, the worker and the fact store (every recorded outcome
+written), and ``serve`` returns normally, so the process exits 0.
 """
 
 from __future__ import annotations
@@ -16,7 +25,6 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
-import uvicorn
 from fastapi import FastAPI
 
 from kvrelay.api.ingress import Ingress, ServedModel
@@ -24,9 +32,10 @@ from kvrelay.api.metrics import Read
 from kvrelay.core.router.machine import RouterConfig
 from kvrelay.facts.store import FactStore
 from kvrelay.launch import defaults
+from kvrelay.launch.drain import listen, serve_until_stopped
 from kvrelay.launch.router_stack import RouterStack, build_router_stack
 from kvrelay.launch.worker_assembly import StoreSpec, WorkerParts, WorkerSettings, build_worker
-from kvrelay.protocol.messages import Cancel, Offer, WireMessage
+from kvrelay.protocol.messages import Cancel, Fenced, Offer, WireMessage
 from kvrelay.router.cluster_router import ClusterRouter
 from kvrelay.worker.host import WorkerController
 from kvrelay.worker.runtime.loop import PagedRuntime
@@ -37,14 +46,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
     """One embedded server: where it listens, its fact store, its one worker (``worker.store``
-    None: chunk files under the data directory, ``chunks/<worker_id>``), and the bound on request
-    bodies (None: from the model's context)."""
+    None: chunk files under the data directory, ``chunks/<worker_id>``), the bound on request
+    bodies (None: from the model's context), and how long it drains on SIGINT/SIGTERM."""
 
     host: str = defaults.HOST
     port: int = defaults.HTTP_PORT
     db_url: str | None = None
     heartbeat_s: float = defaults.HEARTBEAT_S
     max_body_bytes: int | None = None
+    drain_s: float = defaults.DRAIN_S
     worker: WorkerSettings = field(default_factory=lambda: WorkerSettings(defaults.SERVE_WORKER_ID))
 
 
@@ -103,6 +113,12 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
             loop.call_soon(controller.on_offer, message, to_router)
         elif isinstance(message, Cancel):
             loop.call_soon(controller.on_cancel, message)
+        elif isinstance(message, Fenced):
+            loop.call_soon(rejoin, message)
+
+    def rejoin(fenced: Fenced) -> None:
+        controller.on_fenced(fenced)
+        to_router(controller.heartbeat())  # the new epoch, announced at once
 
     def to_router(message: WireMessage) -> None:
         loop.call_soon(router.receive, message)
@@ -154,8 +170,21 @@ async def _heartbeats(router: ClusterRouter, controller: WorkerController, every
         router.receive(controller.heartbeat())
 
 
-async def serve(options: ServeOptions) -> None:
+async def serve(options: ServeOptions, on_ready: Callable[[str], None] = lambda url: None) -> None:
+    """Serve until SIGINT/SIGTERM, drain within ``options.drain_s``, then close everything in order.
+
+    ``on_ready(http_url)`` is called once the API listens (port 0 picks a free port).
+    """
     async with embedded(options) as parts:
-        server = uvicorn.Server(uvicorn.Config(parts.app, host=options.host, port=options.port, log_level="info"))
-        log.info("serving %s on http://%s:%d", parts.served.name, options.host, options.port)
-        await server.serve()
+        sock = listen(options.host, options.port)
+
+        def ready(port: int) -> None:
+            url = f"http://{options.host}:{port}"
+            log.info("serving %s on %s", parts.served.name, url)
+            on_ready(url)
+
+        try:
+            await serve_until_stopped(parts.app, sock, parts.router, options.drain_s, ready, log_level="info")
+        finally:
+            sock.close()
+    log.info("kvrelay serve stopped")

@@ -7,8 +7,9 @@ reservation handles, tensors and KV bytes are local-only (see ``codec``).
 Identifiers:
 - ``Assignment(request_id, attempt)`` names one attempt of one request. Every
   offer, acknowledgement, delta, result and cancellation carries one.
-- ``worker_id`` is stable; ``epoch`` grows at every worker start; heartbeat and
-  residency ``seq`` grow within an epoch.
+- ``worker_id`` is stable; ``epoch`` grows at every worker start and whenever
+  the worker learns that its epoch was fenced; heartbeat and residency ``seq``
+  grow within an epoch.
 """
 
 from __future__ import annotations
@@ -228,5 +229,18 @@ class Residency(Message, frozen=True, kw_only=True, tag="residency"):
     removed: tuple[ChunkKey, ...] = ()
 
 
-WireMessage = Offer | Cancel | OfferResult | Delta | Result | Heartbeat | Residency
-WIRE_TYPES: tuple[type[Message], ...] = (Offer, Cancel, OfferResult, Delta, Result, Heartbeat, Residency)
+class Fenced(Message, frozen=True, kw_only=True, tag="fenced"):
+    """Router -> worker: ``epoch`` of ``worker_id`` is fenced (its heartbeats stopped or its connection was lost).
+
+    The router has re-routed that epoch's work and refuses its heartbeats for good; the worker comes back
+    only in a newer epoch (docs/design.md section 3). The router sends it in answer to a heartbeat of a
+    fenced epoch.
+    """
+
+    worker_id: ShortStr
+    epoch: NonNegInt
+    reason: ShortStr = ""
+
+
+WireMessage = Offer | Cancel | OfferResult | Delta | Result | Heartbeat | Residency | Fenced
+WIRE_TYPES: tuple[type[Message], ...] = (Offer, Cancel, OfferResult, Delta, Result, Heartbeat, Residency, Fenced)

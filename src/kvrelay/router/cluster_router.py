@@ -2,7 +2,7 @@
 
 All router steps run on one event loop, one at a time, so the router state
 needs no lock. Effects are carried out in the order the router emitted them:
-offers and cancels go to ``send`` (the transport, or an in-process worker),
+offers, cancels and fence notices go to ``send`` (the transport, or an in-process worker),
 timers become ``loop.call_at`` handles, deltas and results go to the
 consumer's callbacks, records go to ``record`` (the fact store's buffered
 ``submit``, which never blocks). A callback that raises is logged and counted;
@@ -23,6 +23,8 @@ from kvrelay.core.router.events import (
     ConsumerCancelled,
     DeliverDelta,
     DeliverResult,
+    DrainDeadline,
+    DrainStarted,
     Effect,
     LoadReplicas,
     MessageReceived,
@@ -34,6 +36,7 @@ from kvrelay.core.router.events import (
     RequestArrived,
     RouterEvent,
     SendCancel,
+    SendFenced,
     SendOffer,
     StartTimer,
     Tick,
@@ -106,6 +109,19 @@ class ClusterRouter:
     def worker_unavailable(self, worker_id: str, epoch: int) -> None:
         self.feed(WorkerUnavailable(self._clock(), worker_id, epoch))
 
+    def start_drain(self) -> None:
+        """Take no new request from now on (each ends at once with a ``shutting_down`` error)."""
+        self.feed(DrainStarted(self._clock()))
+
+    def end_drain(self) -> None:
+        """End every request still in flight with a ``shutting_down`` error that says how far it got."""
+        self.feed(DrainDeadline(self._clock()))
+
+    @property
+    def in_flight(self) -> int:
+        """Requests the router holds (routed, running or parked), not yet ended."""
+        return len(self.state.requests)
+
     def feed(self, event: RouterEvent) -> None:
         self.state, effects = step(self.state, event)
         for effect in effects:
@@ -144,6 +160,8 @@ class ClusterRouter:
                 self._guard(self._send, wid, offer)
             case SendCancel(worker_id=wid, cancel=cancel):
                 self._guard(self._send, wid, cancel)
+            case SendFenced(worker_id=wid, fenced=fenced):
+                self._guard(self._send, wid, fenced)
             case StartTimer(timer=key, at=at):
                 old = self._timers.pop(key, None)
                 if old is not None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvrelay.core.router.events import Request, TimerKey
-from kvrelay.protocol.messages import Assignment, Cancel, Offer, WireMessage
+from kvrelay.protocol.messages import Assignment, Cancel, Fenced, Offer, WireMessage
 
 if TYPE_CHECKING:
     from kvrelay.sim.work import Work
@@ -76,27 +76,27 @@ class ToRouter:
 
 @dataclass(frozen=True, slots=True)
 class ToWorker:
-    """An offer or cancel from the router reaches a worker."""
+    """An offer, cancel or fence notice from the router reaches a worker."""
 
     worker_id: str
-    message: Offer | Cancel
+    message: Offer | Cancel | Fenced
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerScheduled:
-    """An event a worker scheduled for itself in ``epoch`` (dropped if that epoch ended)."""
+    """An event a worker scheduled for itself in its ``incarnation`` (dropped if that process ended)."""
 
     worker_id: str
-    epoch: int
+    incarnation: int
     event: WorkerDue
 
 
 @dataclass(frozen=True, slots=True)
 class HeartbeatDue:
-    """A worker's next heartbeat in ``epoch``."""
+    """A worker's next heartbeat in its ``incarnation`` (the heartbeat carries whatever epoch is current)."""
 
     worker_id: str
-    epoch: int
+    incarnation: int
 
 
 @dataclass(frozen=True, slots=True)

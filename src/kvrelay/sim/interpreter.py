@@ -43,6 +43,7 @@ from kvrelay.core.router.events import (
     RequestArrived,
     RouterEvent,
     SendCancel,
+    SendFenced,
     SendOffer,
     StartTimer,
     Tick,
@@ -56,6 +57,7 @@ from kvrelay.protocol.messages import (
     Assignment,
     Cancel,
     Delta,
+    Fenced,
     Offer,
     Result,
     RouteSegment,
@@ -244,9 +246,9 @@ class Simulation:
                 self._on_to_router(message)
             case ToWorker(worker_id=worker_id, message=message):
                 self._on_to_worker(worker_id, message)
-            case WorkerScheduled(worker_id=worker_id, epoch=epoch, event=due):
+            case WorkerScheduled(worker_id=worker_id, incarnation=incarnation, event=due):
                 w = self.workers[worker_id]
-                if w.alive and w.epoch == epoch:
+                if w.alive and w.incarnation == incarnation:
                     w.on_due(self.now, due)
             case HeartbeatDue():
                 self._on_heartbeat(event)
@@ -289,6 +291,8 @@ class Simulation:
             case SendCancel(worker_id=worker_id, cancel=cancel):
                 self.cancelled.add(cancel.assignment)
                 self._send_to_worker(worker_id, cancel)
+            case SendFenced(worker_id=worker_id, fenced=fenced):
+                self._send_to_worker(worker_id, fenced)
             case StartTimer(timer=timer, at=at):
                 self._push(at, TimerDue(timer))
                 self._timers[timer] = self._seq
@@ -305,7 +309,7 @@ class Simulation:
             case _:
                 assert_never(effect)
 
-    def _send_to_worker(self, worker_id: str, message: Offer | Cancel) -> None:
+    def _send_to_worker(self, worker_id: str, message: Offer | Cancel | Fenced) -> None:
         arrival = self.network.transit(ROUTER, worker_id, self.now)
         if arrival is None:
             self._note(f"lost router -> {worker_id}: {describe(message)}")
@@ -320,14 +324,14 @@ class Simulation:
             return
         self._push(arrival, ToRouter(message))
 
-    def _schedule_worker(self, at: float, worker_id: str, epoch: int, event: WorkerDue) -> None:
-        self._push(at, WorkerScheduled(worker_id, epoch, event))
+    def _schedule_worker(self, at: float, worker_id: str, incarnation: int, event: WorkerDue) -> None:
+        self._push(at, WorkerScheduled(worker_id, incarnation, event))
 
     def _start_worker(self, worker_id: str, at: float, offset: float = 0.0) -> None:
         w = self.workers[worker_id]
         w.start(at)
         self._note(f"start {worker_id} epoch {w.epoch}")
-        self._push(at + offset, HeartbeatDue(worker_id, w.epoch))
+        self._push(at + offset, HeartbeatDue(worker_id, w.incarnation))
 
     # --- event handlers ------------------------------------------------------------------
 
@@ -349,7 +353,7 @@ class Simulation:
         cause = message.assignment if isinstance(message, (Delta, Result)) else None
         self._router(MessageReceived(self.now, message), cause)
 
-    def _on_to_worker(self, worker_id: str, message: Offer | Cancel) -> None:
+    def _on_to_worker(self, worker_id: str, message: Offer | Cancel | Fenced) -> None:
         self._to_workers -= 1
         w = self.workers[worker_id]
         if not w.alive:
@@ -362,13 +366,16 @@ class Simulation:
                 event = machine.OfferReceived(self.now, message)
             case Cancel():
                 event = machine.CancelReceived(self.now, message)
+            case Fenced():
+                w.on_fenced(self.now, message)
+                return
             case _:
                 assert_never(message)
         w.deliver(self.now, event)
 
     def _on_heartbeat(self, due: HeartbeatDue) -> None:
         w = self.workers[due.worker_id]
-        if not (w.alive and w.epoch == due.epoch):
+        if not (w.alive and w.incarnation == due.incarnation):
             return
         self._send_to_router(self.now, due.worker_id, w.heartbeat(self.now))
         w.flush_residency(self.now)

@@ -13,6 +13,8 @@ from kvrelay.core.router.events import (
     ConsumerCancelled,
     DeliverDelta,
     DeliverResult,
+    DrainDeadline,
+    DrainStarted,
     Effect,
     LoadReplicas,
     MessageReceived,
@@ -21,6 +23,7 @@ from kvrelay.core.router.events import (
     RequestArrived,
     RouterEvent,
     SendCancel,
+    SendFenced,
     SendOffer,
     StartTimer,
     Tick,
@@ -31,6 +34,7 @@ from kvrelay.protocol.messages import (
     Assignment,
     Cancel,
     Delta,
+    Fenced,
     Heartbeat,
     Offer,
     OfferResult,
@@ -55,6 +59,8 @@ def describe(obj: RouterEvent | Effect | WireMessage) -> str:
             )
         case Cancel():
             return f"cancel {_a(obj.assignment)} {obj.worker_id} ({obj.reason})"
+        case Fenced():
+            return f"fenced {obj.worker_id} e{obj.epoch}"
         case OfferResult():
             verdict = "accepted" if obj.accepted else f"declined:{obj.reason}"
             return f"offer_result {_a(obj.assignment)} {obj.worker_id} {verdict}"
@@ -84,10 +90,16 @@ def describe(obj: RouterEvent | Effect | WireMessage) -> str:
             return f"consumer_cancel {obj.request_id}"
         case Tick():
             return "tick"
+        case DrainStarted():
+            return "drain_started"
+        case DrainDeadline():
+            return "drain_deadline"
         case SendOffer():
             return describe(obj.offer)
         case SendCancel():
             return describe(obj.cancel)
+        case SendFenced():
+            return describe(obj.fenced)
         case StartTimer():
             return f"start_timer {obj.timer[0]} {obj.timer[1]}#{obj.timer[2]} at={obj.at:.6f}"
         case CancelTimer():

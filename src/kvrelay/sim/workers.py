@@ -40,6 +40,7 @@ from kvrelay.core.worker import machine
 from kvrelay.protocol.chunk_keys import prompt_chain
 from kvrelay.protocol.messages import (
     Assignment,
+    Fenced,
     FinishReason,
     Heartbeat,
     Offer,
@@ -61,13 +62,14 @@ from kvrelay.sim.tokens import token_value
 from kvrelay.sim.work import Work, WorkerStats, iteration_s
 
 Schedule = Callable[[float, str, int, WorkerDue], None]
-"""``schedule(at, worker_id, epoch, event)``: hand ``event`` to ``SimWorker.on_due`` at ``at`` if the epoch still
-holds."""
+"""``schedule(at, worker_id, incarnation, event)``: hand ``event`` to ``SimWorker.on_due`` at ``at`` if that
+process (``SimWorker.incarnation``) still runs."""
 Send = Callable[[float, str, WireMessage], None]
 
 
 class SimWorker:
-    """One simulated worker process across crashes (each start is a new epoch)."""
+    """One simulated worker process across crashes: each start is a new ``incarnation`` and a new epoch, and a
+    ``Fenced`` notice of the current epoch moves the running process to a newer epoch."""
 
     def __init__(
         self,
@@ -104,6 +106,7 @@ class SimWorker:
             cluster.object_write_through and "object" in cluster.tiers,
         )
         self.epoch = 0
+        self.incarnation = 0
         self.alive = False
         self.state = machine.new_worker(worker_id, 0, (cluster.model,), w.context_limit)
         self.stats = WorkerStats()
@@ -124,8 +127,9 @@ class SimWorker:
     # --- lifecycle ---------------------------------------------------------------
 
     def start(self, now: float) -> None:
-        """Start a new epoch: a fresh machine and runtime; ssd and the object tier survive."""
+        """Start a new process and epoch: a fresh machine and runtime; ssd and the object tier survive."""
         self.epoch += 1
+        self.incarnation += 1
         self.alive = True
         self.peers[self.worker_id] = self.caches
         self.state = machine.new_worker(self.worker_id, self.epoch, (self.cluster.model,), self.spec.context_limit)
@@ -139,6 +143,15 @@ class SimWorker:
         self.caches.lose_volatile()
         self._reset_runtime()
         self.state = machine.new_worker(self.worker_id, self.epoch, (self.cluster.model,), self.spec.context_limit)
+
+    def on_fenced(self, now: float, fenced: Fenced) -> None:
+        """The router fenced ``fenced.epoch``: if that is the current one, go on in the next epoch (the machine
+        fences every assignment of the old one); the process, its pages and caches go on."""
+        if fenced.epoch != self.epoch:
+            return
+        self.epoch += 1
+        self.heartbeat_seq = self.residency_seq = 0
+        self.deliver(now, machine.EpochEnded(now, self.epoch))
 
     def holds_reservations(self) -> bool:
         return machine.holds_reservations(self.state) or self.caches.gpu.reserved > 0 or bool(self.works)
@@ -219,7 +232,7 @@ class SimWorker:
                 self.send(now, self.worker_id, message)
             case machine.RequestAdmission(offer=offer):
                 if self.admission_s > 0:
-                    self.schedule(now + self.admission_s, self.worker_id, self.epoch, AdmissionDue(offer))
+                    self.schedule(now + self.admission_s, self.worker_id, self.incarnation, AdmissionDue(offer))
                     return None
                 return self._admit(now, offer)
             case machine.StartWork(offer=offer):
@@ -269,7 +282,7 @@ class SimWorker:
             start = max(now, self.restore_free_at)
             work.restore_done_at = self.restore_free_at = start + plan.restore_s
             work.in_flight = True
-            self.schedule(work.restore_done_at, self.worker_id, self.epoch, RestoreDone(offer.assignment))
+            self.schedule(work.restore_done_at, self.worker_id, self.incarnation, RestoreDone(offer.assignment))
         else:
             self._enqueue(work)
 
@@ -424,7 +437,7 @@ class SimWorker:
         self.busy = True
         self.stats.busy_s += duration
         self.stats.prefill_tokens += tokens
-        self.schedule(now + duration, self.worker_id, self.epoch, IterationDone(decode, prefill))
+        self.schedule(now + duration, self.worker_id, self.incarnation, IterationDone(decode, prefill))
 
     def _iteration_done(self, now: float, decode: list[Work], prefill: list[tuple[Work, int]]) -> None:
         self.busy = False

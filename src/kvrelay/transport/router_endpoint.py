@@ -17,7 +17,10 @@ Contract:
   ``ConnectionTable`` accepts moves the worker's route to this connection
   (a connection it displaced is closed with code 4001) and then goes to
   ``sink.receive``; other worker messages go to ``sink.receive`` only when
-  ``table.admit`` lets them through. Everything else is dropped and counted in
+  ``table.admit`` lets them through. A heartbeat refused because its epoch is
+  fenced (its route ended) is answered on its connection with a ``Fenced``
+  notice (counted ``fenced_notices``), so a worker whose connection outlived
+  its epoch moves to a newer one. Everything else is dropped and counted in
   ``counters`` under its reason: frame verdicts, table refusals,
   ``wrong_direction`` (an offer or cancel sent by a worker), ``unknown_type``
   (an extension frame when no hook is installed).
@@ -67,6 +70,7 @@ from websockets.http11 import Request, Response
 from kvrelay.protocol.codec import DEFAULT_MAX_FRAME_BYTES, encode
 from kvrelay.protocol.messages import (
     Cancel,
+    Fenced,
     Heartbeat,
     Offer,
     OfferResult,
@@ -75,7 +79,7 @@ from kvrelay.protocol.messages import (
 )
 from kvrelay.router.cluster_router import ClusterRouter
 from kvrelay.transport.auth import check_authorization
-from kvrelay.transport.connections import ConnectionTable
+from kvrelay.transport.connections import ClaimReason, ConnectionTable
 from kvrelay.transport.frames import Extension, Malformed, Outbox, read_frame
 
 log = logging.getLogger(__name__)
@@ -256,6 +260,8 @@ class RouterEndpoint:
             case Heartbeat():
                 claim = self.table.bind_heartbeat(cid, item.worker_id, item.epoch, item.seq)
                 if not claim.accepted:
+                    if claim.reason is ClaimReason.FENCED_EPOCH:
+                        self._notify_fenced(cid, item)
                     self._reject(cid, peer, claim.reason.value, f"heartbeat {item.worker_id} {(item.epoch, item.seq)}")
                     return
                 if claim.displaced is not None:
@@ -266,7 +272,7 @@ class RouterEndpoint:
                     )
                 self.count("heartbeats")
                 self._feed(item)
-            case Offer() | Cancel():
+            case Offer() | Cancel() | Fenced():
                 self._reject(cid, peer, "wrong_direction", f"{type(item).__name__} goes router -> worker")
             case _:
                 epoch = item.epoch if isinstance(item, (OfferResult, Residency)) else None
@@ -275,6 +281,13 @@ class RouterEndpoint:
                     self._reject(cid, peer, refused.value, f"{type(item).__name__} of {item.worker_id}")
                     return
                 self._feed(item)
+
+    def _notify_fenced(self, cid: int, heartbeat: Heartbeat) -> None:
+        """Tell the worker on ``cid`` that the epoch of its heartbeat is fenced here, so it starts a newer one."""
+        self.count("fenced_notices")
+        reason = f"epoch {heartbeat.epoch} of {heartbeat.worker_id} is fenced at this router; come back in a newer one"
+        notice = Fenced(worker_id=heartbeat.worker_id, epoch=heartbeat.epoch, reason=reason[:256])
+        self._put(cid, encode(notice, self.max_frame_bytes))
 
     def _feed(self, message: WireMessage) -> None:
         self.count("forwarded")

@@ -22,7 +22,11 @@ Contract:
   defines it). That
   router fences the epoch the connection carried and refuses its heartbeats
   afterwards, so a host that wants to be routed by it again must start a new
-  epoch (and drop the work of the old one) before its next heartbeat. Epochs
+  epoch (and drop the work of the old one) before its next heartbeat. A router
+  that refuses a heartbeat of a fenced epoch on a live connection answers with a
+  ``Fenced`` notice, which goes to ``host.on_fenced`` (if it defines it); the
+  link then sends ``host.heartbeat()`` at once, so the new epoch is routed
+  without waiting for the next period. Epochs
   are per worker, not per router: with several routers, a new epoch also makes
   the others fence the old one (and re-route its work) at its next heartbeat.
 - Every frame is encoded by ``protocol.codec.encode``: a message holding a
@@ -51,7 +55,7 @@ from websockets.exceptions import (
 from websockets.uri import parse_uri
 
 from kvrelay.protocol.codec import DEFAULT_MAX_FRAME_BYTES, encode
-from kvrelay.protocol.messages import Cancel, Heartbeat, Offer, WireMessage
+from kvrelay.protocol.messages import Cancel, Fenced, Heartbeat, Offer, WireMessage
 from kvrelay.transport.auth import bearer_header
 from kvrelay.transport.frames import Extension, Malformed, Outbox, read_frame
 
@@ -65,8 +69,9 @@ class WorkerHost(Protocol):
     """What the worker endpoint drives (the worker-local controller implements it).
 
     A host may also define ``on_disconnect(router_url: str) -> None``; the
-    endpoint calls it, when present, each time a connection to a router ends
-    (see the module contract on epochs).
+    endpoint calls it, when present, each time a connection to a router ends,
+    and ``on_fenced(fenced: Fenced) -> None``, called with a router's notice
+    that it fenced an epoch of this worker (see the module contract on epochs).
     """
 
     worker_id: str
@@ -265,6 +270,16 @@ class WorkerEndpoint:
                 self._call_host(self._host.on_offer, item, link.send)
             case Cancel():
                 self._call_host(self._host.on_cancel, item)
+            case Fenced():
+                if item.worker_id != self._host.worker_id:
+                    self.count("misdirected")
+                    return
+                self.count("fenced_notices")
+                on_fenced = getattr(self._host, "on_fenced", None)
+                if on_fenced is None:
+                    return
+                self._call_host(on_fenced, item)
+                self._call_host(lambda: link.send(self._host.heartbeat()))  # the new epoch, announced at once
             case Malformed(reason=reason):
                 self.count(reason)
             case Extension():

@@ -1,7 +1,7 @@
 """The worker-local controller: the pure worker machine backed by a real page pool and runtime.
 
 It implements the transport's worker host (``heartbeat``, ``on_offer``,
-``on_cancel``) on one asyncio loop. Every protocol rule lives in
+``on_cancel``, ``on_fenced``, ``on_disconnect``) on one asyncio loop. Every protocol rule lives in
 ``kvrelay.core.worker.machine`` (the pure machine) and ``worker.admission``;
 this module only carries effects:
 
@@ -37,6 +37,7 @@ from kvrelay.protocol.chunk_keys import chunk_key, root_key
 from kvrelay.protocol.messages import (
     Assignment,
     Cancel,
+    Fenced,
     FinishReason,
     Heartbeat,
     Offer,
@@ -152,25 +153,36 @@ class WorkerController:
         self._step(machine.ShutdownRequested(self.clock()))
 
     def on_disconnect(self, router_url: str) -> None:
-        """A router connection ended, so that router fenced this epoch: move to a newer one.
+        """A router connection ended, so that router fenced this epoch: move to a newer one (``_next_epoch``)."""
+        self._next_epoch()
+        log.info("worker %s: connection to %s lost; now epoch %d", self.worker_id, router_url, self.epoch)
+
+    def on_fenced(self, fenced: Fenced) -> None:
+        """A router says it fenced ``fenced.epoch`` (its heartbeats stopped reaching it in time, e.g. while an
+        event loop stalled): if that is the current epoch, move to a newer one (``_next_epoch``); the link
+        that carried the notice announces it with a heartbeat at once. A notice of an older epoch is ignored."""
+        if fenced.worker_id != self.worker_id or fenced.epoch != self.epoch:
+            return
+        old = self.epoch
+        self._next_epoch()
+        log.warning(
+            "worker %s: a router fenced epoch %d (%s); now epoch %d", self.worker_id, old, fenced.reason, self.epoch
+        )
+
+    def _next_epoch(self) -> None:
+        """Continue in a newer epoch (wall-clock milliseconds, above the old one).
 
         Every assignment of the old epoch is fenced at once through the machine
         (as a cancel would: nothing more is sent for it, its pages are released
         once the step in flight has finished); later heartbeats and offers carry
-        the new epoch. Pages already filled stay resident as cache.
+        the new epoch, and heartbeat and residency sequences start again. Pages
+        already filled stay resident as cache.
         """
-        now = self.clock()
-        for assignment in list(self.state.slots):
-            self._step(
-                machine.CancelReceived(
-                    now,
-                    Cancel(assignment=assignment, worker_id=self.worker_id, reason=f"connection to {router_url} lost"),
-                )
-            )
-        self.epoch = max(self.epoch + 1, time.time_ns() // 1_000_000)
-        self.state.epoch = self.epoch
-        self.me = dataclasses.replace(self.me, epoch=self.epoch)
-        log.info("worker %s: connection to %s lost; now epoch %d", self.worker_id, router_url, self.epoch)
+        epoch = max(self.epoch + 1, time.time_ns() // 1_000_000)
+        self._step(machine.EpochEnded(self.clock(), epoch))
+        self.epoch = epoch
+        self.me = dataclasses.replace(self.me, epoch=epoch)
+        self._seq = self._residency_seq = 0
 
     def hand_over(self) -> int:
         """Stop every running assignment and end it with a ``cancelled`` Result carrying its tokens so far.

@@ -169,10 +169,13 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
 
 
 def no_candidate(state: RouterState, rs: RequestState, plan: cand.Plan, now: float, fx: Effects) -> None:
-    """No candidate for the request: end it (model not served, context too long, waited too long) or park it."""
+    """No candidate for the request: end it (model not served, context too long, waited too long) or park it.
+
+    A new request for a model no live worker serves ends at once; one that was offered before parks, since
+    the worker that served it may come back (a new epoch, a restart)."""
     model = rs.request.model
     serving = [w for w, v in state.views.items() if model in v.heartbeat.models]
-    if not serving:
+    if not serving and rs.attempt == 0:
         served = sorted({m for v in state.views.values() for m in v.heartbeat.models})
         finish(
             state,
@@ -185,7 +188,9 @@ def no_candidate(state: RouterState, rs: RequestState, plan: cand.Plan, now: flo
             ),
         )
         return
-    if _all_excluded(plan, serving, ExclusionKind.CONTEXT_LIMIT):
+    # A request some worker took before waits (parked, within max_queue_wait_s) for a server of its model to
+    # come back, e.g. a worker back in a new epoch after its old one was fenced, or a restarted worker.
+    if serving and _all_excluded(plan, serving, ExclusionKind.CONTEXT_LIMIT):
         limit = RequestError(ErrorKind.OVER_CONTEXT_LIMIT, plan.excluded[serving[0]].text)
         finish(state, rs, FinishReason.ERROR, now, fx, limit)
         return
@@ -199,7 +204,13 @@ def no_candidate(state: RouterState, rs: RequestState, plan: cand.Plan, now: flo
         state.count("parked")
     elif now - rs.parked_since > state.config.max_queue_wait_s:
         state.parked.pop(rs.request.request_id, None)
-        waited = RequestError(ErrorKind.NO_CAPACITY, f"waited {now - rs.parked_since:.1f} s for a worker")
+        if serving:
+            waited = RequestError(ErrorKind.NO_CAPACITY, f"waited {now - rs.parked_since:.1f} s for a worker")
+        else:
+            waited = RequestError(
+                ErrorKind.NO_WORKER,
+                f"waited {now - rs.parked_since:.1f} s for a worker serving model '{model}' to come back; none did",
+            )
         finish(state, rs, FinishReason.ERROR, now, fx, waited)
         return
     rs.phase = Phase.PARKED

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvrelay.protocol.messages import (
     Cancel,
+    Fenced,
     FinishReason,
     Offer,
     Sampling,
@@ -29,6 +30,8 @@ class ErrorKind(StrEnum):
     NO_CAPACITY = "no_capacity"
     GAVE_UP = "gave_up"
     DUPLICATE_REQUEST = "duplicate_request"
+    SHUTTING_DOWN = "shutting_down"
+    """The router is draining (it takes no new request) or its drain ran out of time mid-request."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +136,31 @@ class Tick:
     now: float
 
 
+@dataclass(frozen=True, slots=True)
+class DrainStarted:
+    """The router is shutting down: every new request ends at once (``shutting_down``); running ones go on."""
+
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class DrainDeadline:
+    """The drain's time is up: every request still in flight ends with a ``shutting_down`` error (its worker
+    is sent a cancel), so its consumer learns why it stopped."""
+
+    now: float
+
+
 RouterEvent = (
-    RequestArrived | ReplicasKnown | MessageReceived | TimerFired | WorkerUnavailable | ConsumerCancelled | Tick
+    RequestArrived
+    | ReplicasKnown
+    | MessageReceived
+    | TimerFired
+    | WorkerUnavailable
+    | ConsumerCancelled
+    | Tick
+    | DrainStarted
+    | DrainDeadline
 )
 
 
@@ -148,6 +174,14 @@ class SendOffer:
 class SendCancel:
     worker_id: str
     cancel: Cancel
+
+
+@dataclass(frozen=True, slots=True)
+class SendFenced:
+    """Tell ``worker_id`` that the epoch its heartbeat carried is fenced, so it comes back in a newer one."""
+
+    worker_id: str
+    fenced: Fenced
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,4 +270,14 @@ class LoadReplicas:
     worker_id: str
 
 
-Effect = SendOffer | SendCancel | StartTimer | CancelTimer | DeliverDelta | DeliverResult | Record | LoadReplicas
+Effect = (
+    SendOffer
+    | SendCancel
+    | SendFenced
+    | StartTimer
+    | CancelTimer
+    | DeliverDelta
+    | DeliverResult
+    | Record
+    | LoadReplicas
+)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import assert_never
 
 from kvrelay.core.planning import predicted_ttft
-from kvrelay.core.planning.registry import accept_heartbeat, expire, fence
+from kvrelay.core.planning.registry import HeartbeatReason, accept_heartbeat, expire, fence
 from kvrelay.core.router.attempts import (
     abandon,
     finish,
@@ -29,6 +29,8 @@ from kvrelay.core.router.events import (
     ConsumerCancelled,
     DeliverDelta,
     DeliverResult,
+    DrainDeadline,
+    DrainStarted,
     Effect,
     ErrorKind,
     LoadReplicas,
@@ -43,6 +45,7 @@ from kvrelay.core.router.events import (
     RequestError,
     RouterEvent,
     SendCancel,
+    SendFenced,
     StartTimer,
     Tick,
     TimerFired,
@@ -63,6 +66,7 @@ from kvrelay.protocol.messages import (
     Cancel,
     DeclineReason,
     Delta,
+    Fenced,
     FinishReason,
     Heartbeat,
     Offer,
@@ -101,6 +105,12 @@ def step(state: RouterState, event: RouterEvent) -> tuple[RouterState, Effects]:
                 state.count("workers_expired")
                 _worker_lost(state, wid, epoch, now, fx, "heartbeats stopped")
             retry_parked(state, now, fx)
+        case DrainStarted():
+            state.draining = True
+        case DrainDeadline(now=now):
+            state.draining = True
+            for rid in sorted(state.requests):
+                _stop_for_shutdown(state, state.requests[rid], now, fx)
         case _:
             assert_never(event)
     return state, fx
@@ -128,6 +138,12 @@ def request_chain(state: RouterState, request: Request) -> tuple[bytes, ...]:
 
 
 def _on_request(state: RouterState, request: Request, now: float, fx: Effects) -> None:
+    if state.draining:
+        state.count("refused_draining")
+        rs = RequestState(request=request, arrived=now, fingerprint=b"")
+        refused = RequestError(ErrorKind.SHUTTING_DOWN, "kvrelay is shutting down and takes no new requests")
+        finish(state, rs, FinishReason.ERROR, now, fx, refused)
+        return
     if request.request_id in state.requests:
         state.count("duplicate_request")
         rid = request.request_id
@@ -158,6 +174,30 @@ def _on_consumer_cancel(state: RouterState, rid: str, now: float, fx: Effects) -
             )
         )
     finish(state, rs, FinishReason.CANCELLED, now, fx)
+
+
+def _stop_for_shutdown(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None:
+    """End ``rs`` now with a ``shutting_down`` error naming how far it got; cancel it at its worker."""
+    rid = rs.request.request_id
+    if rs.worker_id is not None:
+        wid = rs.worker_id
+        fx.append(SendCancel(wid, Cancel(assignment=Assignment(rid, rs.attempt), worker_id=wid, reason="shutdown")))
+        fx.append(
+            Record(
+                RecordKind.OFFER_OUTCOME,
+                rid,
+                rs.attempt,
+                now,
+                {"worker_id": wid, "outcome": OfferOutcome.CANCELLED, "reason": "shutdown"},
+            )
+        )
+    state.count("stopped_by_shutdown")
+    stopped = RequestError(
+        ErrorKind.SHUTTING_DOWN,
+        f"kvrelay shut down before the request finished: {len(rs.delivered)} of "
+        f"{rs.request.max_new_tokens} tokens were delivered; send it again to continue",
+    )
+    finish(state, rs, FinishReason.ERROR, now, fx, stopped)
 
 
 # --- timers and workers ---------------------------------------------------------
@@ -210,7 +250,7 @@ def _on_message(state: RouterState, msg: WireMessage, now: float, fx: Effects) -
             _on_residency(state, msg, now, fx)
         case OfferResult() | Delta() | Result():
             _on_assignment_message(state, msg, now, fx)
-        case Offer() | Cancel():
+        case Offer() | Cancel() | Fenced():
             state.count("unexpected_message")
         case _:
             assert_never(msg)
@@ -244,6 +284,11 @@ def _on_heartbeat(state: RouterState, hb: Heartbeat, now: float, fx: Effects) ->
     verdict = accept_heartbeat(state.registry, hb, now)
     if not verdict.accepted:
         state.count("stale_heartbeat")
+        if verdict.reason is HeartbeatReason.EPOCH_FENCED:
+            # The worker goes on in an epoch the router refuses for good: tell it, so it starts a newer one.
+            state.count("fenced_notices")
+            reason = f"epoch {hb.epoch} of {hb.worker_id} is fenced; come back in a newer epoch"
+            fx.append(SendFenced(hb.worker_id, Fenced(worker_id=hb.worker_id, epoch=hb.epoch, reason=reason[:256])))
         return
     if verdict.replaced_epoch is not None:
         state.count("epoch_replaced")

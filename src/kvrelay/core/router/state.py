@@ -108,6 +108,8 @@ class RouterState:
     parked: dict[str, None] = field(default_factory=dict)
     """Requests waiting for capacity, in arrival order."""
     counters: dict[str, int] = field(default_factory=dict)
+    draining: bool = False
+    """Set by ``DrainStarted``: new requests end at once with a ``shutting_down`` error."""
 
     def __post_init__(self) -> None:
         self.pending = PendingCredits(self.index, self.config.max_pending_keys)

@@ -21,6 +21,10 @@ interpreter answers with ``AdmissionDecided`` (a pure page-capacity model in the
 simulator, a real page pool in the worker process). The machine validates the
 epoch, the model, the context limit and shutdown itself, before asking.
 
+Epochs: ``EpochEnded`` moves the machine to a newer epoch when the router has
+fenced the current one; every assignment of the old epoch is fenced (the router
+has re-routed them), and offers for the old epoch are declined ``wrong_epoch``.
+
 Fencing: for each request the machine remembers the highest attempt it has seen
 (bounded, oldest forgotten first). An offer or cancel for a lower attempt is
 stale: a stale offer is dropped and counted; an offer for a higher attempt
@@ -110,8 +114,24 @@ class ShutdownRequested:
     now: float
 
 
+@dataclass(frozen=True, slots=True)
+class EpochEnded:
+    """The router fenced the current epoch (it said so, or the connection carrying it was lost): every
+    assignment is fenced as a cancel would, and the worker continues in ``epoch``, which must be newer."""
+
+    now: float
+    epoch: int
+
+
 WorkerEvent = (
-    OfferReceived | AdmissionDecided | CancelReceived | TokensProduced | WorkFinished | WorkQuiesced | ShutdownRequested
+    OfferReceived
+    | AdmissionDecided
+    | CancelReceived
+    | TokensProduced
+    | WorkFinished
+    | WorkQuiesced
+    | ShutdownRequested
+    | EpochEnded
 )
 
 
@@ -223,6 +243,8 @@ def step(state: WorkerState, event: WorkerEvent) -> tuple[WorkerState, list[Work
         case ShutdownRequested():
             state.shutting_down = True
             return state, []
+        case EpochEnded(epoch=epoch):
+            return state, _on_epoch_ended(state, epoch)
         case _:
             assert_never(event)
 
@@ -350,6 +372,18 @@ def _on_cancel(state: WorkerState, cancel: Cancel) -> list[WorkerEffect]:
     else:
         _count(state, "cancel_ignored")
     return []
+
+
+def _on_epoch_ended(state: WorkerState, epoch: int) -> list[WorkerEffect]:
+    if epoch <= state.epoch:
+        raise ValueError(f"epoch {epoch} does not follow epoch {state.epoch} of {state.worker_id}")
+    _count(state, "epochs_ended")
+    effects: list[WorkerEffect] = []
+    for assignment in list(state.slots):
+        _count(state, "cancelled")
+        effects += _fence(state, assignment)
+    state.epoch = epoch
+    return effects
 
 
 def _on_tokens(state: WorkerState, event: TokensProduced) -> list[WorkerEffect]:
