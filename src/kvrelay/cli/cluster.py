@@ -1,4 +1,5 @@
-"""``kvrelay cluster``: a router and N worker processes on this machine, stopped together on Ctrl-C or SIGTERM."""
+"""``kvrelay cluster``: a router and N worker processes on this machine, restarted when they crash, stopped
+together on Ctrl-C or SIGTERM (the router drains first)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 from kvrelay.launch import defaults
 from kvrelay.launch.config import ConfigError, Option, add_options, resolve
+from kvrelay.launch.restarts import RestartPolicy
 from kvrelay.models.dtypes import DTYPE_NAMES
 
 if TYPE_CHECKING:
     from kvrelay.launch.vllm_server import VllmServerSpec
 
 COMMAND = "cluster"
+RESTARTS = RestartPolicy()
+"""The supervisor's restart defaults (their one home is ``launch.restarts``)."""
 OPTIONS = (
     Option("workers", int, 2, "number of worker processes"),
     Option("host", str, defaults.HOST, "address for HTTP and the worker WebSocket"),
@@ -36,6 +40,20 @@ OPTIONS = (
     Option(
         "grace_s", float, defaults.GRACE_S, "on shutdown, seconds running requests may take before they are handed over"
     ),
+    Option(
+        "drain_s",
+        float,
+        defaults.DRAIN_S,
+        "on SIGINT/SIGTERM, seconds the router lets running requests take (the workers stay up meanwhile); "
+        "then each ends with an error event that says so",
+    ),
+    Option(
+        "max_restarts",
+        int,
+        RESTARTS.max_restarts,
+        "restarts of one child (router or worker) within --restart-window-s before it is left down",
+    ),
+    Option("restart_window_s", float, RESTARTS.window_s, "the window in which --max-restarts counts restarts"),
 )
 
 
@@ -69,14 +87,16 @@ def run(args: argparse.Namespace) -> int:
         str(values["lanes"]),
     ]
     options = ClusterOptions(
-        values["workers"],
-        values["host"],
-        values["port"],
-        values["worker_port"],
-        tuple(router_args),
-        tuple(worker_args),
-        values["grace_s"],
-        engines,
+        workers=values["workers"],
+        host=values["host"],
+        port=values["port"],
+        worker_port=values["worker_port"],
+        router_args=tuple(router_args),
+        worker_args=tuple(worker_args),
+        grace_s=values["grace_s"],
+        engines=engines,
+        drain_s=values["drain_s"],
+        restarts=RestartPolicy(max_restarts=values["max_restarts"], window_s=values["restart_window_s"]),
     )
 
     def ready(http_url: str, workers: list[str]) -> None:
