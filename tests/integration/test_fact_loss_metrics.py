@@ -58,7 +58,10 @@ def test_records_dropped_on_a_full_disk_are_counted_on_metrics(tmp_path: Path) -
             written = full["kvrelay_facts_written_total"]
             complete(server.base_url, model.name, PROMPT, 4)
             wait_until(
-                lambda: scrape(server.base_url)["kvrelay_facts_written_total"] >= written + 3,
+                lambda: (
+                    (s := scrape(server.base_url))["kvrelay_facts_written_total"] >= written + 3
+                    and s["kvrelay_facts_pending"] == 0
+                ),
                 60,
                 "facts written again once the disk has room",
             )

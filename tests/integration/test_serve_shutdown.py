@@ -22,10 +22,10 @@ from tests.support.processes import OpenAIStream, StreamingRequest, child_env, k
 pytestmark = pytest.mark.timeout(240)
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12] * 4
-SHORT = 16
-LONG = 1800
+SHORT = 8
+LONG = 4000
 """Far more tokens than the tiny model decodes within the drain bound."""
-DRAIN_S = 6.0
+DRAIN_S = 10.0
 
 
 def up(url: str) -> bool:
