@@ -1,7 +1,7 @@
 """The vLLM worker: the pure worker machine carried out against a vLLM OpenAI server (docs/design.md section 13).
 
 ``VllmWorker`` is a second implementation of the host the worker transport
-drives (``heartbeat``, ``on_offer``, ``on_cancel``, ``on_disconnect``), beside
+drives (``heartbeat``, ``on_offer``, ``on_cancel``, ``on_disconnect``, ``on_fenced``), beside
 ``worker/host.py``'s ``WorkerController``. The protocol (fencing, stale
 attempts, deltas with sequence numbers, results) is the same machine,
 ``core/worker/machine.py``; only its effects differ:
@@ -55,6 +55,7 @@ from kvrelay.protocol.chunk_keys import root_key
 from kvrelay.protocol.messages import (
     Assignment,
     Cancel,
+    Fenced,
     FinishReason,
     Heartbeat,
     Offer,
@@ -183,6 +184,11 @@ class VllmWorker:
     def on_disconnect(self, router_url: str) -> None:
         """A router connection ended, so that router fenced this epoch: move to a newer one."""
         self.begin_epoch(f"connection to {router_url} lost", clear_mirror=False)
+
+    def on_fenced(self, fenced: Fenced) -> None:
+        """A router says it fenced the current epoch: move to a newer one (a notice of an older epoch is ignored)."""
+        if fenced.worker_id == self.worker_id and fenced.epoch == self.epoch:
+            self.begin_epoch(f"a router fenced epoch {fenced.epoch}", clear_mirror=False)
 
     def hand_over(self) -> int:
         """End every running assignment with a ``cancelled`` Result carrying its tokens so far (a continuation)."""
