@@ -1,5 +1,6 @@
-"""Pytest fixtures over ``kvrelay.testing``: a moto S3 endpoint, test credentials, a fact-store database, and real
-vLLM servers of a tiny model shared by the session."""
+"""Pytest fixtures over ``kvrelay.testing``: a moto S3 endpoint, test credentials, a fact-store database, real
+vLLM servers of a tiny model shared by the session; and ``isa``, which runs a native kernel's test once per
+instruction set it is written for."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from kvrelay.models.kernels.native import build
 from kvrelay.testing.databases import ENABLE_PG, pg_base_url, postgres_schema_url, sqlite_file_url
 from kvrelay.testing.moto import running_moto_server
 
@@ -67,3 +69,13 @@ def vllm_engines(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     specs = [tiny_vllm_spec(vllm_model), tiny_vllm_spec(vllm_model)]
     with started_vllm_servers(specs, tmp_path_factory.mktemp("vllm-logs")) as servers:
         yield servers
+
+
+@pytest.fixture(params=sorted(build.ISA_FLAGS))
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each instruction set the kernels are written for that this CPU has, made the one they take
+    (``KVRELAY_NATIVE_ISA``); the others are skipped. An AVX-512 machine so tests the AVX2 ports too."""
+    if not build.cpu_supports(request.param):
+        pytest.skip(f"this CPU lacks {request.param}")
+    monkeypatch.setenv(build.ISA_ENV, request.param)
+    return str(request.param)

@@ -2,8 +2,9 @@
 
 ``PackedLinear`` is ``F.linear`` with the CPU fast paths of bfloat16 (a oneDNN-packed
 weight for up to ``PACKED_MAX_ROWS`` rows, the C GEMV of ``native.linear_row`` for a
-single row); ``GatedMLP`` is ``down(act(gate(x)) * up(x))``, whose activation and
-product become oneDNN post-ops when the rows go through packed weights.
+single row; on CPUs without bfloat16 arithmetic, the AVX2 panels of
+``native.linear_avx2``); ``GatedMLP`` is ``down(act(gate(x)) * up(x))``, whose activation
+and product become oneDNN post-ops when the rows go through packed weights.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.models.config import ModelConfig
+from kvrelay.models.kernels.native.build import best_isa
+from kvrelay.models.kernels.native.linear_avx2 import Panels
 from kvrelay.models.kernels.native.linear_row import linear_row_native
 
 if TYPE_CHECKING:
@@ -56,7 +59,10 @@ class PackedLinear:
     serves inputs of at most ``max_rows`` rows (``None``: all), the plain
     weight the rest (long prefill chunks, where re-laying out is amortized).
     Elsewhere (float32, CUDA, no mkldnn) this is plain ``F.linear``. A single bfloat16
-    row without bias goes through ``native.linear_row`` where it is built.
+    row without bias goes through ``native.linear_row`` where it is built. Where the
+    kernels are the AVX2 ones (no bfloat16 arithmetic, so oneDNN has no bfloat16
+    kernel) every bfloat16 input goes through the weight's ``native.linear_avx2.Panels``
+    instead, which take as much memory again.
     """
 
     def __init__(
@@ -66,7 +72,12 @@ class PackedLinear:
         self.bias = bias
         self.max_rows = max_rows
         self.packed: torch.Tensor | None = None
-        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        self.panels: Panels | None = None
+        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+            return
+        if best_isa() == "avx2":
+            self.panels = Panels.build(weight, bias)
+        elif torch.backends.mkldnn.is_available():
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
             except (AttributeError, NotImplementedError, RuntimeError):
@@ -80,6 +91,10 @@ class PackedLinear:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            out = self.panels(x)
+            if out is not None:
+                return out
         if self.bias is None and x.dim() == 2 and x.shape[0] == 1:
             row = linear_row_native(x, self.weight)
             if row is not None:

@@ -8,7 +8,9 @@ everything that separates them from the full head's values (quantizing ``W`` and
 float32 sums of the bfloat16 GEMV, its rounding to bfloat16), every row whose logit is surely
 below another row's is ruled out; the few left get their exact logits from the same C GEMV the
 full head runs (``native.linear_row``, whose value for a row does not depend on the other rows),
-and the largest wins, the lowest id on ties. The token is the full head's greedy token
+and the largest wins, the lowest id on ties (on CPUs without AVX-512, the AVX2 ports of both:
+``head_screen_avx2.c`` and the panels of ``native.linear_avx2``, whose value for a row does not depend
+on the other rows either). The token is the full head's greedy token
 (``tests/unit/test_greedy_head.py``); when the screen leaves too many rows, or does not apply,
 the caller computes the full logits. It is the bound-and-verify scheme of quantized
 maximum-inner-product search, kept exact.
@@ -19,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from kvrelay.models.kernels.huge_pages import huge_page_empty
-from kvrelay.models.kernels.native import head_screen
+from kvrelay.models.kernels.native import head_screen, linear_avx2
+from kvrelay.models.kernels.native.build import best_isa
 from kvrelay.models.kernels.native.linear_row import linear_rows_at_native
 
 MAX_PICKED = 16384
@@ -101,5 +104,13 @@ class GreedyHead:
             return None
         self.last_left = count
         picked = self._picked[:count]
-        logits = linear_rows_at_native(h, self.weight, picked)
+        logits = exact_rows(h, self.weight, picked)
         return None if logits is None else int(picked[int(logits.argmax())])
+
+
+def exact_rows(h: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+    """The head's bfloat16 logits of ``h`` at ``rows``, bit for bit as the model's full head computes them (the
+    C GEMV of ``linear_row`` on AVX-512, the panels of ``linear_avx2`` on AVX2); ``None`` where neither runs."""
+    if best_isa() == "avx2":
+        return linear_avx2.rows_at_native(h, weight, rows)
+    return linear_rows_at_native(h, weight, rows)

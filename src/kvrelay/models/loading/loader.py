@@ -40,7 +40,7 @@ from kvrelay.models.loading.fingerprint import (
 from kvrelay.models.loading.weight_layout import ModelLoadError, check_weights
 from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS
 
-__all__ = ["LoadedArtifacts", "ModelLoadError", "dtype_name", "load_artifacts"]
+__all__ = ["LoadedArtifacts", "ModelLoadError", "dtype_name", "load_artifacts", "model_directory"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,24 @@ def load_artifacts(
             )
     log.info("loaded %s from %s in %.2f s", artifacts.name, artifacts.source, time.perf_counter() - started)
     return artifacts
+
+
+def model_directory(source: str | Path | None = None, cache_dir: Path | None = None) -> Path:
+    """The Hugging Face directory holding the weights of ``source`` (as ``load_artifacts`` takes it): a directory
+    itself, or the cache entry of a GGUF file (the default model's for ``None``), converted once on first use.
+    Another engine (vLLM) serves the same weights from it; nothing is loaded into memory."""
+    cache = Path(cache_dir) if cache_dir is not None else paths.cache_dir()
+    if source is None:
+        return _gguf_entry(default_gguf_path(cache), cache)[0]
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _gguf_entry(path, cache)[0]
+    raise ModelLoadError(
+        f"model source {path} is neither a directory nor a .gguf file; pass a directory with config.json and "
+        "*.safetensors, or a .gguf file (or nothing, for the default Gemma 3 270M)"
+    )
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
@@ -186,11 +204,18 @@ def _load_directory(directory: Path, dtype: torch.dtype, digest: bytes, name: st
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, cache: Path, name: str) -> LoadedArtifacts:
+    entry, digest = _gguf_entry(path, cache)
+    return _load_directory(entry, dtype, digest, name, str(path))
+
+
+def _gguf_entry(path: Path, cache: Path) -> tuple[Path, bytes]:
+    """The cache entry of the GGUF file ``path`` (``cache/models/<weights digest>``, built if incomplete) and
+    that digest."""
     digest = weights_digest([path], cache / "digests")
     entry = cache / "models" / digest.hex()
     if not _cache_entry_complete(entry):
         _build_cache_entry(path, entry, digest)
-    return _load_directory(entry, dtype, digest, name, str(path))
+    return entry, digest
 
 
 def _cache_entry_complete(entry: Path) -> bool:

@@ -1,23 +1,30 @@
-"""C kernels for bfloat16 on CPUs with AVX-512 BF16, each with a PyTorch path that serves wherever it does not apply.
+"""C kernels for bfloat16 on CPUs: AVX-512 BF16 ones and their AVX2 ports (``<name>_avx2.c``), each with a
+PyTorch path that serves wherever it does not apply.
 
-``attention`` (batched decode attention), ``rms_norm`` (RMS norm, with the residual
-add or the rope that follows it) and ``linear_row`` (a single-row projection) wrap
-their ``.c`` sources, which ``build`` compiles on first use; ``head_screen.c`` is
-``models.greedy_head``'s screen (``head_screen``).
+``attention`` (batched decode attention), ``rms_norm`` (RMS norm, with the residual add or the rope that
+follows it) and ``linear_row`` (a single-row projection, AVX-512 only) wrap their ``.c`` sources, which
+``build`` compiles on first use for the instruction set it picks (``build.best_isa``); ``head_screen.c`` is
+``models.greedy_head``'s screen (``head_screen``); ``linear_avx2`` holds the projections of CPUs without
+bfloat16 arithmetic, where oneDNN has none.
 """
 
 from __future__ import annotations
 
-from kvrelay.models.kernels.native import attention, head_screen, linear_row, rms_norm
-from kvrelay.models.kernels.native.build import load
+from kvrelay.models.kernels.native import attention, head_screen, linear_avx2, linear_row, rms_norm
+from kvrelay.models.kernels.native.build import best_isa, load, load_best
 
 
 def load_all() -> bool:
-    """Build (or find in the cache) and load every kernel now, so no forward pays for it; whether all loaded."""
-    kernels = (
+    """Build (or find in the cache) and load every kernel of ``best_isa()`` now, so no forward pays for it;
+    whether all loaded."""
+    ported = (
         ("decode_attention", attention._SIGNATURES),
         ("rms_norm", rms_norm._SIGNATURES),
-        ("linear_row", linear_row._SIGNATURES),
         ("head_screen", head_screen._SIGNATURES),
     )
-    return all(load(name, signatures) is not None for name, signatures in kernels)
+    loaded = [load_best(name, signatures) is not None for name, signatures in ported]
+    if best_isa() == "avx512":
+        loaded.append(load("linear_row", linear_row._SIGNATURES) is not None)
+    else:
+        loaded.append(linear_avx2.library() is not None)
+    return all(loaded)

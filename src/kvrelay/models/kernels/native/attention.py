@@ -1,4 +1,5 @@
-"""A CPU fast path for batched decode attention: a C kernel (AVX-512 BF16), compiled on first use.
+"""A CPU fast path for batched decode attention: a C kernel (AVX-512 BF16, or its AVX2 port
+``decode_attention_avx2.c``), compiled on first use.
 
 ``decode_attention`` in PyTorch reads a decode step's keys and values through two
 batched matmuls plus a softmax and the copies between them. ``decode_attention.c``
@@ -23,7 +24,7 @@ import ctypes
 
 import torch
 
-from kvrelay.models.kernels.native.build import load
+from kvrelay.models.kernels.native.build import load_best
 
 MAX_KEYS = 4095
 """The most keys one query may see (the C kernel's ``MAX_KEYS - 1``)."""
@@ -53,7 +54,7 @@ def decode_attention_native(
     """
     if not _applies(q, k, v, visible):
         return None
-    lib = load("decode_attention", _SIGNATURES)
+    lib = load_best("decode_attention", _SIGNATURES)
     if lib is None:
         return None
     batch, kv_heads, group, dim = q.shape

@@ -1,14 +1,21 @@
 """Build and load the C kernels of this package on first use.
 
-``load(name, signatures)`` compiles ``<name>.c`` (next to this file, with the
-shared ``bf16_simd.h``) with the C compiler (``$CC``, else ``cc``) into
-``cache_dir()/native``, keyed by the digest of the sources, compiler and flags,
-loads it with ``ctypes`` and gives its functions
-their ``(argtypes, restype)``. It returns ``None``, and the caller takes its
-PyTorch path, when the kernels are turned off (``KVRELAY_NATIVE_KERNELS=0``), the
-CPU lacks AVX-512 BF16, no compiler is found, or the build fails (logged once per
-kernel). Kernels use OpenMP: the loader resolves their ``libgomp.so.1`` to the
-copy torch loaded first, so they run on the calling thread's torch team.
+``load(name, signatures, isa)`` compiles ``<name>.c`` (next to this file, with the
+shared headers) for the instruction set ``isa`` (``"avx512"``: AVX-512 with BF16 and
+VNNI, the default; ``"avx2"``: AVX2 with FMA) with the C compiler (``$CC``, else
+``cc``) into ``cache_dir()/native``, keyed by the digest of the sources, compiler and
+flags, loads it with ``ctypes`` and gives its functions their ``(argtypes, restype)``.
+It returns ``None``, and the caller takes its PyTorch path, when the kernels are
+turned off (``KVRELAY_NATIVE_KERNELS=0``), the CPU lacks ``isa``, no compiler is
+found, or the build fails (logged once per kernel).
+
+``best_isa()`` is the instruction set the kernels take here: ``"avx512"`` where the
+CPU has it, else ``"avx2"``, else ``None``; ``KVRELAY_NATIVE_ISA=avx2`` makes an
+AVX-512 CPU take the AVX2 kernels (to test or measure them there). ``load_best(name,
+signatures)`` loads ``<name>.c`` on ``"avx512"`` and its AVX2 port ``<name>_avx2.c``
+on ``"avx2"`` (``None`` where there is none). Kernels use OpenMP: the loader resolves
+their ``libgomp.so.1`` to the copy torch loaded first, so they run on the calling
+thread's torch team.
 """
 
 from __future__ import annotations
@@ -31,31 +38,30 @@ from kvrelay.paths import cache_dir
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "KVRELAY_NATIVE_KERNELS"
-FLAGS = (
-    "-O3",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512dq",
-    "-mavx512vl",
-    "-mavx512bf16",
-    "-mavx512vnni",
-    "-fopenmp",
-    "-shared",
-    "-fPIC",
-)
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni")
+ISA_ENV = "KVRELAY_NATIVE_ISA"
+COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+ISA_FLAGS = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"),
+    "avx2": ("-mavx2", "-mfma"),
+}
+"""The compiler flags of each instruction set the kernels are written for."""
+_CPU_FLAGS = {
+    "avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni"),
+    "avx2": ("avx2", "fma"),
+}
 
 Signature = tuple[tuple[Any, ...], Any]
 """A C function's ``ctypes`` argument types and result type."""
 
 
 @functools.cache
-def load(name: str, signatures: tuple[tuple[str, Signature], ...]) -> ctypes.CDLL | None:
-    """Kernel ``name`` built and loaded, its functions typed by ``signatures``; ``None`` if it cannot run here."""
+def load(name: str, signatures: tuple[tuple[str, Signature], ...], isa: str = "avx512") -> ctypes.CDLL | None:
+    """Kernel ``name`` built for ``isa`` and loaded, its functions typed by ``signatures``; ``None`` if it cannot
+    run here."""
     if os.environ.get(DISABLE_ENV) == "0":
         return None
-    if not cpu_supports():
-        log.info("native kernel %s is off: this CPU lacks AVX-512 BF16", name)
+    if not cpu_supports(isa):
+        log.info("native kernel %s is off: this CPU lacks %s", name, isa)
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
@@ -63,7 +69,7 @@ def load(name: str, signatures: tuple[tuple[str, Signature], ...]) -> ctypes.CDL
         return None
     source = Path(__file__).with_name(f"{name}.c")
     try:
-        lib = ctypes.CDLL(str(_build(source, compiler)))
+        lib = ctypes.CDLL(str(_build(source, compiler, (*COMMON_FLAGS, *ISA_FLAGS[isa]))))
     except subprocess.CalledProcessError as exc:
         log.warning("native kernel %s is off: %s failed on %s:\n%s", name, compiler, source, exc.stderr)
         return None
@@ -76,14 +82,33 @@ def load(name: str, signatures: tuple[tuple[str, Signature], ...]) -> ctypes.CDL
     return lib
 
 
-def _build(source: Path, compiler: str) -> Path:
+def load_best(name: str, signatures: tuple[tuple[str, Signature], ...]) -> ctypes.CDLL | None:
+    """Kernel ``name`` for ``best_isa()``: ``<name>.c`` on AVX-512, ``<name>_avx2.c`` on AVX2; ``None`` where it
+    cannot run or has no port to that instruction set."""
+    isa = best_isa()
+    if isa is None:
+        return None
+    source = name if isa == "avx512" else f"{name}_{isa}"
+    if not Path(__file__).with_name(f"{source}.c").is_file():
+        return None
+    return load(source, signatures, isa)
+
+
+def best_isa() -> str | None:
+    """The instruction set the kernels take here (see the module docstring)."""
+    if os.environ.get(ISA_ENV) != "avx2" and cpu_supports("avx512"):
+        return "avx512"
+    return "avx2" if cpu_supports("avx2") else None
+
+
+def _build(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
     """The shared library of ``source``, compiled into the cache unless an identical build is there.
 
     The key covers the source, the headers beside it (which the kernels include), the compiler and the flags.
     """
     headers = sorted(source.parent.glob("*.h"))
     text = b"".join(path.read_bytes() for path in (source, *headers))
-    key = hashlib.sha256(text + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
     target = cache_dir() / "native" / f"{source.stem}-{key}.so"
     if target.exists():
         return target
@@ -91,17 +116,17 @@ def _build(source: Path, compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *FLAGS, str(source), "-o", str(built)], check=True, capture_output=True, text=True, timeout=120
+            [compiler, *flags, str(source), "-o", str(built)], check=True, capture_output=True, text=True, timeout=120
         )
         os.replace(built, target)
     return target
 
 
-def cpu_supports() -> bool:
-    """Whether this CPU has the AVX-512 extensions the kernels are compiled for."""
+def cpu_supports(isa: str = "avx512") -> bool:
+    """Whether this CPU has the extensions of ``isa`` (``"avx512"`` or ``"avx2"``)."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return all(flag in flags for flag in _CPU_FLAGS)
+    return all(flag in flags for flag in _CPU_FLAGS[isa])

@@ -1,6 +1,7 @@
 """The screening pass of ``models.greedy_head``: int8 dots of one row against every head row, with
-bounds, in C (AVX-512 VNNI; ``head_screen.c`` states the arithmetic). Where the kernel is not
-built, ``screen_rows`` returns ``None`` and the caller computes the full logits.
+bounds, in C (AVX-512 VNNI, ``head_screen.c``, which states the arithmetic; on CPUs without
+AVX-512 its AVX2 port ``head_screen_avx2.c``, the same functions and results). Where the kernel is
+not built, ``screen_rows`` returns ``None`` and the caller computes the full logits.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import ctypes
 
 import torch
 
-from kvrelay.models.kernels.native.build import load
+from kvrelay.models.kernels.native.build import load_best
 
 _PTR, _I64, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _SIGNATURES = (
@@ -23,7 +24,7 @@ _SIGNATURES = (
 
 def built() -> bool:
     """Whether the kernel runs here."""
-    return load("head_screen", _SIGNATURES) is not None
+    return load_best("head_screen", _SIGNATURES) is not None
 
 
 def quantize_rows(
@@ -36,7 +37,7 @@ def quantize_rows(
     """Fill ``q`` (int8, ``weight``'s shape) and ``row_terms`` (``rowsum`` int32, ``scale``, ``c1``, ``c2``
     float64) from the bfloat16 ``weight`` as ``head_screen.c`` states; False (nothing written) when the
     kernel is not built."""
-    lib = load("head_screen", _SIGNATURES)
+    lib = load_best("head_screen", _SIGNATURES)
     if lib is None:
         return False
     rowsum, scale, c1, c2 = row_terms
@@ -70,7 +71,7 @@ def screen_rows(
     ``x_terms`` the parts' scales, the largest error left and the sum of the row's magnitudes;
     ``upper`` (float64 ``[N]``) is scratch.
     """
-    lib = load("head_screen", _SIGNATURES)
+    lib = load_best("head_screen", _SIGNATURES)
     if lib is None:
         return None
     rowsum, scale, c1, c2 = row_terms

@@ -8,7 +8,8 @@ residual add that follows Gemma's post-attention and post-feedforward norms, and
 The numerics are ``layers.RMSNorm``'s; only the order of the sum of squares
 differs (``tests/unit/test_native_rms_norm.py``). Applies to contiguous-row
 bfloat16 tensors on the CPU whose last dim is a multiple of 16, where the kernel
-is built (``build``); elsewhere the callers take their PyTorch path.
+is built (``build``: AVX-512, or its AVX2 port ``rms_norm_avx2.c``); elsewhere the callers take their
+PyTorch path.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import ctypes
 
 import torch
 
-from kvrelay.models.kernels.native.build import load
+from kvrelay.models.kernels.native.build import load_best
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = (
@@ -55,7 +56,7 @@ def rms_norm_native(
         return None
     if rope is not None and not _rope_fits(x, *rope):
         return None
-    lib = load("rms_norm", _SIGNATURES)
+    lib = load_best("rms_norm", _SIGNATURES)
     if lib is None:
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
@@ -86,7 +87,7 @@ def add_rms_norm_native(
         return False
     if base.shape != x.shape or base.dtype != x.dtype or base.device != x.device or not base.is_contiguous():
         return False
-    lib = load("rms_norm", _SIGNATURES)
+    lib = load_best("rms_norm", _SIGNATURES)
     if lib is None:
         return False
     status = lib.kvrelay_add_rms_norm(

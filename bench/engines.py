@@ -1,0 +1,239 @@
+"""kvrelay's runtime against vLLM: the same model, machine and streaming client, alternating rounds in one run.
+
+Both servers run at once for the whole run (``kvrelay.bench.engines.servers``: ``kvrelay serve --lanes N`` and
+vLLM's OpenAI server, its CPU build from ``.venv-vllm``, both in bfloat16 with ``--threads`` torch threads
+each; only one of them has work at any moment). The model is Gemma 3 270M by default: kvrelay's converted
+directory under the model cache (``kvrelay.models.loading.loader.model_directory``), which vLLM serves too,
+under the same name. Each round measures, on both servers one after the other (kvrelay first in even rounds,
+vLLM first in odd ones), with fresh prompts both servers share (``kvrelay.bench.engines.measure``):
+
+1. ``decode_c{N}_tokens_per_s`` for each ``--streams`` N: N completions of ``--decode-prompt`` random tokens
+   and ``--decode-tokens`` new tokens each, sent at once; the aggregate rate while every stream decodes.
+2. ``cold_ttft_s`` and ``prefill_tokens_per_s``: a fresh ``--cold-prompt``-token prompt alone (TTFT and
+   prompt tokens over it).
+3. ``warm_ttft_s``: that prompt's first ``cold - --warm-suffix`` tokens again with a new suffix; with each
+   server's reported cached prompt tokens (``warm_cached_share``) and vLLM's prefix-cache hit share from its
+   ``/metrics`` (``vllm_prefix_cache_hit_share``).
+
+Then ``peak_rss_mib`` of each server's process tree, and each decode's share of the compute limit
+(``kvrelay.bench.engines.compute``: the machine's measured bfloat16 GEMM peak over the model's FLOPs per
+token at the decode's mean context). Every figure is the median over rounds; ``*_ratio`` is kvrelay's
+advantage (a rate over vLLM's, vLLM's time over kvrelay's) with its least and largest round. The goal:
+2x on every decode, 1.5x on cold TTFT. Prints a table, writes ``--json`` and a PNG next to it.
+
+Run (figures for the README, the machine shared, so under the bench lock):
+``flock /tmp/kvrelay-bench.lock .venv/bin/python bench/engines.py --json bench/results/engines.json``
+(about 15 minutes after vLLM's 2 to 10 minute start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from kvrelay.bench.engines.compute import flops_per_token, peak_flops
+from kvrelay.bench.engines.measure import decode, prompts, ttft
+from kvrelay.bench.engines.report import Comparison, Samples, figures, plot, print_comparisons
+from kvrelay.bench.engines.servers import EngineServer, ServerSpec, start_kvrelay, start_vllm
+from kvrelay.bench.report import Figure, report
+from kvrelay.models.config import ModelConfig
+from kvrelay.models.loading.default_model import DEFAULT_MODEL_NAME
+from kvrelay.models.loading.loader import model_directory
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINES = ("kvrelay", "vllm")
+DECODE_GOAL = 2.0
+COLD_TTFT_GOAL = 1.5
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model directory or GGUF (default: Gemma 3 270M)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    parser.add_argument("--streams", default="1,8,32", help="concurrent streams of the decode figures (default 1,8,32)")
+    parser.add_argument("--decode-prompt", type=int, default=256, help="prompt tokens per decode stream (default 256)")
+    parser.add_argument("--decode-tokens", type=int, default=128, help="new tokens per decode stream (default 128)")
+    parser.add_argument("--cold-prompt", type=int, default=4096, help="prompt tokens of the TTFT figures")
+    parser.add_argument("--warm-suffix", type=int, default=512, help="new tokens after the warm prefix (default 512)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each server (default 2)")
+    parser.add_argument("--lanes", type=int, default=None, help="kvrelay lanes, vLLM max-num-seqs (default: streams)")
+    parser.add_argument("--kv-tokens", type=int, default=65536, help="KV tokens of each server (default 65536)")
+    parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
+    parser.add_argument("--vllm-batched-tokens", type=int, default=None, help="vLLM --max-num-batched-tokens")
+    parser.add_argument("--vllm-force-omp-threads", action="store_true", help="also set OMP_NUM_THREADS for vLLM")
+    parser.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (fast start; smoke)")
+    parser.add_argument("--ready-timeout", type=float, default=1200.0, help="seconds a server may take to start")
+    parser.add_argument("--work-dir", type=Path, default=None, help="logs and kvrelay's data (default: a temp dir)")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here (and the PNG next to it)")
+    args = parser.parse_args(argv)
+    if not args.vllm_python.exists():
+        parser.error(f"{args.vllm_python} does not exist; build vLLM's venv with `make vllm` or pass --vllm-python")
+    streams = sorted({int(n) for n in args.streams.split(",")})
+    if args.warm_suffix >= args.cold_prompt:
+        parser.error("--warm-suffix must be shorter than --cold-prompt")
+
+    model_dir = model_directory(args.model)
+    config = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    name = DEFAULT_MODEL_NAME if args.model is None else Path(args.model).stem
+    peak, peak_way = peak_flops(args.threads)
+    print(f"model {name} ({model_dir}); bf16 GEMM peak {peak / 1e9:.1f} GFLOP/s (as {peak_way})", flush=True)
+    load_before = os.getloadavg()
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-engines-"))
+    spec = ServerSpec(
+        model_dir=model_dir,
+        model_name=name,
+        kvrelay_model=args.model,
+        threads=args.threads,
+        lanes=args.lanes or max(streams),
+        kv_tokens=args.kv_tokens,
+        kv_bytes_per_token=config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2,
+        max_model_len=min(config.max_position_embeddings, args.cold_prompt + args.decode_tokens + 64),
+        work_dir=work,
+        vllm_python=args.vllm_python,
+        vllm_batched_tokens=args.vllm_batched_tokens,
+        vllm_force_omp_threads=args.vllm_force_omp_threads,
+        vllm_extra=("--enforce-eager",) if args.vllm_eager else (),
+    )
+    servers: dict[str, EngineServer] = {}
+    try:
+        servers["kvrelay"] = start_kvrelay(spec)
+        servers["vllm"] = start_vllm(spec)
+        for server in servers.values():
+            started = time.monotonic()
+            server.wait_ready(args.ready_timeout)
+            print(f"{server.name} ready at {server.url} ({time.monotonic() - started:.0f} s more)", flush=True)
+        samples, hit_shares = run_rounds(servers, config.vocab_size, streams, args)
+        rss = {engine: servers[engine].peak_rss_mib() for engine in ENGINES}
+        version = servers["vllm"].version
+    finally:
+        for server in servers.values():
+            server.stop()
+        if args.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    load_after = os.getloadavg()
+
+    peer = f"vllm {version}"
+    decodes = [(n, compare(samples, f"decode_c{n}_tokens_per_s", "tokens/s", True, DECODE_GOAL)) for n in streams]
+    cold = compare(samples, "cold_ttft_s", "s", False, COLD_TTFT_GOAL)
+    warm = compare(samples, "warm_ttft_s", "s", False)
+    comparisons = [c for _, c in decodes] + [
+        cold,
+        compare(samples, "prefill_tokens_per_s", "tokens/s", True),
+        warm,
+        compare(samples, "warm_cached_share", "ratio", True),
+    ]
+    context = args.decode_prompt + args.decode_tokens / 2
+    limit = peak / flops_per_token(config, context)
+    for n, c in decodes:
+        shares = Samples()
+        for engine, values in (("kvrelay", c.ours), ("vllm", c.theirs)):
+            for value in values:
+                shares.add(engine, "share", value / limit)
+        comparisons.append(compare(shares, "share", "ratio", True, name=f"decode_c{n}_share_of_compute_limit"))
+    print_comparisons(comparisons, peer)
+    out = figures(comparisons, peer)
+    out += [
+        Figure("peak_rss_mib", rss["kvrelay"], "MiB", peer, rss["vllm"]),
+        Figure("vllm_prefix_cache_hit_share", sum(hit_shares) / len(hit_shares), "ratio"),
+        Figure("bf16_peak_gflops", peak / 1e9, "GFLOP/s"),
+        Figure("compute_limit_tokens_per_s", limit, "tokens/s"),
+        Figure("load_average_before", load_before[0], "runnable"),
+        Figure("load_average_after", load_after[0], "runnable"),
+    ]
+    print(
+        f"bf16 peak: torch {peak_way} GEMM on {args.threads} threads; compute limit at a mean decode context of "
+        f"{context:g} tokens; load average (1, 5, 15 min) before {load_before}, after {load_after}"
+    )
+    title = f"kvrelay serve vs {peer}: {name}, bfloat16, {args.threads} threads, {args.rounds} rounds"
+    report(title, out, str(args.json) if args.json else None)
+    if args.json:
+        title = (
+            f"kvrelay vs {peer}, {name} bf16, {args.threads} threads, {args.rounds} rounds "
+            f"(medians; whiskers: least and largest round)"
+        )
+        plot(args.json.with_suffix(".png"), decodes, [("cold", cold), ("warm prefix", warm)], peer, title)
+    return 0
+
+
+def run_rounds(
+    servers: dict[str, EngineServer], vocab: int, streams: list[int], args: argparse.Namespace
+) -> tuple[Samples, list[float]]:
+    """Every figure on both servers, round after round, alternating which goes first (see the docstring)."""
+    samples = Samples()
+    hit_shares: list[float] = []
+    warm_up(servers, vocab, streams, args)
+    for round_ in range(args.rounds):
+        order = ENGINES if round_ % 2 == 0 else ENGINES[::-1]
+        for n in streams:
+            batch = prompts(n, args.decode_prompt, vocab, seed=1000 * round_ + n)
+            for engine in order:
+                server = servers[engine]
+                result = decode(server.url, server.model_name, batch, args.decode_tokens)
+                samples.add(engine, f"decode_c{n}_tokens_per_s", result.tokens_per_s)
+                print(
+                    f"round {round_} {engine:8} {n:3} streams: {result.tokens_per_s:8.1f} tokens/s "
+                    f"({result.window_s:.1f} s window, {result.completion_tokens} tokens)",
+                    flush=True,
+                )
+        (cold_prompt,) = prompts(1, args.cold_prompt, vocab, seed=1000 * round_ + 999)
+        (suffix,) = prompts(1, args.warm_suffix, vocab, seed=1000 * round_ + 998)
+        warm_prompt = cold_prompt[: args.cold_prompt - args.warm_suffix] + suffix
+        for engine in order:
+            server = servers[engine]
+            cold = ttft(server.url, server.model_name, cold_prompt)
+            before = prefix_cache_counts(server) if engine == "vllm" else None
+            warm = ttft(server.url, server.model_name, warm_prompt)
+            if before is not None:
+                queries, hits = (b - a for a, b in zip(before, prefix_cache_counts(server)))
+                hit_shares.append(hits / queries if queries else 0.0)
+            samples.add(engine, "cold_ttft_s", cold.seconds)
+            samples.add(engine, "prefill_tokens_per_s", cold.prompt_tokens / cold.seconds)
+            samples.add(engine, "warm_ttft_s", warm.seconds)
+            samples.add(engine, "warm_cached_share", warm.cached_tokens / warm.prompt_tokens)
+            print(
+                f"round {round_} {engine:8} TTFT cold {cold.seconds:.3f} s, warm {warm.seconds:.3f} s "
+                f"({warm.cached_tokens} of {warm.prompt_tokens} prompt tokens cached)",
+                flush=True,
+            )
+    return samples, hit_shares
+
+
+def warm_up(servers: dict[str, EngineServer], vocab: int, streams: list[int], args: argparse.Namespace) -> None:
+    """A short run of every concurrency and a cold prompt on each server: first-use costs (vLLM's compiled
+    shapes, kvrelay's first forward) stay out of the figures."""
+    for engine in ENGINES:
+        server = servers[engine]
+        for n in streams:
+            decode(server.url, server.model_name, prompts(n, 64, vocab, seed=-n), 8)
+        ttft(server.url, server.model_name, prompts(1, args.cold_prompt, vocab, seed=-1)[0])
+
+
+def prefix_cache_counts(server: EngineServer) -> tuple[float, float]:
+    """vLLM's prefix-cache queries and hits so far (tokens), summed over its ``/metrics`` series."""
+    text = httpx.get(server.url + "/metrics", timeout=10.0).text
+    totals = []
+    for metric in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+        pattern = rf"^{re.escape(metric)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$"
+        totals.append(sum(float(v) for v in re.findall(pattern, text, re.MULTILINE)))
+    return totals[0], totals[1]
+
+
+def compare(
+    samples: Samples, figure: str, unit: str, higher: bool, goal: float | None = None, name: str | None = None
+) -> Comparison:
+    return Comparison(
+        name or figure, unit, tuple(samples.of("kvrelay", figure)), tuple(samples.of("vllm", figure)), higher, goal
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

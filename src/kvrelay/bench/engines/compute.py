@@ -1,0 +1,67 @@
+"""The compute limit of a decode: the machine's measured bfloat16 peak over the model's FLOPs per token.
+
+``flops_per_token(config, context)`` counts the multiply-adds of one token (two FLOPs each): every projection
+of every layer, the LM head, and attention's scores and weighted values over the keys it sees at ``context``
+(its sliding window in sliding layers, all of them in full ones). Norms, rope and activations are left out
+(under 1 %).
+
+``peak_flops(threads)`` is the best rate, in FLOP/s, of a square bfloat16 GEMM on ``threads`` torch threads,
+taken as torch's bfloat16 ``matmul`` or as a float32 ``matmul`` of the same (exactly representable) values,
+whichever is faster: a CPU without bfloat16 instructions (AVX2) multiplies bfloat16 numbers fastest as float32,
+and a bfloat16 GEMM accumulates in float32 anyway. The limit in tokens per second is ``peak / flops_per_token``;
+a decode's share of it is its rate over that.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvrelay.models.config import ModelConfig
+
+
+def flops_per_token(config: ModelConfig, context: float) -> float:
+    """FLOPs of one token at ``context`` positions (see the module docstring)."""
+    hidden, inner, d = config.hidden_size, config.intermediate_size, config.head_dim
+    heads, kv_heads = config.num_heads, config.num_kv_heads
+    per_layer = hidden * (heads + 2 * kv_heads) * d + heads * d * hidden + 3 * hidden * inner
+    macs = float(config.num_layers * per_layer + config.vocab_size * hidden)
+    window = config.sliding_window or 0
+    for kind in config.layer_types:
+        seen = min(context, window) if kind == "sliding_attention" and window else context
+        macs += 2 * heads * d * seen
+    return 2.0 * macs
+
+
+def peak_flops(threads: int, size: int = 2048, repeats: int = 5) -> tuple[float, str]:
+    """The best FLOP/s of a ``size``-square bfloat16 GEMM on ``threads`` threads and how it was reached
+    (``"bfloat16"`` or ``"float32"``; see the module docstring)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        probe = {dtype: _best_seconds(512, dtype, 1) for dtype in _DTYPES}
+        fastest = min(probe.values())
+        best = {dtype: _best_seconds(size, dtype, repeats) for dtype, s in probe.items() if s <= 2 * fastest}
+    finally:
+        torch.set_num_threads(previous)
+    dtype = min(best, key=lambda k: best[k])
+    return 2.0 * size**3 / best[dtype], str(dtype).removeprefix("torch.")
+
+
+_DTYPES = (torch.bfloat16, torch.float32)
+"""The two ways to multiply bfloat16 numbers; a way more than twice slower on a small probe is not timed at full
+size (a reference kernel would take minutes)."""
+
+
+def _best_seconds(size: int, dtype: torch.dtype, repeats: int) -> float:
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=gen).to(torch.bfloat16).to(dtype) for _ in range(2))
+    started = time.perf_counter()
+    a @ b  # first call: allocation and kernel choice
+    best = time.perf_counter() - started
+    for _ in range(repeats if best < 2.0 else 0):
+        started = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - started)
+    return best
