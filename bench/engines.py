@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     parser.add_argument("--streams", default="1,8,32", help="concurrent streams of the decode figures (default 1,8,32)")
     parser.add_argument("--decode-prompt", type=int, default=256, help="prompt tokens per decode stream (default 256)")
-    parser.add_argument("--decode-tokens", type=int, default=128, help="new tokens per decode stream (default 128)")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="new tokens per decode stream (default 64)")
     parser.add_argument("--cold-prompt", type=int, default=4096, help="prompt tokens of the TTFT figures")
     parser.add_argument("--warm-suffix", type=int, default=512, help="new tokens after the warm prefix (default 512)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each server (default 2)")
@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-batched-tokens", type=int, default=None, help="vLLM --max-num-batched-tokens")
     parser.add_argument("--vllm-force-omp-threads", action="store_true", help="also set OMP_NUM_THREADS for vLLM")
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (fast start; smoke)")
+    parser.add_argument(
+        "--vllm-env", action="append", default=[], metavar="KEY=VALUE", help="more environment for vLLM (repeatable)"
+    )
     parser.add_argument("--ready-timeout", type=float, default=1200.0, help="seconds a server may take to start")
     parser.add_argument("--work-dir", type=Path, default=None, help="logs and kvrelay's data (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here (and the PNG next to it)")
@@ -102,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         vllm_batched_tokens=args.vllm_batched_tokens,
         vllm_force_omp_threads=args.vllm_force_omp_threads,
         vllm_extra=("--enforce-eager",) if args.vllm_eager else (),
+        vllm_env=env_pairs(parser, args.vllm_env),
     )
     servers: dict[str, EngineServer] = {}
     try:
@@ -162,6 +166,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         plot(args.json.with_suffix(".png"), decodes, [("cold", cold), ("warm prefix", warm)], peer, title)
     return 0
+
+
+def env_pairs(parser: argparse.ArgumentParser, items: list[str]) -> tuple[tuple[str, str], ...]:
+    """``KEY=VALUE`` items as pairs; a parser error names a malformed one."""
+    pairs = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--vllm-env {item!r} is not KEY=VALUE")
+        pairs.append((key, value))
+    return tuple(pairs)
 
 
 def run_rounds(

@@ -72,10 +72,13 @@ def vllm_engines(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(params=sorted(build.ISA_FLAGS))
-def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Each instruction set the kernels are written for that this CPU has, made the one they take
     (``KVRELAY_NATIVE_ISA``); the others are skipped. An AVX-512 machine so tests the AVX2 ports too."""
     if not build.cpu_supports(request.param):
         pytest.skip(f"this CPU lacks {request.param}")
     monkeypatch.setenv(build.ISA_ENV, request.param)
-    return str(request.param)
+    build.clear_caches()
+    yield str(request.param)
+    monkeypatch.undo()
+    build.clear_caches()

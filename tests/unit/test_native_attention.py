@@ -131,13 +131,13 @@ def test_without_a_build_the_pytorch_path_serves(
     else:
         monkeypatch.setenv("CC", "false")
     monkeypatch.setattr(build, "cpu_supports", lambda isa="avx512": True)
-    build.load.cache_clear()
+    build.clear_caches()
     try:
         with caplog.at_level(logging.WARNING, logger=build.__name__):
             q, k, v, visible = inputs(2, 1, 4, 32, 128, seed=7)
             assert decode_attention_native(q, k, v, visible, 0.1) is None
     finally:
-        build.load.cache_clear()
+        build.clear_caches()
     expected = {"turned off": None, "no compiler": "no C compiler", "compiler fails": "failed on"}[setting]
     if expected is None:
         assert not caplog.records
@@ -195,12 +195,12 @@ def test_a_bfloat16_model_builds_every_kernel_before_its_first_forward(
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
     directory = make_tiny_model("gemma3", tmp_path / "model", seed=1)
     config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
-    build.load.cache_clear()
+    build.clear_caches()
     try:
         build_model(config, load_file(directory / "model.safetensors"), dtype=dtype)
         built = sorted(path.name.split("-")[0] for path in (tmp_path / "cache").glob("native/*.so"))
     finally:
-        build.load.cache_clear()
+        build.clear_caches()
     kernels = {
         "avx512": ["decode_attention", "head_screen", "linear_row", "rms_norm"],
         "avx2": ["decode_attention_avx2", "head_screen_avx2", "linear_avx2", "rms_norm_avx2"],

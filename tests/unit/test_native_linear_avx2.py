@@ -7,6 +7,8 @@ products one ``k`` at a time in float32 rounds exactly as the kernel's fused mul
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,9 +21,13 @@ needs_avx2 = pytest.mark.skipif(not build.cpu_supports("avx2"), reason="this CPU
 
 
 @pytest.fixture(autouse=True)
-def avx2(monkeypatch: pytest.MonkeyPatch) -> None:
+def avx2(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The AVX2 kernels are the ones to take, on any CPU that has them."""
     monkeypatch.setenv(build.ISA_ENV, "avx2")
+    build.clear_caches()
+    yield
+    monkeypatch.undo()
+    build.clear_caches()
 
 
 def bf16(*shape: int, seed: int) -> torch.Tensor:
@@ -99,11 +105,11 @@ def test_packed_linear_takes_the_panels_where_the_kernels_are_avx2() -> None:
 
 def test_without_the_avx2_kernels_packed_linear_is_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(build.DISABLE_ENV, "0")
-    build.load.cache_clear()
+    build.clear_caches()
     try:
         weight, x = bf16(16, 32, seed=14), bf16(3, 32, seed=15)
         projection = PackedLinear(weight)
     finally:
-        build.load.cache_clear()
+        build.clear_caches()
     assert projection.panels is None
     assert torch.equal(projection(x), F.linear(x, weight))

@@ -5,7 +5,8 @@
 prompt order. Times are ``time.monotonic()``: ``sent`` before the request,
 ``token_times`` at every chunk that carries text. A prompt whose index is in
 ``cancel_after`` is cancelled by the client (its connection closed) once it
-has received that many text chunks. Errors are kept in the record, never raised.
+has received that many text chunks. A stream that waits ``timeout_s`` (default
+300) for its next bytes fails. Errors are kept in the record, never raised.
 """
 
 from __future__ import annotations
@@ -86,11 +87,12 @@ async def _run(
     cancel_after: dict[int, int],
     on_done: Callable[[StreamRecord], None],
     records: list[StreamRecord],
+    timeout_s: float,
 ) -> list[StreamRecord]:
     from openai import AsyncOpenAI
 
     gate = asyncio.Semaphore(max(1, concurrency))
-    async with AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300.0) as client:
+    async with AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout_s) as client:
 
         async def guarded(i: int) -> None:
             async with gate:
@@ -110,13 +112,16 @@ def run_streams(
     cancel_after: dict[int, int] | None = None,
     on_done: Callable[[StreamRecord], None] = lambda r: None,
     records: list[StreamRecord] | None = None,
+    timeout_s: float = 300.0,
 ) -> list[StreamRecord]:
     """Run the streams (see the module contract) on a private event loop; blocks until all have ended.
 
     ``records`` (one per prompt, from ``new_records``) lets another thread watch the streams as they run.
     """
     records = new_records(prompts) if records is None else records
-    return asyncio.run(_run(base_url, model, prompts, max_tokens, concurrency, cancel_after or {}, on_done, records))
+    return asyncio.run(
+        _run(base_url, model, prompts, max_tokens, concurrency, cancel_after or {}, on_done, records, timeout_s)
+    )
 
 
 def new_records(prompts: Sequence[Sequence[int]]) -> list[StreamRecord]:

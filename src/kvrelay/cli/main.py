@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; this module only dispatches, importing the chosen module
-lazily so ``kvrelay sim`` never loads torch.
+lazily so ``kvrelay sim`` never loads torch. Before any command loads torch it sets
+``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets a policy (``OMP_DEFAULTS``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+
+OMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""OpenMP settings every command takes unless its environment sets them; libgomp reads them once, when torch
+loads. Passive: a thread of torch's team that has no work sleeps instead of spinning, so on a machine with
+more runnable threads than cores it gives its core to the thread the team waits for, and to the server's
+event loop (why and how fast: docs/performance.md, "OpenMP wait policy")."""
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvrelay.cli.serve", "serve the OpenAI-compatible API with a router and one worker in one process"),
@@ -36,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    for name, value in OMP_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return int(importlib.import_module(args._module).run(args) or 0)

@@ -5,11 +5,13 @@ of every layer, the LM head, and attention's scores and weighted values over the
 (its sliding window in sliding layers, all of them in full ones). Norms, rope and activations are left out
 (under 1 %).
 
-``peak_flops(threads)`` is the best rate, in FLOP/s, of a square bfloat16 GEMM on ``threads`` torch threads,
-taken as torch's bfloat16 ``matmul`` or as a float32 ``matmul`` of the same (exactly representable) values,
-whichever is faster: a CPU without bfloat16 instructions (AVX2) multiplies bfloat16 numbers fastest as float32,
-and a bfloat16 GEMM accumulates in float32 anyway. The limit in tokens per second is ``peak / flops_per_token``;
-a decode's share of it is its rate over that.
+``peak_flops(threads)`` is ``threads`` times the best rate, in FLOP per second of CPU time, of a square
+bfloat16 GEMM on one torch thread, taken as torch's bfloat16 ``matmul`` or as a float32 ``matmul`` of the same
+(exactly representable) values, whichever is faster: a CPU without bfloat16 instructions (AVX2) multiplies
+bfloat16 numbers fastest as float32, and a bfloat16 GEMM accumulates in float32 anyway. CPU time, not wall
+time: on a shared machine the wall clock also counts the time the OS gives other processes, and the peak is
+what the cores deliver while they run. The limit in tokens per second is ``peak / flops_per_token``; a
+decode's share of it is its rate over that.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ def flops_per_token(config: ModelConfig, context: float) -> float:
     return 2.0 * macs
 
 
-def peak_flops(threads: int, size: int = 2048, repeats: int = 5) -> tuple[float, str]:
-    """The best FLOP/s of a ``size``-square bfloat16 GEMM on ``threads`` threads and how it was reached
-    (``"bfloat16"`` or ``"float32"``; see the module docstring)."""
+def peak_flops(threads: int, size: int = 1024, repeats: int = 5) -> tuple[float, str]:
+    """``threads`` times the best FLOP per CPU second of a ``size``-square bfloat16 GEMM on one thread, and how it
+    was reached (``"bfloat16"`` or ``"float32"``; see the module docstring)."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     try:
         probe = {dtype: _best_seconds(512, dtype, 1) for dtype in _DTYPES}
         fastest = min(probe.values())
@@ -46,7 +48,7 @@ def peak_flops(threads: int, size: int = 2048, repeats: int = 5) -> tuple[float,
     finally:
         torch.set_num_threads(previous)
     dtype = min(best, key=lambda k: best[k])
-    return 2.0 * size**3 / best[dtype], str(dtype).removeprefix("torch.")
+    return threads * 2.0 * size**3 / best[dtype], str(dtype).removeprefix("torch.")
 
 
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -57,11 +59,11 @@ size (a reference kernel would take minutes)."""
 def _best_seconds(size: int, dtype: torch.dtype, repeats: int) -> float:
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, generator=gen).to(torch.bfloat16).to(dtype) for _ in range(2))
-    started = time.perf_counter()
+    started = time.thread_time()
     a @ b  # first call: allocation and kernel choice
-    best = time.perf_counter() - started
+    best = time.thread_time() - started
     for _ in range(repeats if best < 2.0 else 0):
-        started = time.perf_counter()
+        started = time.thread_time()
         a @ b
-        best = min(best, time.perf_counter() - started)
+        best = min(best, time.thread_time() - started)
     return best

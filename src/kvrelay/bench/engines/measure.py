@@ -3,9 +3,11 @@
 
 - ``decode``: ``streams`` completions sent at once, each a fresh prompt; the aggregate decode rate is counted
   in the window where every stream is decoding (from the moment the last stream got its first token to the
-  moment the first stream ended), so no prefill and no ramp-down is in it: the tokens that arrived in that
-  window over its length. A chunk carries the text of one token, or of a few when a character spans them; a
-  stream's chunks count as its ``completion_tokens / chunks`` tokens each.
+  moment the first stream that ran to its token budget ended), so no prefill and no ramp-down is in it: the
+  tokens that arrived in that window over its length. A stream that stops early (an end-of-sequence token)
+  leaves the batch as it would in service and does not close the window (both servers run the same model
+  greedily on the same prompts). A chunk carries the text of one token, or of a few when a character spans
+  them; a stream's chunks count as its ``completion_tokens / chunks`` tokens each.
 - ``ttft``: one completion alone; the seconds from sending it to its first text, and the prompt tokens the
   server reports it served from cache (``usage.prompt_tokens_details.cached_tokens``).
 
@@ -19,6 +21,10 @@ import random
 from dataclasses import dataclass
 
 from kvrelay.bench.streams import StreamRecord, run_streams
+
+STREAM_TIMEOUT_S = 3600.0
+"""How long a stream may wait for its next bytes: a slow server is measured, not failed (vLLM's bfloat16 path on
+a CPU without AVX-512 takes minutes for a 32-stream prefill on a busy 2-core machine)."""
 
 
 class MeasureError(RuntimeError):
@@ -50,20 +56,27 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def decode(url: str, model: str, batch: list[list[int]], max_tokens: int) -> Decode:
     """The aggregate decode rate of ``batch`` streamed at once (see the module docstring)."""
-    records = run_streams(url, model, batch, max_tokens, concurrency=len(batch))
+    records = run_streams(url, model, batch, max_tokens, concurrency=len(batch), timeout_s=STREAM_TIMEOUT_S)
     _check(url, records)
     return Decode(len(batch), decode_rate(records), decode_window(records), sum(_tokens(r) for r in records))
 
 
 def decode_window(records: list[StreamRecord]) -> float:
-    """Seconds in which every stream was decoding: from the last first token to the first last token."""
-    return min(r.token_times[-1] for r in records) - max(r.token_times[0] for r in records)
+    """Seconds in which every stream was decoding (see the module docstring)."""
+    start, end = _window(records)
+    return max(0.0, end - start)
+
+
+def _window(records: list[StreamRecord]) -> tuple[float, float]:
+    """From the last first token to the first last token of a stream that ran to its budget (of any stream when
+    none did)."""
+    full = [r for r in records if r.finish_reason == "length"] or records
+    return max(r.token_times[0] for r in records), min(r.token_times[-1] for r in full)
 
 
 def decode_rate(records: list[StreamRecord]) -> float:
     """Tokens per second that arrived inside ``decode_window`` (see the module docstring); 0 for no window."""
-    start = max(r.token_times[0] for r in records)
-    end = min(r.token_times[-1] for r in records)
+    start, end = _window(records)
     if end <= start:
         return 0.0
     tokens = 0.0
@@ -75,7 +88,7 @@ def decode_rate(records: list[StreamRecord]) -> float:
 
 def ttft(url: str, model: str, prompt: list[int], max_tokens: int = 4) -> Ttft:
     """The first text's delay of ``prompt`` sent alone, and its cached prompt tokens."""
-    (record,) = run_streams(url, model, [prompt], max_tokens, concurrency=1)
+    (record,) = run_streams(url, model, [prompt], max_tokens, concurrency=1, timeout_s=STREAM_TIMEOUT_S)
     _check(url, [record])
     assert record.ttft_s is not None
     return Ttft(record.ttft_s, len(prompt), record.cached_tokens or 0)

@@ -6,6 +6,9 @@ serve the same model directory under the same name, with the same torch thread c
 
 - kvrelay: ``python -m kvrelay.cli.main serve --model DIR --dtype bfloat16 --lanes N --kv-tokens K``, with
   ``OMP_NUM_THREADS`` set to the thread count (its device thread owns the torch pool).
+- both: ``OMP_WAIT_POLICY=PASSIVE`` (kvrelay's own default; on a shared machine a spinning OpenMP thread holds
+  a core its partner thread needs, docs/performance.md "OpenMP wait policy"), unless ``vllm_env`` says
+  otherwise for vLLM.
 - vLLM (its CPU build, in its own venv): ``-m vllm.entrypoints.openai.api_server --model DIR --dtype bfloat16
   --block-size 64`` with its CPU settings at their best for this work, after vLLM's CPU docs and
   ``vllm/platforms/cpu.py`` / ``vllm/utils/ompmultiprocessing.py``: the model runner's OpenMP threads are
@@ -39,6 +42,9 @@ import httpx
 
 from kvrelay.testing.ports import free_port
 
+WAIT_POLICY = "PASSIVE"
+"""Both servers' ``OMP_WAIT_POLICY`` (see the module docstring)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ServerSpec:
@@ -62,6 +68,8 @@ class ServerSpec:
     """Also set ``OMP_NUM_THREADS`` for vLLM (its engine core and API server then keep that many torch threads)."""
     vllm_extra: tuple[str, ...] = ()
     """More vLLM flags (e.g. ``--enforce-eager`` for a smoke run)."""
+    vllm_env: tuple[tuple[str, str], ...] = ()
+    """More environment for vLLM (e.g. ``OMP_WAIT_POLICY``), set last."""
 
 
 @dataclass
@@ -132,7 +140,10 @@ def start_kvrelay(spec: ServerSpec) -> EngineServer:
         argv += ["--model", spec.kvrelay_model]
     env = dict(os.environ)
     env.update(
-        OMP_NUM_THREADS=str(spec.threads), KVRELAY_DATA_DIR=str(spec.work_dir / "kvrelay-data"), PYTHONUNBUFFERED="1"
+        OMP_NUM_THREADS=str(spec.threads),
+        OMP_WAIT_POLICY=WAIT_POLICY,
+        KVRELAY_DATA_DIR=str(spec.work_dir / "kvrelay-data"),
+        PYTHONUNBUFFERED="1",
     )
     return _start("kvrelay", argv, env, port, spec)
 
@@ -152,6 +163,7 @@ def start_vllm(spec: ServerSpec) -> EngineServer:
     env.pop("PYTHONPATH", None)
     gib = math.ceil(spec.kv_tokens * spec.kv_bytes_per_token / 2**30)
     env.update(VLLM_CPU_KVCACHE_SPACE=str(max(1, gib)), PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1")
+    env["OMP_WAIT_POLICY"] = WAIT_POLICY
     env.update(HF_HUB_OFFLINE="1", DO_NOT_TRACK="1")
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= spec.threads:
@@ -161,6 +173,7 @@ def start_vllm(spec: ServerSpec) -> EngineServer:
         env["OMP_NUM_THREADS"] = str(spec.threads)
     if spec.vllm_force_omp_threads:
         env["OMP_NUM_THREADS"] = str(spec.threads)
+    env.update(spec.vllm_env)
     server = _start("vllm", argv, env, port, spec)
     server.version = vllm_version(spec.vllm_python)
     return server

@@ -11,7 +11,8 @@ found, or the build fails (logged once per kernel).
 
 ``best_isa()`` is the instruction set the kernels take here: ``"avx512"`` where the
 CPU has it, else ``"avx2"``, else ``None``; ``KVRELAY_NATIVE_ISA=avx2`` makes an
-AVX-512 CPU take the AVX2 kernels (to test or measure them there). ``load_best(name,
+AVX-512 CPU take the AVX2 kernels (to test or measure them there). The environment is
+read on first use; ``clear_caches()`` makes the next call read it again. ``load_best(name,
 signatures)`` loads ``<name>.c`` on ``"avx512"`` and its AVX2 port ``<name>_avx2.c``
 on ``"avx2"`` (``None`` where there is none). Kernels use OpenMP: the loader resolves
 their ``libgomp.so.1`` to the copy torch loaded first, so they run on the calling
@@ -82,6 +83,7 @@ def load(name: str, signatures: tuple[tuple[str, Signature], ...], isa: str = "a
     return lib
 
 
+@functools.cache
 def load_best(name: str, signatures: tuple[tuple[str, Signature], ...]) -> ctypes.CDLL | None:
     """Kernel ``name`` for ``best_isa()``: ``<name>.c`` on AVX-512, ``<name>_avx2.c`` on AVX2; ``None`` where it
     cannot run or has no port to that instruction set."""
@@ -94,11 +96,20 @@ def load_best(name: str, signatures: tuple[tuple[str, Signature], ...]) -> ctype
     return load(source, signatures, isa)
 
 
+@functools.cache
 def best_isa() -> str | None:
-    """The instruction set the kernels take here (see the module docstring)."""
+    """The instruction set the kernels take here (see the module docstring), decided on the first call."""
     if os.environ.get(ISA_ENV) != "avx2" and cpu_supports("avx512"):
         return "avx512"
     return "avx2" if cpu_supports("avx2") else None
+
+
+def clear_caches() -> None:
+    """Forget every loaded kernel and the instruction set picked, so the next call reads the environment again
+    (for tests that change ``KVRELAY_NATIVE_KERNELS``, ``KVRELAY_NATIVE_ISA`` or ``CC``)."""
+    load.cache_clear()
+    load_best.cache_clear()
+    best_isa.cache_clear()
 
 
 def _build(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
@@ -124,9 +135,16 @@ def _build(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
 
 def cpu_supports(isa: str = "avx512") -> bool:
     """Whether this CPU has the extensions of ``isa`` (``"avx512"`` or ``"avx2"``)."""
+    return all(flag in _cpu_flags() for flag in _CPU_FLAGS[isa])
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags, read once from ``/proc/cpuinfo`` (empty where it cannot be read)."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return all(flag in flags for flag in _CPU_FLAGS[isa])
+        return frozenset()
+    return frozenset(
+        next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    )

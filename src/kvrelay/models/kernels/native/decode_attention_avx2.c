@@ -3,7 +3,8 @@
  * file states the numerics and the contract), eight lanes at a time with float32 fused multiply-adds. The
  * scores are float32 dot products (rounded to bfloat16, then scaled and softmaxed in float32), the
  * probabilities are rounded to bfloat16 and the values' weighted sum is accumulated in float32 and rounded
- * to bfloat16; only the summation order differs from the PyTorch path.
+ * to bfloat16; only the summation order differs from the PyTorch path. Units go one at a time to whichever
+ * thread of the calling thread's OpenMP team is running; a single unit runs on the calling thread.
  */
 #include <math.h>
 
@@ -141,7 +142,7 @@ int kvrelay_decode_attention(const uint16_t* q, const uint16_t* k, const uint16_
     for (int64_t b = 0; b < batch; b++)
         if (n[b] < 1 || n[b] > keys) return -1;
     const int64_t units = batch * kv_heads;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1) if (units > 1)
     for (int64_t u = 0; u < units; u++) {
         const int64_t b = u / kv_heads, h = u % kv_heads, at = b * batch_stride + h * head_stride;
         attend_unit(q + u * G * D, k + at, v + at, (int)n[b], G, D, row_stride, scale, out + u * G * D);

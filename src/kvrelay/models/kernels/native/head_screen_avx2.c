@@ -8,7 +8,8 @@
  * without the rowsum term. rowsum is not read.
  *
  * Contract: K % 64 == 0, N % 4 == 0, all arrays contiguous, upper has N doubles, picked has room for
- * max_picked indices. Rows are split over the calling thread's OpenMP team.
+ * max_picked indices. Rows are split over the calling thread's OpenMP team, eight blocks at a time to whichever
+ * thread is running.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -75,7 +76,7 @@ int64_t kvrelay_head_screen(const uint8_t* xu, const uint8_t* gu, const int8_t* 
     if (K <= 0 || K % 64 != 0 || K >= 66000 || N < 4 || N % 4 != 0) return -1;
     const int64_t blocks = (N + BLOCK - 1) / BLOCK;
     double best_lower = -INFINITY;
-#pragma omp parallel for schedule(static) reduction(max : best_lower)
+#pragma omp parallel for schedule(dynamic, 8) reduction(max : best_lower)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t end = (b + 1) * BLOCK < N ? (b + 1) * BLOCK : N;
         for (int64_t n = b * BLOCK; n < end; n += 4) {

@@ -11,15 +11,19 @@
  * Layout: kvrelay_pack_panels_avx2 lays W out once as panels of 16 rows, transposed: panel p holds
  * W[16p + j][k] at [p][k][j] (bfloat16, rows past N zero). A call runs every block of up to 6 rows of x
  * (float32) against each panel, 12 accumulators of 8 outputs; for a dozen rows or more the panel is first
- * widened to float32 in the cache. Panels are split over the calling thread's OpenMP team. Contract: M, N,
- * K >= 1; x, panels, bias contiguous; y row m at y + m * ldy, ldy >= N.
+ * widened to float32 in the cache. Calls of 4M multiply-adds or more split their panels over the calling
+ * thread's OpenMP team, a few at a time to whichever thread is running (on a shared machine the OS may hold
+ * one up); smaller ones run on the calling thread. Contract: M, N, K >= 1; x, panels, bias contiguous; y row
+ * m at y + m * ldy, ldy >= N.
  */
 #include <stdlib.h>
 
 #include "avx2_simd.h"
 
-#define NB 16 /* rows of W per panel */
-#define MR 6  /* rows of x per micro-kernel call */
+#define NB 16                   /* rows of W per panel */
+#define MR 6                    /* rows of x per micro-kernel call */
+#define PARALLEL_MACS (1 << 22) /* smaller calls run on the calling thread alone */
+#define CHUNK 4                 /* panels a thread takes at a time: a thread the OS holds up holds up little */
 
 /* Transpose the 8x8 float32 block r[0..7] in place (row i becomes column i). */
 static inline void transpose8(__m256* r) {
@@ -206,7 +210,7 @@ static void panel_bias(const uint16_t* bias, int64_t n0, int64_t N, float* out) 
 int kvrelay_pack_panels_avx2(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) {
     if (N < 1 || K < 1) return -1;
     const int64_t panels = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, CHUNK)
     for (int64_t p = 0; p < panels; p++) {
         uint16_t* panel = out + p * K * NB;
         for (int j = 0; j < NB; j++) {
@@ -228,11 +232,11 @@ int kvrelay_linear_avx2(const uint16_t* x, int64_t M, const uint16_t* panels, co
     const int64_t count = (N + NB - 1) / NB;
     const int wide = M >= WIDEN_ROWS;
     int failed = 0;
-#pragma omp parallel reduction(| : failed)
+#pragma omp parallel reduction(| : failed) if (M * N * K >= PARALLEL_MACS)
     {
         float* P = wide ? aligned_alloc(64, (size_t)((K * NB * 4 + 63) / 64 * 64)) : NULL;
         if (wide && !P) failed = 1;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, CHUNK)
         for (int64_t p = 0; p < count; p++) {
             if (failed) continue;
             const int64_t n0 = p * NB;
@@ -262,11 +266,11 @@ int kvrelay_linear_rows_at_avx2(const uint16_t* x, const uint16_t* w, int64_t K,
     if (!xf) return -1;
     const int64_t panels = (count + NB - 1) / NB;
     int failed = 0;
-#pragma omp parallel reduction(| : failed)
+#pragma omp parallel reduction(| : failed) if (count * K >= PARALLEL_MACS)
     {
         float* P = aligned_alloc(64, (size_t)((K * NB * 4 + 63) / 64 * 64));
         if (!P) failed = 1;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, CHUNK)
         for (int64_t p = 0; p < panels; p++) {
             if (!P) continue;
             const int64_t j0 = p * NB;
