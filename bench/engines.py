@@ -45,11 +45,11 @@ from kvrelay.bench.engines.measure import decode, prompts, ttft
 from kvrelay.bench.engines.report import Comparison, Samples, figures, plot, print_comparisons
 from kvrelay.bench.engines.servers import EngineServer, ServerSpec, start_kvrelay, start_vllm
 from kvrelay.bench.report import Figure, report
+from kvrelay.launch.vllm_server import VllmNotInstalled, vllm_python
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.loading.default_model import DEFAULT_MODEL_NAME
 from kvrelay.models.loading.loader import model_directory
 
-ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ("kvrelay", "vllm")
 DECODE_GOAL = 2.0
 COLD_TTFT_GOAL = 1.5
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each server (default 2)")
     parser.add_argument("--lanes", type=int, default=None, help="kvrelay lanes, vLLM max-num-seqs (default: streams)")
     parser.add_argument("--kv-tokens", type=int, default=65536, help="KV tokens of each server (default 65536)")
-    parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
+    parser.add_argument("--vllm-python", default=None, help="Python of vLLM's venv (default: as kvrelay finds it)")
     parser.add_argument("--vllm-batched-tokens", type=int, default=None, help="vLLM --max-num-batched-tokens")
     parser.add_argument("--vllm-force-omp-threads", action="store_true", help="also set OMP_NUM_THREADS for vLLM")
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (fast start; smoke)")
@@ -78,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=None, help="logs and kvrelay's data (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here (and the PNG next to it)")
     args = parser.parse_args(argv)
-    if not args.vllm_python.exists():
-        parser.error(f"{args.vllm_python} does not exist; build vLLM's venv with `make vllm` or pass --vllm-python")
+    try:
+        python = Path(vllm_python(args.vllm_python))
+    except VllmNotInstalled as exc:
+        parser.error(str(exc))
     streams = sorted({int(n) for n in args.streams.split(",")})
     if args.warm_suffix >= args.cold_prompt:
         parser.error("--warm-suffix must be shorter than --cold-prompt")
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes_per_token=config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2,
         max_model_len=min(config.max_position_embeddings, args.cold_prompt + args.decode_tokens + 64),
         work_dir=work,
-        vllm_python=args.vllm_python,
+        vllm_python=python,
         vllm_batched_tokens=args.vllm_batched_tokens,
         vllm_force_omp_threads=args.vllm_force_omp_threads,
         vllm_extra=("--enforce-eager",) if args.vllm_eager else (),

@@ -1,5 +1,5 @@
-"""Smoke test of ``bench/engines.py``: kvrelay serve and a real vLLM server on a tiny model, one round of every
-figure, the JSON and the PNG written; shapes, not speed.
+"""Smoke test of ``bench/engines.py``: kvrelay serve and a real vLLM server on the vLLM tests' tiny Llama, one
+round of every figure, the JSON and the PNG written; shapes, not speed.
 
 Needs vLLM's venv (``make vllm``, which ``make test`` builds); skipped where it is missing.
 """
@@ -14,27 +14,32 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.testing.tiny_models import make_tiny_model
+from kvrelay.launch.vllm_server import VllmNotInstalled, vllm_python
+from kvrelay.testing.vllm import make_vllm_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 FIGURE_KEYS = {"name", "value", "unit", "baseline", "baseline_value"}
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="vLLM's venv is missing; build it with `make vllm`"),
-]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def python() -> str:
+    try:
+        return vllm_python()
+    except VllmNotInstalled as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.mark.timeout(900)
-def test_engines_bench_writes_every_figure_and_the_plot(tmp_path: Path) -> None:
-    model = make_tiny_model("llama", tmp_path / "tiny-llama", head_dim=32, max_position_embeddings=2048)
+def test_engines_bench_writes_every_figure_and_the_plot(tmp_path: Path, python: str) -> None:
+    model = make_vllm_tiny_model(tmp_path / "tiny-llama")
     out = tmp_path / "results" / "engines.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")}
     env.update(KVRELAY_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
     argv = [sys.executable, str(ROOT / "bench" / "engines.py"), "--model", str(model), "--rounds", "1"]
     argv += ["--streams", "1,3", "--decode-prompt", "16", "--decode-tokens", "6", "--cold-prompt", "256"]
-    argv += ["--warm-suffix", "64", "--kv-tokens", "4096", "--vllm-eager", "--vllm-python", str(VLLM_PYTHON)]
+    argv += ["--warm-suffix", "64", "--kv-tokens", "4096", "--vllm-eager", "--vllm-python", python]
     argv += ["--work-dir", str(tmp_path / "work"), "--json", str(out)]
     done = subprocess.run(argv, check=False, env=env, capture_output=True, text=True, timeout=880)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
