@@ -98,3 +98,35 @@ def test_metrics_name_decisions_declines_retries_stale_pages_and_store_bytes(clu
         "kvrelay_pages_in_use",
     ):
         assert name in text, f"{name} is missing from /metrics"
+
+
+def _scraped_reuse(text: str) -> dict[str, int]:
+    """The ``kvrelay_reuse_*_tokens_total`` counters of a ``/metrics`` page, keyed as ``/cluster`` keys them."""
+    found = dict(re.findall(r"^kvrelay_reuse_(\w+)_tokens_total (\S+)$", text, re.MULTILINE))
+    return {f"{figure}_tokens": int(float(value)) for figure, value in found.items()}
+
+
+def test_reuse_figures_agree_with_usage_on_cluster_and_metrics(cluster: tuple[str, Path]) -> None:
+    """One prompt sent until a request reuses it: the routing captured no more than was available, the workers
+    delivered exactly the cached tokens the responses' usage reports, and /metrics says what /cluster says."""
+    http_url, model = cluster
+    before = httpx.get(http_url + "/cluster").json()["reuse"]
+    prompt = "reuse is measured where the router decides and where the worker restores " * 12
+    cached: list[int] = []
+
+    def reused() -> int | None:
+        body = httpx.post(
+            http_url + "/v1/completions",
+            json={"model": model.name, "prompt": prompt, "max_tokens": 2, "temperature": 0},
+            timeout=60,
+        ).json()
+        cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+        return cached[-1] or None
+
+    wait_until(reused, 30, "a request that reuses the prompt's chunks", every_s=0.2)
+    after = httpx.get(http_url + "/cluster").json()["reuse"]
+    delta = {k: after[k] - before[k] for k in after}
+    assert set(after) == {"available_tokens", "captured_tokens", "delivered_tokens"}
+    assert delta["delivered_tokens"] == sum(cached) > 0
+    assert 0 < delta["captured_tokens"] <= delta["available_tokens"]
+    assert _scraped_reuse(httpx.get(http_url + "/metrics").text) == after

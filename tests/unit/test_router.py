@@ -13,8 +13,9 @@ from kvrelay.core.router.events import (
     WorkerUnavailable,
 )
 from kvrelay.core.router.machine import RouterConfig
+from kvrelay.core.router.reuse import ReuseFigures, reuse_figures
 from kvrelay.protocol.chunk_keys import prompt_chain
-from kvrelay.protocol.messages import Assignment, Residency
+from kvrelay.protocol.messages import Assignment, Residency, Result, Usage
 from tests.support.router_driver import Driver, cancels, heartbeat, offers
 
 PROMPT = tuple(range(1, 64 * 8 + 2))  # 8 cacheable chunks
@@ -272,3 +273,29 @@ def test_a_peer_segment_names_the_peer_by_the_url_it_serves_chunks_on() -> None:
     (offer,) = offers(d.request("r", PROMPT))
     assert offer.worker_id == "w0"
     assert [(s.tier, s.chunks, s.source) for s in offer.offer.route] == [("peer", 8, "http://127.0.0.1:7001")]
+
+
+def test_reuse_figures_count_what_was_held_what_the_route_took_and_what_the_worker_found() -> None:
+    d = Driver(policy="round_robin")
+    d.message(heartbeat("w0"))
+    d.message(heartbeat("w1"))
+    d.residency("w1", "gpu", CHAIN[:5])
+    (first,) = offers(d.request("r1", PROMPT))
+    assert first.worker_id == "w0"  # round robin ignores the 5 chunks w1 holds
+    assert reuse_figures(d.state.counters) == ReuseFigures(available_tokens=5 * 64)
+    (second,) = offers(d.request("r2", PROMPT))
+    assert second.worker_id == "w1" and [(s.tier, s.chunks) for s in second.offer.route] == [("gpu", 5)]
+    assert reuse_figures(d.state.counters) == ReuseFigures(available_tokens=10 * 64, captured_tokens=5 * 64)
+    d.accept(second)
+    d.message(
+        Result(
+            assignment=second.offer.assignment,
+            worker_id="w1",
+            tokens=(1, 2, 3, 4),
+            finish_reason="length",
+            usage=Usage(cached_tokens={"gpu": 4 * 64}),
+        )
+    )
+    figures = reuse_figures(d.state.counters)
+    assert figures.delivered_tokens == 4 * 64 == sum(d.results["r2"][0].outcome.usage.cached_tokens.values())
+    assert (figures.captured_share, figures.delivered_share) == (0.5, 0.4)

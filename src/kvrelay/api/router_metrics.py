@@ -1,5 +1,6 @@
-"""Prometheus metrics read from the router's state: decisions, declines, retries, stale messages, and
-what each live worker's last heartbeat says of its pages and chunk store.
+"""Prometheus metrics read from the router's state: decisions, declines, retries, stale messages, the reuse
+available, captured by the routing and delivered by the workers (``core.router.reuse``), and what each live
+worker's last heartbeat says of its pages and chunk store.
 
 Counters come from ``RouterState.counters`` (the pure router counts; nothing
 here counts twice); per-worker gauges come from heartbeats, so they are as
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvrelay.api.metrics import Metrics
+from kvrelay.core.router.reuse import reuse_figures
 from kvrelay.router.cluster_router import ClusterRouter
 
 OUTCOME_COUNTERS = {
@@ -52,6 +54,15 @@ class RouterCollector:
         yield _by_prefix(
             counters, "kvrelay_requests_finished_total", "requests ended, by finish reason", "finished_", "reason"
         )
+        reuse = reuse_figures(counters)
+        for figure, value, help_ in (
+            ("available", reuse.available_tokens, "longest prefix held anywhere, per attempt routed"),
+            ("captured", reuse.captured_tokens, "cached tokens of the chosen route, per attempt routed"),
+            ("delivered", reuse.delivered_tokens, "cached tokens the workers restored or found, per result"),
+        ):
+            yield CounterMetricFamily(
+                f"kvrelay_reuse_{figure}_tokens", f"prompt tokens of reuse {figure}: {help_}", value=value
+            )
         views = self.router.state.views
         yield GaugeMetricFamily("kvrelay_workers_live", "live workers", value=len(views))
         if self.worker_pages:

@@ -8,7 +8,13 @@ writes::
     {"trace": str, "workers": int, "seed": int,
      "policies": {NAME: {"requests", "completed", "ttft_s": {"mean", "p50", "p90", "p99"},
                          "prefix_hit_share", "infinite_cache_bound", "chunk_cache_bound",
-                         "bound_ratio", "chunk_bound_ratio", "recomputed_tokens", ...}}}
+                         "bound_ratio", "chunk_bound_ratio", "recomputed_tokens",
+                         "reuse": {"available_tokens", "captured_tokens", "delivered_tokens",
+                                   "captured_share", "delivered_share"}, ...}}}
+
+The ``captured`` and ``delivered`` columns are the routing's decision quality (``core.router.reuse``): the
+cached tokens of the chosen routes, and those the workers restored or found, as shares of the longest prefix
+held anywhere at each routing.
 """
 
 from __future__ import annotations
@@ -68,20 +74,26 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     width = max(14, *(len(name) + 2 for name in results))
     head = (
         f"{'policy':<{width}}{'requests':>9}{'done':>7}{'ttft mean':>11}{'p50':>9}{'p90':>9}{'p99':>9}"
-        f"{'hit share':>10}{'of bound':>9}{'recomputed':>13}{'imbalance':>10}{'wall s':>8}"
+        f"{'hit share':>10}{'of bound':>9}{'captured':>9}{'delivered':>10}{'recomputed':>13}{'imbalance':>10}"
+        f"{'wall s':>8}"
     )
     lines = [head, "-" * len(head)]
     for name, m in results.items():
         t = {k: "-" if v is None else f"{v:.3f}s" for k, v in m["ttft_s"].items()}
         lines.append(
             f"{name:<{width}}{m['requests']:>9}{m['completed']:>7}{t['mean']:>11}{t['p50']:>9}{t['p90']:>9}"
-            f"{t['p99']:>9}{m['prefix_hit_share']:>10.1%}{m['chunk_bound_ratio']:>9.1%}{m['recomputed_tokens']:>13,}"
+            f"{t['p99']:>9}{m['prefix_hit_share']:>10.1%}{m['chunk_bound_ratio']:>9.1%}"
+            f"{m['reuse']['captured_share']:>9.1%}{m['reuse']['delivered_share']:>10.1%}{m['recomputed_tokens']:>13,}"
             f"{m['load_imbalance']:>10.2f}{m['wall_s']:>8.1f}"
         )
     first = next(iter(results.values()))
     lines.append(
         f"infinite-cache bound: {first['chunk_cache_bound']:.1%} of prompt tokens by routable chunks "
         f"('of bound'), {first['infinite_cache_bound']:.1%} by whole blocks"
+    )
+    lines.append(
+        "captured, delivered: reuse the chosen routes captured and the workers delivered, of the longest prefix "
+        "held anywhere at each routing"
     )
     lines.append("")
     lines.append("load per worker (accepted attempts / busy seconds):")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.core.router.machine import RouterConfig
+from kvrelay.core.router.reuse import reuse_figures
 from kvrelay.launch import defaults
 from kvrelay.launch.catalog import ModelCatalog, load_served_model
 from kvrelay.launch.drain import listen, serve_until_stopped
@@ -73,7 +74,9 @@ class _HeartbeatTap:
 
 
 def cluster_snapshot(router: ClusterRouter, endpoint: RouterEndpoint) -> dict[str, Any]:
-    """What ``/cluster`` answers: live workers (from their last heartbeat), requests in flight, counters."""
+    """What ``/cluster`` answers: live workers (from their last heartbeat), requests in flight, counters, and the
+    cumulative reuse figures (``reuse``: ``available_tokens``, ``captured_tokens``, ``delivered_tokens``, the
+    values of ``kvrelay_reuse_*_tokens_total`` on ``/metrics``)."""
     workers = {
         wid: {
             "epoch": v.heartbeat.epoch,
@@ -94,6 +97,7 @@ def cluster_snapshot(router: ClusterRouter, endpoint: RouterEndpoint) -> dict[st
         "workers": workers,
         "requests": requests,
         "router_counters": dict(router.state.counters),
+        "reuse": reuse_figures(router.state.counters).as_dict(),
         "endpoint_counters": dict(endpoint.counters),
     }
 

@@ -7,7 +7,9 @@ tiers) the workers reported for the attempts the router accepted, over all
 prompt tokens of the trace; the infinite-cache bounds, by blocks and by
 routable chunks, are computed from the trace itself
 (``trace.infinite_cache_bound``, ``trace.chunk_cache_bound``). No policy's hit
-share can exceed the chunk-level one.
+share can exceed the chunk-level one. ``reuse`` holds the router's decision-quality figures
+(``core.router.reuse``): the prefix reuse available at each routing, what the chosen routes captured, what the
+workers delivered (the same sum as the cached tokens above), and captured and delivered as shares of available.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvrelay.core.router.machine import RouterConfig
+from kvrelay.core.router.reuse import reuse_figures
 from kvrelay.sim.cluster_config import ClusterConfig
 from kvrelay.sim.interpreter import Simulation
 from kvrelay.sim.trace import (
@@ -138,6 +141,7 @@ def _metrics(
             "generated_tokens": st.generated_tokens,
             "busy_s": round(st.busy_s, 6),
         }
+    reuse = reuse_figures(sim.router.counters)
     busy = [w["busy_s"] for w in workers.values()]
     mean_busy = sum(busy) / len(busy) if busy else 0.0
     return {
@@ -150,6 +154,11 @@ def _metrics(
         "chunk_cache_bound": chunk_bound,
         "chunk_bound_ratio": share / chunk_bound if chunk_bound else 0.0,
         "recomputed_tokens": recomputed,
+        "reuse": {
+            **reuse.as_dict(),
+            "captured_share": reuse.captured_share,
+            "delivered_share": reuse.delivered_share,
+        },
         "cached_tokens_by_tier": dict(sorted(cached_by_tier.items())),
         "bytes_restored_by_tier": dict(sorted(restored.items())),
         "load_imbalance": max(busy) / mean_busy if mean_busy else 0.0,

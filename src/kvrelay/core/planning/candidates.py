@@ -168,6 +168,9 @@ class Plan:
     excluded: dict[str, Exclusion] = field(default_factory=dict)
     pruned: Mapping[str, float] = field(default_factory=dict)
     """Workers skipped because a lower bound on their score exceeded the best found (``roster.plan_pruned``)."""
+    available_chunks: int = 0
+    """The chain's leading chunks the index holds anywhere (any worker's tier or pending mark, the object tier):
+    what an ideal route could reuse (``core.router.reuse``)."""
 
     def best(self) -> Candidate | None:
         """The lowest score; ties broken by worker id."""
@@ -355,8 +358,8 @@ def plan(
 
     ``roster.plan_pruned`` finds the same best candidate while skipping workers that cannot win.
     """
-    result = Plan()
     runs = index.runs(chain)
+    result = Plan(available_chunks=sum(n for _, n in runs))
     shared, present = shared_route(runs, index, chunk_tokens)
     need = prompt_len + max_new
     for worker in workers:

@@ -194,8 +194,8 @@ def plan_pruned(
     When nothing is feasible the result is the full plan, which names every exclusion.
     """
     pruned = PrunedBounds()
-    result = cand.Plan(pruned=pruned)
     runs = index.runs(chain)
+    result = cand.Plan(pruned=pruned, available_chunks=sum(n for _, n in runs))
     shared, present = cand.shared_route(runs, index, chunk_tokens)
     need = prompt_len + max_new
     best, best_id = float("inf"), ""

@@ -15,6 +15,7 @@ from kvrelay.core.planning.exclusions import ExclusionKind
 from kvrelay.core.planning.roster import plan_pruned
 from kvrelay.core.planning.routes import offered_route
 from kvrelay.core.policies.base import RoutingContext
+from kvrelay.core.router import reuse
 from kvrelay.core.router.events import (
     CancelTimer,
     DeliverResult,
@@ -164,6 +165,8 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         )
     )
     state.count("offers")
+    state.count(reuse.AVAILABLE, plan.available_chunks * config.chunk_tokens)
+    state.count(reuse.CAPTURED, chosen.cached_tokens)
     if rs.attempt > 1:
         state.count("retries")
 

@@ -18,6 +18,7 @@ from typing import assert_never
 
 from kvrelay.core.planning import predicted_ttft
 from kvrelay.core.planning.registry import HeartbeatReason, accept_heartbeat, expire, fence
+from kvrelay.core.router import reuse
 from kvrelay.core.router.attempts import (
     abandon,
     finish,
@@ -425,6 +426,7 @@ def _on_result(state: RouterState, rs: RequestState, msg: Result, now: float, fx
     _deliver(state, rs, tuple(msg.tokens[already:]), now, fx)
     for tier, n in msg.usage.cached_tokens.items():
         rs.cached_tokens[tier] = rs.cached_tokens.get(tier, 0) + n
+    state.count(reuse.DELIVERED, sum(msg.usage.cached_tokens.values()))
     rs.recomputed_tokens += msg.usage.recomputed_tokens
     if msg.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
         finish(state, rs, msg.finish_reason, now, fx)
