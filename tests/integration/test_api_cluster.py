@@ -1,9 +1,11 @@
-"""The official openai client against `kvrelay cluster --workers 2` (router and two worker processes)."""
+"""The official openai client against `kvrelay cluster --workers 2` (router and two worker processes), which
+exports its request traces to an OTLP/HTTP collector in the test."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import secrets
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,15 +16,22 @@ import pytest
 
 from kvrelay.models.loading.loader import load_artifacts
 from kvrelay.testing.tiny_models import make_tiny_model
+from tests.support.otlp_collector import Collector, ReceivedSpan, otlp_collector
 from tests.support.processes import CLUSTER_READY, two_worker_cluster, wait_until
 from tests.support.worker_harness import greedy_reference
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def collector() -> Iterator[Collector]:
+    with otlp_collector() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, collector: Collector) -> Iterator[tuple[str, Path]]:
     home = tmp_path_factory.mktemp("api-cluster")
     model = make_tiny_model("gemma3", home / "tiny-gemma3")
-    process = two_worker_cluster(home, model)
+    process = two_worker_cluster(home, model, "--otlp-endpoint", collector.url)
     try:
         http_url = process.wait_for(CLUSTER_READY, 120).group(1)
         wait_until(lambda: httpx.get(http_url + "/health").status_code == 200 or None, 30, "a healthy router")
@@ -130,3 +139,40 @@ def test_reuse_figures_agree_with_usage_on_cluster_and_metrics(cluster: tuple[st
     assert delta["delivered_tokens"] == sum(cached) > 0
     assert 0 < delta["captured_tokens"] <= delta["available_tokens"]
     assert _scraped_reuse(httpx.get(http_url + "/metrics").text) == after
+
+
+ROUTER_SPANS = {"ingress", "route", "offer", "result"}
+WORKER_SPANS = {"admission", "prefill", "decode"}
+
+
+def test_one_requests_spans_cross_router_and_worker_processes_in_the_clients_trace(
+    cluster: tuple[str, Path], collector: Collector
+) -> None:
+    http_url, model = cluster
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    response = httpx.post(
+        http_url + "/v1/completions",
+        json={"model": model.name, "prompt": "spans of one request " * 6, "max_tokens": 3, "temperature": 0},
+        headers={"traceparent": f"00-{trace_id}-{client_span}-01"},
+        timeout=60,
+    )
+    assert response.status_code == 200
+
+    def complete() -> list[ReceivedSpan] | None:
+        spans = collector.of_trace(trace_id)
+        return spans if {s.name for s in spans} >= ROUTER_SPANS | WORKER_SPANS else None
+
+    spans = wait_until(complete, 30, f"the router's and a worker's spans of trace {trace_id}", every_s=0.2)
+    by_name = {s.name: s for s in spans}
+    assert {s.service for s in spans if s.name in ROUTER_SPANS} == {"kvrelay-router"}
+    assert {s.service for s in spans if s.name in WORKER_SPANS} == {"kvrelay-worker"}
+    ingress, offer = by_name["ingress"], by_name["offer"]
+    assert ingress.parent_span_id == client_span
+    assert {by_name[n].parent_span_id for n in ("route", "offer", "result")} == {ingress.span_id}
+    assert {by_name[n].parent_span_id for n in WORKER_SPANS} == {offer.span_id}
+    rid = ingress.attributes["kvrelay.request_id"]
+    assert all(s.attributes["kvrelay.request_id"] == rid for s in spans)
+    assert by_name["admission"].attributes["kvrelay.worker_id"] == offer.attributes["kvrelay.worker_id"]
+    assert by_name["decode"].attributes["kvrelay.generated_tokens"] == 3
+    assert by_name["result"].attributes["kvrelay.finish_reason"] == "length"
+    assert by_name["prefill"].end_ns <= by_name["decode"].start_ns + 1_000_000

@@ -21,6 +21,7 @@ from kvrelay.protocol.messages import (
     Timings,
     Usage,
 )
+from kvrelay.protocol.trace_context import parse_traceparent
 
 A = Assignment("req-1", 2)
 
@@ -37,6 +38,7 @@ SAMPLES = [
         sampling=Sampling(temperature=0.7, seed=9, stop_token_ids=(1,)),
         route=(RouteSegment("gpu", 2), RouteSegment("object", 1, "bucket")),
         chain=(b"k" * 16,),
+        traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
     ),
     Cancel(assignment=A, worker_id="w0", reason="consumer"),
     OfferResult(assignment=A, worker_id="w0", epoch=3, accepted=False, reason="no_capacity"),
@@ -101,6 +103,41 @@ def test_round_trip(message: object) -> None:
 def test_rejects_bad_frames(frame: bytes, needle: str) -> None:
     with pytest.raises(ProtocolError, match=needle):
         decode(frame)
+
+
+def test_an_offer_of_an_older_router_without_traceparent_decodes_with_none() -> None:
+    offer = SAMPLES[0]
+    assert isinstance(offer, Offer)
+    fields = msgspec.msgpack.decode(encode(offer))
+    del fields["traceparent"]
+    assert decode(msgspec.msgpack.encode(fields)) == msgspec.structs.replace(offer, traceparent="")
+
+
+def test_an_offer_with_a_malformed_traceparent_is_rejected() -> None:
+    fields = msgspec.msgpack.decode(encode(SAMPLES[0]))
+    fields["traceparent"] = "00-not-a-trace-01"
+    with pytest.raises(ProtocolError, match="traceparent"):
+        decode(msgspec.msgpack.encode(fields))
+
+
+@pytest.mark.parametrize(
+    ("header", "parsed"),
+    [
+        (
+            " 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01 ",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        ),
+        ("00-4BF92F3577B34DA6A3CE929D0E0E4736-00F067AA0BA902B7-01", None),
+        ("ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", None),
+        ("00-00000000000000000000000000000000-00f067aa0ba902b7-01", None),
+        ("00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01", None),
+        ("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_a_clients_traceparent_is_used_only_when_it_parses(header: str | None, parsed: str | None) -> None:
+    assert parse_traceparent(header) == parsed
 
 
 def test_rejects_oversized_frames() -> None:

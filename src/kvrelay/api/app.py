@@ -160,7 +160,7 @@ def create_app(ingress: Ingress) -> FastAPI:
     async def respond(request: Request, p: Prepared, stream: bool, include_usage: bool, chat: bool) -> Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        events = ingress.generate(p)
+        events = ingress.generate(p, request.headers.get("traceparent"))
         if stream:
             first = await _first(events)
             return StreamingResponse(

@@ -11,6 +11,10 @@ It never depends on the model runtime: it submits protocol requests to a
   raises ``APIError`` when the request failed (after the text of the tokens it
   got, if any); if the caller stops iterating early (a client disconnected) the
   request is cancelled through the router, which cancels it at the worker.
+- ``generate(p, traceparent)`` continues the client's W3C trace context when it parses
+  (``protocol.trace_context``; else it is ignored): with tracing on (``tracing``), an ``ingress`` span of
+  the request's whole life is a child of it and the router's and workers' spans are the span's children;
+  with tracing off, the client's context is passed on as it came.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrelay.api.body import body_limit, decode_body
 from kvrelay.api.detokenize import IncrementalText
@@ -35,7 +39,11 @@ from kvrelay.api.schema import ChatRequest, CompletionRequest, SamplingFields
 from kvrelay.api.templates import TemplateRejected, canonical_turns, render_chat
 from kvrelay.core.router.events import Outcome, Request
 from kvrelay.protocol.messages import Sampling
+from kvrelay.protocol.trace_context import parse_traceparent
 from kvrelay.router.cluster_router import ClusterRouter, Consumer
+
+if TYPE_CHECKING:
+    from kvrelay.telemetry.tracing import Tracing
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +102,10 @@ class Ingress:
         metrics: Metrics,
         serving: Callable[[str], bool],
         max_body_bytes: int | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.router = router
+        self.tracing = tracing
         self.models = models
         self.metrics = metrics
         self.serving = serving
@@ -224,16 +234,22 @@ class Ingress:
         )
         return Prepared(model, ids, max_tokens, sampling, stop_strings)
 
-    async def generate(self, p: Prepared) -> AsyncIterator[TextDelta | Final]:
+    async def generate(self, p: Prepared, traceparent: str | None = None) -> AsyncIterator[TextDelta | Final]:
         if not self.serving(p.model.name):
             raise APIError(
                 503, f"no worker serves model '{p.model.name}' right now", "service_unavailable", "model", "no_worker"
             )
         rid = "kv-" + hashlib.blake2b(uuid.uuid4().bytes, digest_size=10).hexdigest()
+        context = parse_traceparent(traceparent) or ""
+        span = None
+        if self.tracing is not None:
+            from kvrelay.telemetry.ingress_span import start_ingress_span
+
+            span, context = start_ingress_span(self.tracing, context, rid, p.model.name, len(p.prompt))
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         started = time.monotonic()
         self.router.submit(
-            Request(rid, p.model.name, tuple(p.prompt), p.max_tokens, p.sampling),
+            Request(rid, p.model.name, tuple(p.prompt), p.max_tokens, p.sampling, traceparent=context),
             Consumer(
                 lambda index, tokens: queue.put_nowait(("delta", tokens)),
                 lambda outcome: queue.put_nowait(("done", outcome)),
@@ -298,6 +314,9 @@ class Ingress:
         finally:
             if not finished:
                 self.router.cancel(rid)
+            if span is not None:
+                span.set_attribute("kvrelay.completed", finished)
+                span.end()
                 self.series.disconnects.inc()
 
 

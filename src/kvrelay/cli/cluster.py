@@ -38,6 +38,12 @@ OPTIONS = (
     Option("lanes", int, defaults.LANES, "concurrent sequences per worker"),
     Option("db", str, None, "fact store URL of the router (none: SQLite under the data directory)"),
     Option(
+        "otlp_endpoint",
+        str,
+        None,
+        "export request traces over OTLP/HTTP to this collector (http://HOST:4318; none: no tracing)",
+    ),
+    Option(
         "grace_s", float, defaults.GRACE_S, "on shutdown, seconds running requests may take before they are handed over"
     ),
     Option(
@@ -75,10 +81,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     shared = ["--config", args.config] if args.config else []
     model = ["--model", values["model"]] if values["model"] else []
-    router_args = [*shared, *model, *(["--db", values["db"]] if values["db"] else [])]
+    tracing = ["--otlp-endpoint", values["otlp_endpoint"]] if values["otlp_endpoint"] else []
+    router_args = [*shared, *model, *tracing, *(["--db", values["db"]] if values["db"] else [])]
     worker_args = [
         *shared,
         *model,
+        *tracing,
         "--dtype",
         values["dtype"],
         "--kv-tokens",

@@ -29,6 +29,12 @@ OPTIONS = (
     Option("db", str, None, "fact store URL (none: SQLite under the data directory)"),
     Option("secret_file", str, None, f"file holding the shared secret workers must present (else ${SECRET_ENV_VAR})"),
     Option("policy", str, defaults.POLICY, "routing policy"),
+    Option(
+        "otlp_endpoint",
+        str,
+        None,
+        "export request traces over OTLP/HTTP to this collector (http://HOST:4318; none: no tracing)",
+    ),
     Option("chunk_tokens", int, ROUTER_DEFAULTS.chunk_tokens, "tokens per routed KV chunk"),
     Option(
         "offer_timeout_s",
@@ -103,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         config=config,
         max_body_bytes=values["max_body_bytes"],
         drain_s=values["drain_s"],
+        otlp_endpoint=values["otlp_endpoint"],
     )
 
     def ready(http_url: str, workers_url: str) -> None:

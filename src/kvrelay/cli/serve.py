@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGINT/SIGTERM, seconds running requests may take to finish; then each ends with an error "
         f"event that says so, and the server exits 0 (default {defaults.DRAIN_S:g})",
     )
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="export request traces over OTLP/HTTP to this collector (http://HOST:4318; default: no tracing)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         drain_s=args.drain_s,
         worker=worker,
         max_body_bytes=args.max_body_bytes,
+        otlp_endpoint=args.otlp_endpoint,
     )
 
     def ready(http_url: str) -> None:

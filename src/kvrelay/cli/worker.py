@@ -63,6 +63,12 @@ OPTIONS = (
         "on SIGTERM, seconds running requests may take to finish before they are handed over to other workers",
     ),
     Option("secret_file", str, None, f"file holding the shared secret (else ${SECRET_ENV_VAR})"),
+    Option(
+        "otlp_endpoint",
+        str,
+        None,
+        "export request traces over OTLP/HTTP to this collector (http://HOST:4318; none: no tracing)",
+    ),
 )
 
 
@@ -124,7 +130,14 @@ def run(args: argparse.Namespace) -> int:
             ),
             share_prefill=values["share_prefill"],
         )
-    options = WorkerOptions(settings, tuple(values["router"]), secret, values["heartbeat_s"], values["grace_s"])
+    options = WorkerOptions(
+        settings,
+        tuple(values["router"]),
+        secret,
+        values["heartbeat_s"],
+        values["grace_s"],
+        otlp_endpoint=values["otlp_endpoint"],
+    )
 
     def ready(worker_id: str, epoch: int, model: str) -> None:
         print(f"kvrelay worker ready id={worker_id} epoch={epoch} model={model}", flush=True)

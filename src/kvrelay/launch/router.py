@@ -32,6 +32,7 @@ from kvrelay.launch import defaults
 from kvrelay.launch.catalog import ModelCatalog, load_served_model
 from kvrelay.launch.drain import listen, serve_until_stopped
 from kvrelay.launch.router_stack import build_router_stack
+from kvrelay.launch.tracing import start_tracing
 from kvrelay.protocol.messages import Heartbeat, WireMessage
 from kvrelay.router.cluster_router import ClusterRouter
 from kvrelay.transport.router_endpoint import RouterEndpoint, registry_liveness
@@ -55,6 +56,8 @@ class RouterOptions:
     config: RouterConfig = field(default_factory=RouterConfig)
     max_body_bytes: int | None = None
     drain_s: float = defaults.DRAIN_S
+    otlp_endpoint: str | None = None
+    """Export request traces over OTLP/HTTP to this collector (``telemetry.tracing``); None: no tracing."""
 
 
 class _HeartbeatTap:
@@ -110,6 +113,7 @@ async def run_router(options: RouterOptions, on_ready: Callable[[str, str], None
         loaded[served.name] = served
     catalog = ModelCatalog(loaded)
     endpoint = RouterEndpoint(options.secret, host=options.host, port=options.worker_port)
+    tracing = start_tracing(options.otlp_endpoint, "kvrelay-router")
     stack = build_router_stack(
         config=options.config,
         policy=options.policy,
@@ -117,6 +121,7 @@ async def run_router(options: RouterOptions, on_ready: Callable[[str, str], None
         send=endpoint.send,
         models=catalog.served,
         max_body_bytes=options.max_body_bytes,
+        tracing=tracing,
     )
     router = stack.router
     stack.metrics.gauge(
@@ -142,4 +147,6 @@ async def run_router(options: RouterOptions, on_ready: Callable[[str, str], None
         await stack.close()
         if sock is not None:
             sock.close()
+        if tracing is not None:
+            await asyncio.to_thread(tracing.shutdown)
         log.info("router stopped")

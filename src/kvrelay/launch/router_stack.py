@@ -10,7 +10,8 @@ Contract:
   counter; and the fact store's written, lost and pending records,
   ``facts.metrics``), the ``Ingress`` over ``models`` (request bodies bounded by
   ``max_body_bytes``; None: the bound ``api.body`` derives from the models'
-  contexts) and the FastAPI app.
+  contexts) and the FastAPI app. With ``tracing`` the router and the ingress export each request's spans
+  (``telemetry``); without it they start none.
 - ``models`` is the ingress's model table, read at each request, so a caller
   may keep adding to it (the router process learns models from heartbeats).
   A model is served while at least one live worker's last heartbeat names it.
@@ -25,6 +26,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -39,6 +41,9 @@ from kvrelay.facts.sink import record_sink
 from kvrelay.facts.store import FactStore
 from kvrelay.protocol.messages import WireMessage
 from kvrelay.router.cluster_router import ClusterRouter
+
+if TYPE_CHECKING:
+    from kvrelay.telemetry.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +92,19 @@ def build_router_stack(
     models: dict[str, ServedModel],
     worker_pages: bool = True,
     max_body_bytes: int | None = None,
+    tracing: Tracing | None = None,
 ) -> RouterStack:
     """Open the fact store and wire router, metrics, ingress and app (see the module contract)."""
     facts = FactStore(db_url)
     replicas = ReplicaMap.load(facts.engine)
-    router = ClusterRouter(new_router(config, policy), send, record_sink(facts, replicas), replicas=replicas)
+    spans = None
+    if tracing is not None:
+        from kvrelay.telemetry.router_spans import RouterSpans
+
+        spans = RouterSpans(tracing)
+    router = ClusterRouter(
+        new_router(config, policy), send, record_sink(facts, replicas), replicas=replicas, spans=spans
+    )
 
     def serving(name: str) -> bool:
         return any(name in v.heartbeat.models for v in router.state.views.values())
@@ -104,5 +117,5 @@ def build_router_stack(
         "every router counter",
     )
     metrics.registry.register(FactStoreCollector(facts))
-    ingress = Ingress(router, models, metrics, serving, max_body_bytes)
+    ingress = Ingress(router, models, metrics, serving, max_body_bytes, tracing)
     return RouterStack(router, facts, replicas, metrics, ingress, create_app(ingress))

@@ -34,6 +34,7 @@ from kvrelay.facts.store import FactStore
 from kvrelay.launch import defaults
 from kvrelay.launch.drain import listen, serve_until_stopped
 from kvrelay.launch.router_stack import RouterStack, build_router_stack
+from kvrelay.launch.tracing import start_tracing
 from kvrelay.launch.worker_assembly import StoreSpec, WorkerParts, WorkerSettings, build_worker
 from kvrelay.protocol.messages import Cancel, Fenced, Offer, WireMessage
 from kvrelay.router.cluster_router import ClusterRouter
@@ -55,6 +56,8 @@ class ServeOptions:
     heartbeat_s: float = defaults.HEARTBEAT_S
     max_body_bytes: int | None = None
     drain_s: float = defaults.DRAIN_S
+    otlp_endpoint: str | None = None
+    """Export request traces (router and worker spans) over OTLP/HTTP to this collector; None: no tracing."""
     worker: WorkerSettings = field(default_factory=lambda: WorkerSettings(defaults.SERVE_WORKER_ID))
 
 
@@ -126,6 +129,11 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
     served = ServedModel(
         artifacts.name, artifacts.tokenizer, config.architecture, worker.context_limit, tuple(config.eos_token_ids)
     )
+    tracing = start_tracing(options.otlp_endpoint, "kvrelay-serve")
+    if tracing is not None:
+        from kvrelay.telemetry.worker_spans import WorkerSpans
+
+        controller.spans = WorkerSpans(tracing, identity.worker_id)
     stack = build_router_stack(
         config=RouterConfig(chunk_tokens=settings.chunk_tokens),
         policy=defaults.POLICY,
@@ -134,6 +142,7 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
         models={served.name: served},
         worker_pages=False,
         max_body_bytes=options.max_body_bytes,
+        tracing=tracing,
     )
     router = stack.router
     controller.publish = to_router
@@ -157,6 +166,8 @@ async def embedded(options: ServeOptions) -> AsyncIterator[Embedded]:
         with contextlib.suppress(asyncio.CancelledError):
             await beat
         await parts.close()
+        if tracing is not None:
+            await asyncio.to_thread(tracing.shutdown)
 
 
 def _for_worker(worker_id: str, read: Callable[[], int]) -> Read:

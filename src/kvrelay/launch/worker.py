@@ -30,6 +30,7 @@ from typing import Protocol
 from kvrelay.core.worker.machine import WorkerState
 from kvrelay.engines.vllm.host import VllmWorker
 from kvrelay.launch import defaults
+from kvrelay.launch.tracing import start_tracing
 from kvrelay.launch.vllm_worker import VllmSettings, build_vllm_worker
 from kvrelay.launch.worker_assembly import WorkerSettings, build_worker
 from kvrelay.transport.worker_endpoint import WorkerEndpoint
@@ -71,6 +72,8 @@ class WorkerOptions:
     secret: bytes
     heartbeat_s: float = defaults.HEARTBEAT_S
     grace_s: float = defaults.GRACE_S
+    otlp_endpoint: str | None = None
+    """Export each attempt's spans over OTLP/HTTP to this collector (a native worker; None: no tracing)."""
 
 
 async def run_worker(options: WorkerOptions, on_ready: Callable[[str, int, str], None] = lambda w, e, m: None) -> None:
@@ -86,6 +89,13 @@ async def run_worker(options: WorkerOptions, on_ready: Callable[[str, int, str],
     else:
         native = await build_worker(options.settings)
         host, name = native.controller, native.artifacts.name
+    tracing = start_tracing(options.otlp_endpoint, "kvrelay-worker", host.worker_id)
+    if tracing is not None and isinstance(host, WorkerController):
+        from kvrelay.telemetry.worker_spans import WorkerSpans
+
+        host.spans = WorkerSpans(tracing, host.worker_id)
+    elif tracing is not None:
+        log.warning("worker %s: a vLLM worker exports no spans of its own; the router's still trace it", host.worker_id)
     endpoint = WorkerEndpoint(host, options.router_urls, options.secret, heartbeat_interval_s=options.heartbeat_s)
     host.publish = endpoint.publish
     if isinstance(options.settings, VllmSettings):
@@ -104,6 +114,8 @@ async def run_worker(options: WorkerOptions, on_ready: Callable[[str, int, str],
             await vllm.aclose()
         else:
             native.close()
+        if tracing is not None:
+            await asyncio.to_thread(tracing.shutdown)
         log.info("worker %s stopped", host.worker_id)
 
 

@@ -20,6 +20,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS, DEFAULT_PAGE_TOKENS
+from kvrelay.protocol.trace_context import TraceParent
 
 PROTOCOL_VERSION = 1
 """The only version this build speaks; a frame with another ``v`` is rejected."""
@@ -105,6 +106,9 @@ class Offer(Message, frozen=True, kw_only=True, tag="offer"):
     started runs before every waiting one of higher priority value, ties in
     arrival order (vLLM's priority scheduling convention, lower first); a
     prefill that has started keeps its place. The default 0 everywhere is FIFO.
+    ``traceparent`` (W3C, ``protocol.trace_context``; ``""``: none) is the router's span of this attempt, so
+    the worker's spans join the request's trace; a first offer and a continuation carry it alike. A frame
+    without it (an older router) decodes with ``""``.
     """
 
     assignment: Assignment
@@ -119,6 +123,7 @@ class Offer(Message, frozen=True, kw_only=True, tag="offer"):
     route: tuple[RouteSegment, ...] = ()
     chain: tuple[ChunkKey, ...] = ()
     priority: Annotated[float, msgspec.Meta(ge=-1e15, le=1e15)] = 0.0
+    traceparent: TraceParent = ""
 
 
 class Cancel(Message, frozen=True, kw_only=True, tag="cancel"):

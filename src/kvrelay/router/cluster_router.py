@@ -2,7 +2,8 @@
 
 All router steps run on one event loop, one at a time, so the router state
 needs no lock. Effects are carried out in the order the router emitted them:
-offers, cancels and fence notices go to ``send`` (the transport, or an in-process worker),
+offers, cancels and fence notices go to ``send`` (the transport, or an in-process worker; when tracing, an
+offer carries its attempt's span, ``telemetry.router_spans``),
 timers become ``loop.call_at`` handles, deltas and results go to the
 consumer's callbacks, records go to ``record`` (the fact store's buffered
 ``submit``, which never blocks). A callback that raises is logged and counted;
@@ -16,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, assert_never
+from typing import TYPE_CHECKING, Protocol, assert_never
 
 from kvrelay.core.router.events import (
     CancelTimer,
@@ -46,6 +47,9 @@ from kvrelay.core.router.events import (
 )
 from kvrelay.core.router.machine import RouterState, step
 from kvrelay.protocol.messages import WireMessage
+
+if TYPE_CHECKING:
+    from kvrelay.telemetry.router_spans import RouterSpans
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +83,9 @@ class ClusterRouter:
         clock: Callable[[], float] = time.monotonic,
         tick_s: float = 0.5,
         replicas: ReplicaSource | None = None,
+        spans: RouterSpans | None = None,
     ) -> None:
+        """``spans``: start and end each request's spans from the router's steps (None: no tracing)."""
         self.state = state
         self._send = send
         self._record = record
@@ -90,6 +96,7 @@ class ClusterRouter:
         self._timers: dict[TimerKey, asyncio.TimerHandle] = {}
         self._consumers: dict[str, Consumer] = {}
         self._ticker: asyncio.Task[None] | None = None
+        self._spans = spans
         self.callback_errors = 0
 
     # --- inputs -------------------------------------------------------------
@@ -123,7 +130,12 @@ class ClusterRouter:
         return len(self.state.requests)
 
     def feed(self, event: RouterEvent) -> None:
-        self.state, effects = step(self.state, event)
+        if self._spans is not None:
+            start_ns = time.time_ns()
+            self.state, effects = step(self.state, event)
+            effects = self._guarded_spans(event, effects, start_ns)
+        else:
+            self.state, effects = step(self.state, event)
         for effect in effects:
             self._carry_out(effect)
 
@@ -187,6 +199,16 @@ class ClusterRouter:
                 self._learn(lambda source: source.held_by(wid))
             case _:
                 assert_never(effect)
+
+    def _guarded_spans(self, event: RouterEvent, effects: list[Effect], start_ns: int) -> list[Effect]:
+        """The effects as ``RouterSpans.observe`` returns them; unchanged (and logged) if it fails."""
+        assert self._spans is not None
+        try:
+            return self._spans.observe(event, effects, start_ns, time.time_ns())
+        except Exception:
+            self.callback_errors += 1
+            log.exception("tracing the router's step failed; carrying out its effects untraced")
+            return effects
 
     def _learn(self, read: Callable[[ReplicaSource], tuple[Replica, ...]]) -> None:
         if self._replicas is None:

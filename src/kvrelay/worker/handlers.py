@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvrelay.protocol.messages import Offer, Tier, WireMessage
+from kvrelay.protocol.messages import FinishReason, Offer, Tier, WireMessage
 from kvrelay.worker.admission import Admission
 from kvrelay.worker.runtime.jobs import JobHandle
 
@@ -62,7 +62,11 @@ class Run:
     fenced: bool = False
     generated: list[int] = field(default_factory=list)
     kv_end: int = 0
+    offered_at: float = 0.0
+    """When admission began (the worker's clock, as every time here)."""
     accepted_at: float = 0.0
+    restore_started_at: float = 0.0
+    """When the restore began (0: none ran)."""
     restore_s: float = 0.0
     submitted_at: float = 0.0
     token_times: list[float] = field(default_factory=list)
@@ -70,3 +74,5 @@ class Run:
     """Chunks shared at the re-match before the prefill (``shared_prefill``), not computed."""
     queued_tokens: int = 0
     """Prompt tokens this run adds to the worker's reported queue."""
+    finish_reason: FinishReason | None = None
+    """How the runtime ended the job (None: fenced before it answered)."""

@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import assert_never
+from typing import TYPE_CHECKING, assert_never
 
 from kvrelay.core.worker import machine
 from kvrelay.protocol.chunk_keys import chunk_key, root_key
@@ -55,6 +55,9 @@ from kvrelay.worker.page_pool import PagePool
 from kvrelay.worker.runtime.jobs import Job, JobResult, RuntimeEvent, TokenEvent
 from kvrelay.worker.runtime.loop import PagedRuntime
 from kvrelay.worker.shared_prefill import FillingChunks, rematch
+
+if TYPE_CHECKING:
+    from kvrelay.telemetry.worker_spans import WorkerSpans
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +105,8 @@ class WorkerController:
         self.quiesced = asyncio.Event()
         self.pool_callback_errors = 0
         self._handing_over = False
+        self.spans: WorkerSpans | None = None
+        """Each attempt's spans, made at its release (``telemetry.worker_spans``); None: no tracing."""
 
     # --- transport-facing host interface ------------------------------------------
 
@@ -250,6 +255,7 @@ class WorkerController:
             self.quiesced.clear()
 
     def _admit(self, offer: Offer) -> None:
+        offered_at = self.clock()
         result = admit(self.pool, self.me, offer, self.state.shutting_down)
         if result.accepted:
             assert result.reservation is not None
@@ -262,11 +268,14 @@ class WorkerController:
                 taken=len(prefix_pages),
                 registered=len(result.prefix),
                 parent_key=result.chain[len(result.prefix) - 1] if result.prefix else root_key(self.me.fingerprint),
+                offered_at=offered_at,
                 accepted_at=self.clock(),
             )
             if result.prefix:
                 run.cached_tokens["gpu"] = len(result.prefix) * self.me.chunk_tokens
             self.runs[offer.assignment] = run
+        elif self.spans is not None:
+            self._trace(self.spans.declined, offer, offered_at, self.clock(), result.reason, result.detail)
         self._step(
             machine.AdmissionDecided(self.clock(), offer.assignment, result.accepted, result.reason, result.detail)
         )
@@ -280,6 +289,7 @@ class WorkerController:
             first = run.taken
             pages = [run.page_table[first + i * ppc : first + (i + 1) * ppc] for i in range(wanted)]
             run.restoring = True
+            run.restore_started_at = self.clock()
             if self.share_prefill:
                 self.filling.claim(run, keys)
             asyncio.get_running_loop().create_task(self._restore_then_submit(run, keys, pages))
@@ -379,6 +389,7 @@ class WorkerController:
         a = run.offer.assignment
         self._queue_tokens(run, 0)
         run.kv_end = event.kv_end
+        run.finish_reason = event.finish_reason
         self.prefill_s_per_token, self.decode_s_per_token = learned_speeds(
             run, event, self.prefill_s_per_token, self.decode_s_per_token
         )
@@ -414,6 +425,15 @@ class WorkerController:
         self.pool.release(reservation)
         self.pool.unref(run.page_table[: run.taken])
         self._resubmit(self.filling.filled(run))
+        if self.spans is not None:
+            self._trace(self.spans.ended, run, self.clock())
+
+    def _trace(self, spans: Callable[..., None], *args: object) -> None:
+        """Make spans; a failure is logged, never breaks the worker."""
+        try:
+            spans(*args)
+        except Exception:
+            log.exception("tracing an attempt on worker %s failed", self.worker_id)
 
     # --- pages and chunks ------------------------------------------------------------
 

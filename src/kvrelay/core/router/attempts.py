@@ -144,6 +144,7 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
                 route=_peer_urls(state, offered),
                 chain=chain[: sum(s.chunks for s in offered)],
                 priority=state.policy.priority(ctx, chosen),
+                traceparent=request.traceparent,
             ),
         )
     )

@@ -60,6 +60,8 @@ class Request:
 
     ``chain`` may carry precomputed chunk keys (a trace replay knows them from
     its block ids); otherwise the router derives them from ``prompt``.
+    ``traceparent`` (W3C; ``""``: none) is the ingress's span of the request; every offer carries it on
+    (the live router's shell puts its own span of the attempt there when it traces).
     """
 
     request_id: str
@@ -68,6 +70,7 @@ class Request:
     max_new_tokens: int
     sampling: Sampling = Sampling()
     chain: tuple[bytes, ...] | None = None
+    traceparent: str = ""
 
 
 class TimerKind(StrEnum):
