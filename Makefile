@@ -5,9 +5,13 @@ STAMP := $(VENV)/.installed-stamp
 # vLLM's CPU build, the runtime's peer and an engine kvrelay's workers can serve through, in a venv of its own.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+# The real peer routers bench/real_routers.py puts in front of the engines (SGLang Model Gateway, vllm-router,
+# sglang-router), one venv each.
+ROUTERS_VENV ?= .venv-routers
+ROUTERS_STAMP := $(ROUTERS_VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install vllm run test lint sim clean
+.PHONY: install vllm routers run test lint sim clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,10 +28,16 @@ $(VLLM_STAMP): scripts/install_vllm.sh scripts/vllm-requirements.txt
 
 vllm: $(VLLM_STAMP)
 
+$(ROUTERS_STAMP): scripts/install_routers.sh
+	bash scripts/install_routers.sh $(ROUTERS_VENV)
+	touch $(ROUTERS_STAMP)
+
+routers: $(ROUTERS_STAMP)
+
 run: $(STAMP)
 	$(VENV)/bin/kvrelay serve
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(ROUTERS_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -39,4 +49,4 @@ sim: $(STAMP)
 	$(VENV)/bin/kvrelay sim --trace data/traces/mooncake_synthetic_trace.jsonl --workers 8 --policy all
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(ROUTERS_VENV) build src/*.egg-info

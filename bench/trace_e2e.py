@@ -12,8 +12,7 @@ share of the CPU (the workers' CPU availability per replay is reported):
 2. ``sglang_cache_aware``: PyPI ``sglang-router`` ``--policy cache_aware`` (its
    defaults otherwise) in front of 2 ``kvrelay serve`` processes, each a plain
    OpenAI HTTP face of one worker (left out, and said so, when sglang-router is
-   not installed: ``python3 -m venv /tmp/sgr-venv && /tmp/sgr-venv/bin/pip
-   install sglang-router``);
+   not installed: ``make routers``);
 3. ``round_robin``: the same ``kvrelay cluster`` with the router policy
    ``round_robin`` (kvrelay's router, so it differs from 1 only by the policy).
 
@@ -51,17 +50,17 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from kvrelay.bench.trace.client import Measured, replay, wait_ready
+from kvrelay.bench.trace.client import Measured, replay, wait_ready, warm_up
 from kvrelay.bench.trace.decisions import routing_summary
 from kvrelay.bench.trace.faces import (
     CLUSTER_READY,
-    Face,
     FaceOptions,
-    find_sglang_router,
     kvrelay_cluster,
     serve_workers,
-    start_sglang,
+    start_peer,
+    until,
 )
+from kvrelay.bench.trace.peers import Peer, find_peer
 from kvrelay.bench.trace.prompts import PromptBuilder, Scaling, TracePrompt
 from kvrelay.bench.trace.report import (
     calibration_figures,
@@ -80,7 +79,6 @@ LABELS = {
     "sglang_cache_aware": "sglang-router cache_aware over 2 kvrelay serve",
     "round_robin": "kvrelay router (policy round_robin)",
 }
-WARMUP = tuple(f" warm {w} up" for w in ("alpha", "beta", "gamma", "delta"))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -104,7 +102,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lanes", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker process")
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated subset of {', '.join(SETUPS)}")
-    p.add_argument("--sglang-router", default=None, help="sglang-router executable (default: PATH, /tmp/sgr-venv)")
+    p.add_argument(
+        "--routers-venvs", type=Path, default=None, help="where `make routers` installed the peers (.venv-routers)"
+    )
     p.add_argument(
         "--calibration",
         default="measure",
@@ -171,14 +171,14 @@ async def run_setup(
         face, urls = kvrelay_cluster(name, "kvrelay" if name == "kvrelay" else "round_robin", options, home), []
     try:
         if not urls:
-            await _until(lambda: face.log_has("cluster", CLUSTER_READY), face, 300.0)
+            await until(lambda: face.log_has("cluster", CLUSTER_READY), face, 300.0)
         for url in urls or [face.url]:
             await wait_ready(url, model, face.alive)
         if urls:
             assert sglang is not None
-            start_sglang(face, "cache_aware", sglang, urls)
+            start_peer(face, Peer.SGLANG_ROUTER, sglang, "cache_aware", urls)
             await wait_ready(face.url, model, face.alive)
-        await _warm_up(face, model)
+        await warm_up(face.url, model)
         started = time.perf_counter()
         run0, wait0 = face.sched_seconds()
         measured = await replay(face.url, model, prompts, timeout_s)
@@ -203,29 +203,6 @@ async def run_setup(
     routing = {**routing_summary(stores), "worker_cpu_availability": availability}
     print(f"  {name} decisions: {routing}", flush=True)
     return measured, routing
-
-
-async def _until(probe, face: Face, limit_s: float) -> None:
-    deadline = time.monotonic() + limit_s
-    while not probe():
-        if not face.alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"{face.name} was not ready within {limit_s:.0f} s; logs: {face.logs()}")
-        await asyncio.sleep(0.2)
-
-
-async def _warm_up(face: Face, model: str) -> None:
-    import httpx
-
-    async with httpx.AsyncClient(timeout=120) as client:
-        await asyncio.gather(
-            *(
-                client.post(
-                    face.url + "/v1/completions",
-                    json={"model": model, "prompt": text, "max_tokens": 2, "temperature": 0.0},
-                )
-                for text in WARMUP
-            )
-        )
 
 
 def run_all(
@@ -306,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in setups if s not in SETUPS]
     if unknown or "kvrelay" not in setups:
         raise SystemExit(f"--setups: unknown {unknown} or kvrelay missing; choose from {', '.join(SETUPS)}")
-    sglang = find_sglang_router(args.sglang_router)
+    sglang = find_peer(Peer.SGLANG_ROUTER, args.routers_venvs)
     notes: list[str] = []
     if "sglang_cache_aware" in setups and sglang is None:
         setups.remove("sglang_cache_aware")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.bench.trace.faces import find_sglang_router
+from kvrelay.bench.trace.peers import Peer, find_peer
 from kvrelay.testing.tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def _trace(path: Path) -> Path:
     return path
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(210)
 def test_trace_e2e_writes_figures_report_and_plot(tmp_path: Path) -> None:
     model = make_tiny_model("gemma3", tmp_path / "tiny-gemma3")
     out = tmp_path / "results" / "trace_e2e.json"
@@ -73,16 +73,16 @@ def test_trace_e2e_writes_figures_report_and_plot(tmp_path: Path) -> None:
         "--json",
         str(out),
     ]
-    done = subprocess.run(argv, check=False, env=env, capture_output=True, text=True, timeout=110)
+    done = subprocess.run(argv, check=False, env=env, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert figures and all(set(f) == FIGURE_KEYS for f in figures)
     names = {f["name"] for f in figures}
-    baselines = ["round_robin"] + (["sglang_cache_aware"] if find_sglang_router() else [])
+    baselines = ["round_robin"] + (["sglang_cache_aware"] if find_peer(Peer.SGLANG_ROUTER) else [])
     for other in baselines:
         for metric in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "requests_per_s", "cached_tokens"):
             assert f"{metric}_vs_{other}" in names
-    if not find_sglang_router():
+    if not find_peer(Peer.SGLANG_ROUTER):
         assert "sglang-router is not installed" in done.stdout
         assert not any(n.endswith("sglang_cache_aware") for n in names)
     assert {"sim_ttft_p50_s", "sim_ttft_p90_s", "sim_ttft_p50_relative_error"} <= names

@@ -136,3 +136,21 @@ async def wait_ready(url: str, model: str, alive: Callable[[], bool], limit_s: f
                 pass
             await asyncio.sleep(0.25)
     raise TimeoutError(f"{url} did not answer a completion within {limit_s:.0f} s")
+
+
+WARMUP = tuple(f" warm {w} up" for w in ("alpha", "beta", "gamma", "delta"))
+"""Four short prompts that load every lane's code paths before a replay (two tokens each)."""
+
+
+async def warm_up(url: str, model: str) -> None:
+    """Send the ``WARMUP`` prompts at once and wait for their answers."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        await asyncio.gather(
+            *(
+                client.post(
+                    url + "/v1/completions",
+                    json={"model": model, "prompt": text, "max_tokens": 2, "temperature": 0.0},
+                )
+                for text in WARMUP
+            )
+        )

@@ -3,9 +3,9 @@
 - ``kvrelay_cluster(policy)``: ``kvrelay cluster --workers 2`` (a router process and
   two worker processes) with the router's policy set through ``$KVRELAY_POLICY``
   (``kvrelay`` or ``round_robin``).
-- ``serve_workers`` then ``start_sglang(policy)``: two ``kvrelay serve`` processes (each an embedded
-  router plus one worker: a plain OpenAI HTTP face per worker) behind PyPI
-  ``sglang-router`` with ``--policy <policy>`` (``cache_aware``, ``round_robin``).
+- ``serve_workers`` then ``start_peer(peer, policy)``: two ``kvrelay serve`` processes (each an embedded
+  router plus one worker: a plain OpenAI HTTP face per worker) behind a real peer router
+  (``kvrelay.bench.trace.peers``: SGLang Model Gateway, vLLM's router, sglang-router) with ``--policy <policy>``.
 
 Every setup gets a fresh home (its own data directory: fact store and chunk
 files start empty, so every setup starts cold; the model cache is shared),
@@ -17,19 +17,21 @@ to log files under the home, named in errors.
 
 from __future__ import annotations
 
+import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvrelay.bench.trace.peers import Peer, peer_argv
 from kvrelay.launch import defaults
 from kvrelay.testing.ports import free_port
 
 CLUSTER_READY = "kvrelay cluster ready"
-SGLANG_CANDIDATES = ("sglang-router", "/tmp/sgr-venv/bin/sglang-router")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,8 @@ class Face:
     url: str
     home: Path
     processes: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    engine_pids: tuple[int, ...] = ()
+    """Engines this face routes to that it did not start (shared vLLM servers): counted as workers."""
 
     def alive(self) -> bool:
         return all(p.poll() is None for _, p in self.processes)
@@ -68,20 +72,21 @@ class Face:
         """CPU seconds (user + system) used so far by each started process and its descendants, by role."""
         out: dict[str, float] = {}
         for name, p in self.processes:
-            for pid in _descendants(p.pid):
+            for pid in descendants(p.pid):
                 role = _role(pid) or name
                 out[role] = out.get(role, 0.0) + _cpu(pid)
         return out
 
     def sched_seconds(self) -> tuple[float, float]:
-        """Seconds the worker processes' threads ran on a CPU and waited runnable for one (``/proc`` schedstat)."""
+        """Seconds the worker processes' threads (and the engines') ran on a CPU and waited runnable for one
+        (``/proc`` schedstat)."""
+        pids = [pid for _, p in self.processes for pid in descendants(p.pid)]
+        workers = [pid for pid in pids if (_role(pid) or "").startswith(("worker", "serve"))]
+        workers += [pid for engine in self.engine_pids for pid in descendants(engine)]
         run = wait = 0.0
-        for _, p in self.processes:
-            for pid in _descendants(p.pid):
-                role = _role(pid) or ""
-                if role.startswith(("worker", "serve")):
-                    r, w = sched_of(pid)
-                    run, wait = run + r, wait + w
+        for pid in workers:
+            r, w = sched_of(pid)
+            run, wait = run + r, wait + w
         return run, wait
 
     def stop(self, grace_s: float = 20.0) -> None:
@@ -96,7 +101,7 @@ class Face:
                 p.wait()
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     found, todo = [], [pid]
     while todo:
         current = todo.pop()
@@ -141,16 +146,7 @@ def _role(pid: int) -> str | None:
     return None
 
 
-def find_sglang_router(explicit: str | None = None) -> str | None:
-    """The sglang-router executable: ``explicit`` if given, else on PATH, else the bench's venv; None if absent."""
-    for candidate in (explicit,) if explicit else SGLANG_CANDIDATES:
-        found = shutil.which(candidate) or (candidate if Path(candidate).is_file() else None)
-        if found:
-            return found
-    return None
-
-
-def _env(home: Path, threads: int, **extra: str) -> dict[str, str]:
+def process_env(home: Path, threads: int, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")}
     cache = os.environ.get("KVRELAY_CACHE_DIR")
     if cache:
@@ -165,12 +161,12 @@ def _env(home: Path, threads: int, **extra: str) -> dict[str, str]:
     return env
 
 
-def _spawn(face: Face, name: str, argv: list[str], env: dict[str, str]) -> None:
+def spawn(face: Face, name: str, argv: list[str], env: dict[str, str]) -> None:
     with (face.home / f"{name}.log").open("wb") as log:
         face.processes.append((name, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)))
 
 
-def _kvrelay(command: str, *args: str) -> list[str]:
+def kvrelay_argv(command: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "kvrelay.cli.main", command, *args]
 
 
@@ -184,19 +180,19 @@ def kvrelay_cluster(name: str, policy: str, options: FaceOptions, home: Path) ->
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     face = Face(name, f"http://127.0.0.1:{port}", home)
-    _spawn(
+    spawn(
         face,
         "cluster",
-        _kvrelay("cluster", "--workers", str(options.workers), "--port", str(port), *_model_flags(options)),
-        _env(home, options.threads, KVRELAY_POLICY=policy),
+        kvrelay_argv("cluster", "--workers", str(options.workers), "--port", str(port), *_model_flags(options)),
+        process_env(home, options.threads, KVRELAY_POLICY=policy),
     )
     return face
 
 
 def serve_workers(name: str, options: FaceOptions, home: Path) -> tuple[Face, list[str]]:
-    """One ``kvrelay serve`` process per worker; once they answer, the caller runs ``start_sglang``.
+    """One ``kvrelay serve`` process per worker; once they answer, the caller runs ``start_peer``.
 
-    Returns the face (its URL is the port sglang-router will listen on) and the workers' URLs.
+    Returns the face (its URL is the port the peer router will listen on) and the workers' URLs.
     """
     home.mkdir(parents=True, exist_ok=True)
     face = Face(name, f"http://127.0.0.1:{free_port()}", home)
@@ -204,34 +200,27 @@ def serve_workers(name: str, options: FaceOptions, home: Path) -> tuple[Face, li
     for i in range(options.workers):
         port = free_port()
         urls.append(f"http://127.0.0.1:{port}")
-        _spawn(
+        spawn(
             face,
             f"serve{i}",
-            _kvrelay("serve", "--port", str(port), *_model_flags(options)),
-            _env(home / f"serve{i}", options.threads),
+            kvrelay_argv("serve", "--port", str(port), *_model_flags(options)),
+            process_env(home / f"serve{i}", options.threads),
         )
     return face, urls
 
 
-def start_sglang(face: Face, policy: str, sglang: str, worker_urls: list[str]) -> None:
-    """Start sglang-router in front of ``worker_urls`` on the face's port."""
-    port = face.url.rsplit(":", 1)[1]
-    _spawn(
-        face,
-        "sglang-router",
-        [
-            sglang,
-            "launch",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            port,
-            "--worker-urls",
-            *worker_urls,
-            "--policy",
-            policy,
-            "--log-level",
-            "warn",
-        ],
-        _env(face.home, 1),
-    )
+def start_peer(face: Face, peer: Peer, executable: str, policy: str, worker_urls: list[str]) -> None:
+    """Start the peer router ``peer`` with ``policy`` in front of ``worker_urls`` on the face's port."""
+    port = int(face.url.rsplit(":", 1)[1])
+    argv = peer_argv(peer, executable, policy, port, free_port(), worker_urls)
+    spawn(face, peer.value, argv, process_env(face.home, 1))
+
+
+async def until(probe: Callable[[], bool], face: Face, limit_s: float) -> None:
+    """Poll ``probe`` until it holds; ``RuntimeError`` naming the face's logs if a process exits or ``limit_s``
+    passes first."""
+    deadline = time.monotonic() + limit_s
+    while not probe():
+        if not face.alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"{face.name} was not ready within {limit_s:.0f} s; logs: {face.logs()}")
+        await asyncio.sleep(0.2)

@@ -1,0 +1,58 @@
+"""A fixed background load for benchmarks: a process that keeps a share of one CPU core busy.
+
+``cpu_hog(share, cpu)`` runs ``python -m kvrelay.bench.background_load --share S --cpu C`` for the body of a
+``with``: a child pinned to core ``cpu`` (``sched_setaffinity``) that spins for ``share`` of every
+``PERIOD_S`` and sleeps the rest, so the machine loses about ``share`` of a core to it whatever else runs,
+the same in every replay. It is killed when the block ends, also on error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+PERIOD_S = 0.02
+"""One busy-then-idle cycle: short against a request's TTFT, so every replay sees the same average load."""
+
+
+def spin(share: float, period_s: float = PERIOD_S) -> None:
+    """Busy for ``share`` of each period, asleep the rest, forever."""
+    busy = share * period_s
+    while True:
+        start = time.perf_counter()
+        while time.perf_counter() - start < busy:
+            pass
+        time.sleep(max(0.0, period_s - (time.perf_counter() - start)))
+
+
+@contextmanager
+def cpu_hog(share: float, cpu: int = 0) -> Iterator[subprocess.Popen[bytes]]:
+    """The hog child for the body of the block (see the module contract)."""
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"share {share} is not in (0, 1]: it is the share of one core the load takes")
+    argv = [sys.executable, "-m", "kvrelay.bench.background_load", "--share", str(share), "--cpu", str(cpu)]
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    try:
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--share", type=float, required=True, help="share of one core kept busy, in (0, 1]")
+    parser.add_argument("--cpu", type=int, default=0, help="the core to pin to")
+    args = parser.parse_args(argv)
+    os.sched_setaffinity(0, {args.cpu})
+    spin(args.share)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

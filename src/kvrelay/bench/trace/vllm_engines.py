@@ -1,0 +1,96 @@
+"""vLLM servers shared by every setup of a replay, emptied between replays, and the faces in front of them.
+
+Contract:
+- ``shared_engines(model_dir, count, blocks, log_dir)`` starts ``count`` vLLM OpenAI servers of ``model_dir``
+  (``kvrelay.testing.vllm.tiny_vllm_spec``: float32, eager, ``blocks`` KV blocks of 64 tokens, prefix caching,
+  KV events on ZMQ), served under the directory's name (the name kvrelay's router gives that model, so every
+  setup takes the same requests), with vLLM's development endpoints on (``VLLM_SERVER_DEV_MODE``, for
+  ``/reset_prefix_cache``); yields them once all are ready and stops them all after, also on error.
+- ``empty_caches(engines)`` makes every engine forget its prefix cache (``POST /reset_prefix_cache``, retried
+  while blocks are still held, ``RuntimeError`` naming the engine after ``limit_s``), so each replay starts
+  cold as the native setups do, without the minutes of a vLLM start.
+- ``kvrelay_over_vllm(name, policy, engines, model_dir, home)``: a ``Face`` of ``kvrelay router --policy
+  policy`` and one ``kvrelay worker --engine vllm`` per engine (the workers learn residency from the engine's
+  KV events); ``peer_face(name, engines, home)``: an empty ``Face`` to start a peer router on, with the
+  engines' URLs. Both count the engines' processes as the face's workers (``Face.engine_pids``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+
+from kvrelay.bench.trace.faces import Face, kvrelay_argv, process_env, spawn
+from kvrelay.launch.vllm_server import VllmServer
+from kvrelay.testing.ports import free_port
+from kvrelay.testing.vllm import READY_TIMEOUT_S, tiny_vllm_spec
+from kvrelay.transport.auth import SECRET_ENV_VAR
+
+
+@contextmanager
+def shared_engines(model_dir: Path, count: int, blocks: int, log_dir: Path) -> Iterator[list[VllmServer]]:
+    """Start ``count`` vLLM servers at once, yield them when all are ready, stop them all (module contract)."""
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    specs = [replace(tiny_vllm_spec(model_dir, blocks), served_name=model_dir.name) for _ in range(count)]
+    servers = [VllmServer(spec, log_dir / f"vllm-{spec.port}.log", env=env) for spec in specs]
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready(READY_TIMEOUT_S)
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def empty_caches(engines: Sequence[VllmServer], limit_s: float = 60.0) -> None:
+    """Reset every engine's prefix cache (see the module contract)."""
+    with httpx.Client(timeout=30) as client:
+        for engine in engines:
+            deadline = time.monotonic() + limit_s
+            while True:
+                answer = client.post(engine.spec.url + "/reset_prefix_cache")
+                if answer.status_code == 200 and answer.json().get("success"):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the vLLM server at {engine.spec.url} did not reset its prefix cache within {limit_s:.0f} s "
+                        f"(last answer {answer.status_code} {answer.text[:200]}); see {engine.log_path}"
+                    )
+                time.sleep(0.5)
+
+
+def _engine_pids(engines: Sequence[VllmServer]) -> tuple[int, ...]:
+    return tuple(e.process.pid for e in engines if e.process is not None)
+
+
+def kvrelay_over_vllm(name: str, policy: str, engines: Sequence[VllmServer], model_dir: Path, home: Path) -> Face:
+    """kvrelay's router with ``policy`` and one vLLM worker per engine; ready once a completion answers."""
+    home.mkdir(parents=True, exist_ok=True)
+    port, worker_port = free_port(), free_port()
+    face = Face(name, f"http://127.0.0.1:{port}", home, engine_pids=_engine_pids(engines))
+    secret = {SECRET_ENV_VAR: secrets.token_hex(16)}
+    router = ["--host", "127.0.0.1", "--port", str(port), "--worker-port", str(worker_port)]
+    router += ["--model", str(model_dir), "--policy", policy]
+    spawn(face, "router", kvrelay_argv("router", *router), process_env(home, 1, **secret))
+    for i, engine in enumerate(engines, start=1):
+        worker = ["--worker-id", f"w{i}", "--router", f"ws://127.0.0.1:{worker_port}/workers", "--engine", "vllm"]
+        worker += ["--engine-url", engine.spec.url, "--kv-events", engine.spec.events_url, "--model", str(model_dir)]
+        worker += ["--dtype", engine.spec.dtype]
+        spawn(face, f"w{i}", kvrelay_argv("worker", *worker), process_env(home / f"w{i}", 1, **secret))
+    return face
+
+
+def peer_face(name: str, engines: Sequence[VllmServer], home: Path) -> tuple[Face, list[str]]:
+    """A face with no processes yet (the caller starts a peer router on its URL) and the engines' URLs."""
+    home.mkdir(parents=True, exist_ok=True)
+    face = Face(name, f"http://127.0.0.1:{free_port()}", home, engine_pids=_engine_pids(engines))
+    return face, [e.spec.url for e in engines]

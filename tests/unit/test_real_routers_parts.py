@@ -1,0 +1,42 @@
+"""The pure parts of ``bench/real_routers.py``: cached prompt tokens read from engines' ``/metrics`` texts, and
+the peer routers' command lines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvrelay.bench.trace.engine_metrics import cached_prompt_tokens
+from kvrelay.bench.trace.peers import Peer, peer_argv
+
+DATA = Path(__file__).parents[1] / "data"
+
+KVRELAY_METRICS = """# HELP kvrelay_cached_tokens_total prompt tokens served from cache
+# TYPE kvrelay_cached_tokens_total counter
+kvrelay_cached_tokens_total{tier="device"} 640.0
+kvrelay_cached_tokens_total{tier="host"} 64.0
+kvrelay_cached_tokens_created{tier="device"} 1.7e+09
+# HELP kvrelay_recomputed_tokens_total prompt tokens computed
+# TYPE kvrelay_recomputed_tokens_total counter
+kvrelay_recomputed_tokens_total 999.0
+"""
+
+
+def test_vllm_prefix_cache_hits_are_the_cached_tokens_not_the_queries() -> None:
+    assert cached_prompt_tokens((DATA / "vllm_metrics.txt").read_text()) == 512.0
+
+
+def test_kvrelay_cached_tokens_sum_every_tier_and_nothing_else() -> None:
+    assert cached_prompt_tokens(KVRELAY_METRICS) == 704.0
+
+
+def test_each_peer_listens_and_exports_metrics_on_loopback_with_the_given_policy() -> None:
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    for peer in Peer:
+        argv = peer_argv(peer, "/x/" + peer.value, "cache_aware", 9000, 9001, urls)
+        flags = dict(zip(argv, argv[1:], strict=False))
+        assert (flags["--host"], flags["--port"], flags["--policy"]) == ("127.0.0.1", "9000", "cache_aware")
+        assert (flags["--prometheus-host"], flags["--prometheus-port"]) == ("127.0.0.1", "9001")
+        at = argv.index("--worker-urls")
+        assert argv[at + 1 : at + 3] == urls
+    assert peer_argv(Peer.SMG, "smg", "cache_aware", 1, 2, urls)[1] == "launch"
+    assert peer_argv(Peer.VLLM_ROUTER, "vllm-router", "cache_aware", 1, 2, urls)[1] == "--host"
