@@ -1,9 +1,10 @@
 """``kvrelay cluster`` under faults, as a user runs it: a killed router or worker is restarted, and says so
 loudly; a child that keeps dying is left down, saying why; SIGTERM to the supervisor stops the cluster in an
-order that loses nothing, and a stream that cannot finish ends with an error event that says why.
+order that loses nothing, and a stream that cannot finish ends with an error event that says why; the
+children of a supervisor killed outright stop with it.
 
-The tests share one cluster (w1, w2; at most one restart per child within 600 s) and run in order: a router
-kill, a worker kill mid-stream, the same worker killed again, then the supervisor's SIGTERM.
+The first four tests share one cluster (w1, w2; at most one restart per child within 600 s) and run in
+order: a router kill, a worker kill mid-stream, the same worker killed again, then the supervisor's SIGTERM.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from tests.support.processes import (
     CLUSTER_READY,
     OpenAIStream,
     StreamingRequest,
+    child_env,
     children_of,
     complete,
+    kvrelay,
     two_worker_cluster,
     wait_until,
 )
@@ -175,3 +178,32 @@ def test_sigterm_stops_the_router_first_and_a_stream_that_cannot_finish_says_why
     assert f"of {LONG} tokens were delivered" in long.error.message
     assert cluster.outcomes() == before + 3  # every request's outcome was written
     assert not children_of(cluster.supervisor.pid)
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return re.search(r"^State:\s+Z", status, re.MULTILINE) is None
+
+
+def test_the_children_of_a_killed_supervisor_stop_with_it(tmp_path: Path) -> None:
+    model = make_tiny_model("llama", tmp_path / "tiny")
+    args = ["--workers", "1", "--port", "0", "--model", str(model), "--dtype", "float32", "--kv-tokens", "1024"]
+    args += ["--db", f"sqlite:///{tmp_path / 'facts.sqlite3'}"]
+    supervisor = kvrelay("cluster", "cluster", args, child_env(tmp_path))
+    children: dict[int, str] = {}
+    try:
+        supervisor.wait_for(r"kvrelay cluster ready http=\S+ workers=w1", 120)
+        children = children_of(supervisor.pid)
+        assert len(children) == 2  # the router and w1
+        supervisor.process.kill()
+        supervisor.process.wait()
+        wait_until(lambda: not any(running(pid) for pid in children), 60, "the router and worker to stop")
+    finally:
+        supervisor.stop()
+        for pid in children:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -14,6 +14,8 @@ import logging
 import os
 import sys
 
+from kvrelay.launch.child import follow_parent
+
 OMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 """OpenMP settings every command takes unless its environment sets them; libgomp reads them once, when torch
 loads. Passive: a thread of torch's team that has no work sleeps instead of spinning, so on a machine with
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    follow_parent()
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

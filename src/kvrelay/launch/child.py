@@ -8,10 +8,17 @@ after)`` returns the first matching line after mark ``after`` (``mark()``), or r
 ``ChildTimeout``, with the output's tail, once the timeout passes or the child has exited and all its
 output is read. ``stop`` sends a signal (and SIGCONT, in case the child is stopped), waits, and kills
 the child if it outlives the timeout.
+
+A child must not outlive a supervisor that was killed: a parent that sets ``$KVRELAY_PARENT_PID`` to its
+own pid in a child's environment has the ``kvrelay`` command of that child call ``follow_parent``, which
+asks Linux for SIGTERM (the child's graceful stop) when the parent dies.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
 import re
 import subprocess
 import sys
@@ -20,6 +27,27 @@ import time
 from collections.abc import Mapping, Sequence
 from signal import SIGCONT, SIGTERM, Signals
 from typing import IO
+
+log = logging.getLogger(__name__)
+
+PARENT_PID_ENV = "KVRELAY_PARENT_PID"
+"""Set by a supervisor in its children's environment: its pid, which they must not outlive."""
+_PR_SET_PDEATHSIG = 1
+
+
+def follow_parent() -> None:
+    """If ``$KVRELAY_PARENT_PID`` names this process's parent, get SIGTERM when the parent dies (Linux's
+    ``PR_SET_PDEATHSIG``), or at once if it is already gone. The variable is removed, so processes this one
+    starts do not inherit it. Without the variable, or off Linux, nothing happens."""
+    expected = os.environ.pop(PARENT_PID_ENV, None)
+    if not expected or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(SIGTERM), 0, 0, 0) != 0:
+        log.warning("cannot ask to end with the parent process: %s", os.strerror(ctypes.get_errno()))
+        return
+    if os.getppid() != int(expected):  # the parent died before the request took effect
+        os.kill(os.getpid(), SIGTERM)
 
 
 class ChildTimeout(RuntimeError):

@@ -10,7 +10,8 @@ Contract:
   ws://.../workers ...``). ``on_ready(http_url, worker_ids)`` is called when every worker has printed its
   ready line. Children inherit stderr (their logs); their output lines are forwarded to this process's stdout.
 - Without a configured shared secret, the supervisor makes a random one and hands it to its children in
-  ``$KVRELAY_SECRET``.
+  ``$KVRELAY_SECRET``. The children end (SIGTERM, their graceful stop) when the supervisor dies, even by
+  SIGKILL (``launch.child.follow_parent``).
 - A child that exits on its own is restarted by the rule of ``launch.restarts``: with its command line, the
   router on the ports it first bound (so clients and workers find it again), after a growing delay, at most
   ``restarts.max_restarts`` times within ``restarts.window_s``. Every exit is logged at error level, naming
@@ -39,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvrelay.launch import defaults
-from kvrelay.launch.child import ChildProcess, ChildTimeout
+from kvrelay.launch.child import PARENT_PID_ENV, ChildProcess, ChildTimeout
 from kvrelay.launch.restarts import RestartPolicy, Verdict, decide, describe_exit
 from kvrelay.launch.vllm_server import VllmServer, VllmServerSpec, VllmStartError
 from kvrelay.paths import data_dir
@@ -108,7 +109,7 @@ def run_cluster(options: ClusterOptions, on_ready: Callable[[str, list[str]], No
         raise ValueError(f"--workers {options.workers}: a cluster needs at least 1 worker")
     if options.engines and len(options.engines) != options.workers:
         raise ValueError(f"{len(options.engines)} engines for {options.workers} workers; give one per worker")
-    env = dict(os.environ)
+    env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}  # the children end with this supervisor
     try:
         load_secret()
     except SecretError:
