@@ -11,7 +11,7 @@ ROUTERS_VENV ?= .venv-routers
 ROUTERS_STAMP := $(ROUTERS_VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install vllm routers run test lint sim clean
+.PHONY: install vllm routers chromium run test lint sim clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,10 +34,14 @@ $(ROUTERS_STAMP): scripts/install_routers.sh
 
 routers: $(ROUTERS_STAMP)
 
+# Debian's chromium for the status page's browser tests (apt-get, as root, when /usr/bin/chromium is missing).
+chromium:
+	bash scripts/install_chromium.sh
+
 run: $(STAMP)
 	$(VENV)/bin/kvrelay serve
 
-test: $(STAMP) $(VLLM_STAMP) $(ROUTERS_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(ROUTERS_STAMP) chromium
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: $(STAMP)

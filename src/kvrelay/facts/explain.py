@@ -105,11 +105,12 @@ def _decision_lines(number: int, decision: DecisionRow) -> list[str]:
                 lines.append(f"    lost: {_candidate_label(candidate)}: {why_lost(candidate, winner, decision.policy)}")
     for worker_id, reason in sorted(decision.excluded.items()):
         lines.append(f"    excluded: {worker_id}: {reason}")
-    lines.append("    offer: " + _offer_text(decision))
+    lines.append("    offer: " + offer_text(decision))
     return lines
 
 
-def _offer_text(decision: DecisionRow) -> str:
+def offer_text(decision: DecisionRow) -> str:
+    """What became of the decision's offer: none sent, no answer yet, or its outcome, by whom, why and when."""
     if decision.outcome == "unroutable":
         return "none sent"
     if decision.outcome == "offered":

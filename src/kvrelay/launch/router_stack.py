@@ -10,8 +10,9 @@ Contract:
   counter; and the fact store's written, lost and pending records,
   ``facts.metrics``), the ``Ingress`` over ``models`` (request bodies bounded by
   ``max_body_bytes``; None: the bound ``api.body`` derives from the models'
-  contexts) and the FastAPI app. With ``tracing`` the router and the ingress export each request's spans
-  (``telemetry``); without it they start none.
+  contexts) and the FastAPI app, with the status page (``/dashboard``, read-only;
+  ``dashboard.routes``) and its tap on the router. With ``tracing`` the router and the ingress export each
+  request's spans (``telemetry``); without it they start none.
 - ``models`` is the ingress's model table, read at each request, so a caller
   may keep adding to it (the router process learns models from heartbeats).
   A model is served while at least one live worker's last heartbeat names it.
@@ -35,6 +36,8 @@ from kvrelay.api.ingress import Ingress, ServedModel
 from kvrelay.api.metrics import Metrics
 from kvrelay.api.router_metrics import add_router_metrics
 from kvrelay.core.router.machine import RouterConfig, new_router
+from kvrelay.dashboard.routes import add_dashboard
+from kvrelay.dashboard.tap import ClusterTap
 from kvrelay.facts.metrics import FactStoreCollector
 from kvrelay.facts.replica_map import ReplicaMap
 from kvrelay.facts.sink import record_sink
@@ -62,6 +65,7 @@ class RouterStack:
     metrics: Metrics
     ingress: Ingress
     app: FastAPI
+    dashboard: ClusterTap
 
     async def close(self) -> None:
         """Stop the router's timers, then close the fact store: every record it accepted is written (or
@@ -118,4 +122,5 @@ def build_router_stack(
     )
     metrics.registry.register(FactStoreCollector(facts))
     ingress = Ingress(router, models, metrics, serving, max_body_bytes, tracing)
-    return RouterStack(router, facts, replicas, metrics, ingress, create_app(ingress))
+    app = create_app(ingress)
+    return RouterStack(router, facts, replicas, metrics, ingress, app, add_dashboard(app, router))

@@ -6,8 +6,10 @@ offers, cancels and fence notices go to ``send`` (the transport, or an in-proces
 offer carries its attempt's span, ``telemetry.router_spans``),
 timers become ``loop.call_at`` handles, deltas and results go to the
 consumer's callbacks, records go to ``record`` (the fact store's buffered
-``submit``, which never blocks). A callback that raises is logged and counted;
-it never breaks the router.
+``submit``, which never blocks). After each step every observer in
+``observers`` sees the event and its effects (read-only taps such as the status
+page's ``dashboard.tap``; they must not feed the router). A callback or
+observer that raises is logged and counted; it never breaks the router.
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ class ClusterRouter:
         self._ticker: asyncio.Task[None] | None = None
         self._spans = spans
         self.callback_errors = 0
+        self.observers: list[Callable[[RouterEvent, list[Effect]], None]] = []
+        """Called with each event and its effects after the step, before the effects are carried out."""
 
     # --- inputs -------------------------------------------------------------
 
@@ -136,6 +140,8 @@ class ClusterRouter:
             effects = self._guarded_spans(event, effects, start_ns)
         else:
             self.state, effects = step(self.state, event)
+        for observe in self.observers:
+            self._guard(observe, event, effects)
         for effect in effects:
             self._carry_out(effect)
 
