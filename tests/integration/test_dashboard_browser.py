@@ -1,7 +1,8 @@
 """The status page in a real browser (Debian's chromium, driven by Playwright) against `kvrelay cluster --workers 2`.
 
 A request sent while the page is open appears with its decision (candidates, winner, why the others lost) and,
-picked, its timeline and the lines `kvrelay explain` prints; the page reads what the router's JSON says.
+picked, its timeline and the lines `kvrelay explain` prints; the page shows what the router's JSON says, and the
+reuse figures /cluster reports.
 The screenshot goes to bench/results/dashboard.png (shown in the README).
 """
 
@@ -108,7 +109,10 @@ def test_a_request_just_sent_appears_with_its_decision_and_timeline(cluster: tup
     expect(card).to_contain_text("length")
     expect(page.locator("#bound-share")).not_to_have_text(re.compile(r"^(—|0\.0%)$"))
     expect(page.locator("#ttft-p50")).to_have_text(re.compile(r"^p50 \d"))
-    expect(page.locator("#reuse-figures")).to_be_visible()
+    reuse = httpx.get(http_url + "/cluster").json()["reuse"]
+    assert reuse["captured_tokens"] > 0
+    figures = [f"{reuse[k]:,}" for k in ("available_tokens", "captured_tokens", "delivered_tokens")]
+    expect(page.locator("#reuse-figures")).to_have_text(" → ".join(figures))
 
     card.click()
     expect(page).to_have_url(re.compile(f"#request={rid}$"))

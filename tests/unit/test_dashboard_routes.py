@@ -39,6 +39,7 @@ def test_page_assets_state_and_unknown_request(tmp_path: Path) -> None:
         assert (worker["pages_total"], worker["pages_free"], worker["pages_used"]) == (1000, 600, 400)
         assert worker["heartbeat_age_s"] is not None and worker["heartbeat_age_s"] >= 0
         assert state["hits"]["hit_share"] is None and state["ttft"]["count"] == 0
+        assert state["reuse"] == {"available_tokens": 0, "captured_tokens": 0, "delivered_tokens": 0}
         missing = client.get("/dashboard/api/requests/kv-nobody")
         assert missing.status_code == 404
         error = missing.json()["error"]

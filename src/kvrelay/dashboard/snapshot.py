@@ -7,7 +7,9 @@ Contract (plain JSON-ready dicts; times in seconds, ``*_ms`` in milliseconds):
   on it), lanes (active, max), bytes held per tier, restore rates per tier
   (bytes/s), and the age of its last heartbeat; ``hits``: over ended requests,
   prompt tokens, tokens served from cache and the infinite-cache bound, with
-  their shares; ``ttft``: count, p50, p90, p99 and max over the tap's window;
+  their shares; ``reuse``: the router's cumulative reuse figures
+  (``core.router.reuse``: available, captured, delivered tokens, as ``/cluster``
+  and ``/metrics`` have them); ``ttft``: count, p50, p90, p99 and max over the tap's window;
   ``requests``: the ``recent`` latest requests, newest first, each with its
   decisions (``decision_view``) and its end.
 - ``decision_view``: one recorded scoring: its candidates ordered by predicted
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvrelay.core.router.reuse import reuse_figures
 from kvrelay.core.router.state import RouterState
 from kvrelay.dashboard.tap import ClusterTap, Mark, MarkKind, Trail
 from kvrelay.facts.explain import explain_lines, format_route, format_terms, offer_text, why_lost
@@ -146,6 +149,7 @@ def cluster_state(state: RouterState, tap: ClusterTap, recent: int = 40) -> dict
             "bound_share": _share(totals.bound_tokens, totals.prompt_tokens),
             "captured_of_bound": _share(totals.cached_tokens, totals.bound_tokens),
         },
+        "reuse": reuse_figures(state.counters).as_dict(),
         "ttft": ttft,
         "requests": [_request_summary(tap, t) for t in reversed(trails)],
     }

@@ -1,5 +1,4 @@
-// kvrelay's status page: polls /dashboard/api/state (and /cluster for the reuse counters) every POLL_MS and
-// renders it; a request picked in the list (or named by #request=ID) shows its timeline and explanation.
+// kvrelay's status page: polls /dashboard/api/state every POLL_MS and renders it; a request picked in the list (or named by #request=ID) shows its timeline and explanation.
 "use strict";
 
 const POLL_MS = 1500;
@@ -62,7 +61,7 @@ function renderReuse(reuse) {
   }
   const a = reuse.available_tokens, c = reuse.captured_tokens, d = reuse.delivered_tokens;
   setText("reuse-figures", `${count(a)} → ${count(c)} → ${count(d)}`);
-  setText("reuse-ratios", `captured ${pct(a ? c / a : null)} of available; delivered ${pct(c ? d / c : null)} of captured`);
+  setText("reuse-ratios", `tokens; captured ${pct(a ? c / a : null)} and delivered ${pct(a ? d / a : null)} of available`);
 }
 
 function renderWorkers(workers) {
@@ -183,12 +182,9 @@ function fromHash() {
 async function poll() {
   const live = document.getElementById("live");
   try {
-    const [state, cluster] = await Promise.all([
-      fetchJSON("/dashboard/api/state"),
-      fetchJSON("/cluster").catch(() => null),
-    ]);
+    const state = await fetchJSON("/dashboard/api/state");
     renderSummary(state);
-    renderReuse(cluster && cluster.reuse ? cluster.reuse : null);
+    renderReuse(state.reuse);
     renderWorkers(state.workers);
     renderRequests(state.requests);
     await renderDetail();
