@@ -96,6 +96,8 @@ def test_metrics_name_decisions_declines_retries_stale_pages_and_store_bytes(clu
     assert accepted and int(accepted.group(1)) >= 1
     for name in (
         "kvrelay_retries_total",
+        "kvrelay_router_queue_requests",
+        "kvrelay_router_queue_refused_total",
         "kvrelay_stale_messages_dropped_total",
         "kvrelay_declines_total",
         "kvrelay_ttft_seconds_bucket",

@@ -96,7 +96,7 @@ def test_restarted_worker_serves_again_in_its_new_epoch() -> None:
 def test_a_partition_past_the_expiry_fences_the_worker_and_it_comes_back_in_a_new_epoch() -> None:
     """One worker: its heartbeats are cut longer than the expiry, so the router fences its epoch. After the
     heal the router answers the old epoch's heartbeat with a fence notice, the worker moves to a new epoch,
-    and the request it was running (parked meanwhile: no other server) continues there, gapless."""
+    and the request it was running (waiting in the router queue meanwhile: no other server) continues there, gapless."""
     sim = Simulation(small_cluster(workers=1), seed=5)
     sim.submit(request("s", tokens(6, 640), 400), at=0.5)
     sim.partition("w0", "router", start=1.0, end=5.0)

@@ -2,13 +2,17 @@
 
 w1 is down until t=2.7, so the warm-up and the fillers all land on w0. The
 probe shares a 19,200-token prefix with the warm-up: cold, it costs ~1.92 s of
-prefill; warm on w0, it costs w0's queue plus a 64-token tail.
+prefill; warm on w0, it costs w0's queue plus a 64-token tail. The router queue
+is off (``QUEUE_OFF``), so the fillers queue on w0 rather than at the router:
+what is weighed here is a worker queue against a cold prefill.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from kvrelay.core.router.queue import QUEUE_OFF
+from kvrelay.core.router.state import RouterConfig
 from kvrelay.sim.interpreter import Simulation
 from tests.scenario.scenario_kit import (
     assert_invariants,
@@ -23,7 +27,7 @@ COLD_PREFILL_S = 19_264 * 1e-4
 
 
 def run_probe(fillers: int) -> Simulation:
-    sim = Simulation(small_cluster(gpu_kv_tokens=200_000), seed=3)
+    sim = Simulation(small_cluster(gpu_kv_tokens=200_000), seed=3, router_config=RouterConfig(queue=QUEUE_OFF))
     sim.crash("w1", at=0.0, restart_after=2.7)
     sim.submit(request("warm", PREFIX + tokens(2, 64), 4), at=0.5)
     for i in range(fillers):

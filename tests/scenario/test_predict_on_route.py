@@ -6,12 +6,16 @@ predict on route the router credits the leader's worker with its chunks, so the
 followers go there, and that worker re-matches their prefix when their prefill
 starts, after the leader's: each computes only its own 264 tokens. Without it,
 no copy of the prefix exists anywhere when they arrive, and each recomputes all
-40,000 tokens on whichever worker is least queued.
+40,000 tokens on whichever worker is least queued. The router queue is off
+(``QUEUE_OFF``) in both runs: it would hold the followers at the router until
+the leader's prefill ends, and so reuse its prefix without any prediction.
 """
 
 from __future__ import annotations
 
 from kvrelay.core.policies import make_policy
+from kvrelay.core.router.queue import QUEUE_OFF
+from kvrelay.core.router.state import RouterConfig
 from kvrelay.sim.interpreter import Simulation
 from tests.scenario.scenario_kit import assert_invariants, request, small_cluster, tokens
 
@@ -22,7 +26,9 @@ FOLLOWERS = [LEADER[: 624 * 64] + tokens(10 + i, 264) for i in range(4)]
 def run(predict: bool, rematch: bool) -> Simulation:
     policy = make_policy("kvrelay")
     policy.predicts_on_route = predict
-    sim = Simulation(small_cluster(workers=2, gpu_kv_tokens=400_000), policy=policy, seed=0, rematch=rematch)
+    cluster = small_cluster(workers=2, gpu_kv_tokens=400_000)
+    config = RouterConfig(queue=QUEUE_OFF)
+    sim = Simulation(cluster, policy=policy, seed=0, rematch=rematch, router_config=config)
     sim.submit(request("leader", LEADER, 4), at=1.0)
     for i, prompt in enumerate(FOLLOWERS):
         sim.submit(request(f"f{i}", prompt, 4), at=1.5 + 0.2 * i)

@@ -4,7 +4,9 @@ One worker. A 30,000-token prompt starts prefilling (3 s in 8,192-token chunks);
 a 20,000-token prompt and then a 1,000-token prompt arrive behind it. kvrelay's
 offers carry the deadline ``arrival + DEADLINE_STRETCH * predicted prefill``, so
 the short prompt passes the waiting long one but not the started one; a peer
-policy's offers carry 0 and its worker stays FIFO.
+policy's offers carry 0 and its worker stays FIFO. These runs have no router
+queue (``QUEUE_OFF``), so both wait at the worker; with it, both wait at the
+router until the started prompt's first token and leave in the same deadline order.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import pytest
 
 from kvrelay.core.policies.kvrelay_ttft import DEADLINE_STRETCH
+from kvrelay.core.router.queue import QUEUE_OFF, Limits
+from kvrelay.core.router.state import RouterConfig
 from kvrelay.sim.interpreter import Simulation
 from tests.scenario.scenario_kit import (
     assert_invariants,
@@ -24,8 +28,8 @@ from tests.scenario.scenario_kit import (
 PREFILL_S_PER_TOKEN = 1e-4
 
 
-def run_backlog(policy: str) -> Simulation:
-    sim = Simulation(small_cluster(workers=1), policy=policy, seed=0)
+def run_backlog(policy: str, queue: Limits = QUEUE_OFF) -> Simulation:
+    sim = Simulation(small_cluster(workers=1), policy=policy, seed=0, router_config=RouterConfig(queue=queue))
     sim.submit(request("started", tokens(1, 30_000), 2), at=1.0)
     sim.submit(request("long", tokens(2, 20_000), 2), at=1.01)
     sim.submit(request("short", tokens(3, 1_000), 2), at=1.02)
@@ -50,6 +54,14 @@ def test_kvrelay_lets_a_short_prompt_pass_a_waiting_long_one_but_not_a_started_o
     # Its first token comes with the started prompt's last chunk (5,424 tokens leave budget for it),
     # instead of after the long prompt's 2 s of prefill.
     assert first_token(sim, "short") - 1.02 < 3.3
+
+
+def test_with_the_router_queue_the_short_prompt_still_leaves_before_the_long_one() -> None:
+    sim = run_backlog("kvrelay", Limits(start_within_s=2.0))  # the started prompt alone is 3 s of work
+    assert first_token(sim, "started") <= first_token(sim, "short") < first_token(sim, "long")
+    assert sim.router.counters["queued"] == 2
+    [short], [long] = offers_of(sim, "short"), offers_of(sim, "long")
+    assert short.priority < long.priority
 
 
 @pytest.mark.parametrize("policy", ["mooncake", "least_loaded"])

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
+from kvrelay.cli import sim as sim_cli
 from kvrelay.cli.main import main
 from kvrelay.core.policies import POLICY_NAMES
+from kvrelay.core.router.queue import QUEUE_OFF, Limits
 
 TRACE_HEAD = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_head40.jsonl"
 """The first 40 lines of Mooncake's FAST25 synthetic trace (kvcache-ai/Mooncake, Apache-2.0)."""
@@ -95,3 +98,15 @@ def test_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "bad.jsonl:2: missing field(s) input_length" in capsys.readouterr().err
     assert main(["sim", "--trace", str(bad), "--policy", "nope"]) == 2
     assert "policy 'nope' is unknown; known policies:" in capsys.readouterr().err
+
+
+def test_the_router_queue_flags_set_its_bounds_or_turn_it_off(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    sim_cli.add_arguments(parser)
+    base = ["--trace", str(TRACE_HEAD)]
+    assert sim_cli.queue_limits(parser.parse_args(base)) == Limits()
+    assert sim_cli.queue_limits(parser.parse_args([*base, "--no-router-queue"])) == QUEUE_OFF
+    tight = parser.parse_args([*base, "--queue-max-wait-s", "5", "--queue-max-requests", "64"])
+    assert sim_cli.queue_limits(tight) == Limits(max_requests=64, max_wait_s=5.0)
+    assert main(["sim", *base, "--queue-max-requests", "0"]) == 2
+    assert "the queue must hold at least 1 request, got 0" in capsys.readouterr().err

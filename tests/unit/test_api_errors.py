@@ -12,7 +12,13 @@ from kvrelay.core.router.events import ErrorKind, RequestError
     ("kind", "status", "code", "message"),
     [
         (ErrorKind.NO_WORKER, 503, "no_worker", "model 'x' is not served; served models: a, b"),
-        (ErrorKind.NO_CAPACITY, 429, "no_capacity", "every worker serving 'x' is at capacity; retry later"),
+        (ErrorKind.NO_CAPACITY, 413, "kv_capacity_exceeded", "model 'x' is not served; served models: a, b"),
+        (
+            ErrorKind.QUEUE_FULL,
+            429,
+            "queue_full",
+            "kvrelay is overloaded for 'x': model 'x' is not served; served models: a, b; retry in 1 s",
+        ),
         (ErrorKind.OVER_CONTEXT_LIMIT, 413, "context_length_exceeded", "model 'x' is not served; served models: a, b"),
         (ErrorKind.GAVE_UP, 500, "internal_error", "the request failed: model 'x' is not served; served models: a, b"),
         (
@@ -30,7 +36,13 @@ def test_each_error_kind_has_its_http_status(kind: ErrorKind, status: int, code:
 
 def test_a_client_facing_kind_prefixes_the_text_and_the_others_keep_their_detail() -> None:
     assert (
-        RequestError(ErrorKind.NO_CAPACITY, "waited 60.0 s for a worker").text
-        == "no_capacity: waited 60.0 s for a worker"
+        RequestError(ErrorKind.QUEUE_FULL, "4096 requests are waiting", 3).text
+        == "queue_full: 4096 requests are waiting"
     )
     assert RequestError(ErrorKind.GAVE_UP, "gave up after 3 attempts: x").text == "gave up after 3 attempts: x"
+
+
+def test_a_full_queue_is_a_429_whose_retry_after_says_when() -> None:
+    error = from_failure(RequestError(ErrorKind.QUEUE_FULL, "the work waiting ahead of it would take 40.0 s", 7), "x")
+    assert error.status == 429 and error.headers == {"Retry-After": "7"}
+    assert error.body()["error"]["type"] == "rate_limit_error" and "retry in 7 s" in error.message

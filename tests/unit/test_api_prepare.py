@@ -139,6 +139,16 @@ def test_null_fields_take_their_defaults(ingress: Ingress) -> None:
     assert stops == (7, 1)
 
 
+def test_priority_and_user_reach_the_router_queue_in_both_bodies(ingress: Ingress) -> None:
+    prepared = completion(ingress, prompt="hi", priority=-3, user="alice")
+    assert (prepared.priority, prepared.user) == (-3, "alice")
+    prepared = chat(ingress, [{"role": "user", "content": "hi"}], priority=7, user="bob")
+    assert (prepared.priority, prepared.user) == (7, "bob")
+    assert (completion(ingress, prompt="hi", priority=None).priority, completion(ingress, prompt="hi").user) == (0, "")
+    error = refusal(completion, ingress, prompt="hi", priority=2**40)
+    assert (error.status, error.param) == (400, "priority"), error.message
+
+
 def test_the_body_bound_comes_from_the_contexts_unless_configured(tokenizer: Any) -> None:
     served = ServedModel("m", tokenizer, "llama", CONTEXT)
     router = ClusterRouter(new_router(), lambda w, m: None)

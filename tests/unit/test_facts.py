@@ -210,7 +210,7 @@ def test_measured_outcome_is_summarised_and_the_last_one_wins(store: FactStore) 
 
 
 def test_an_outcome_before_any_offer_is_kept_with_attempt_0(store: FactStore) -> None:
-    """A client that leaves while its request is routed or parked ends it before attempt 1; its outcome
+    """A client that leaves while its request is routed or queued ends it before attempt 1; its outcome
     is stored with 0 attempts. Offers and decisions still need attempt 1 or more."""
     store.submit(outcome("early", 0, ttft=None, finish_reason="cancelled", inter_token_s=[]))
     store.submit(decision("bad", 0, None))

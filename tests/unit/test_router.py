@@ -160,16 +160,16 @@ def test_a_request_every_server_failed_forgets_the_failures_and_waits_for_a_hear
     (offer,) = offers(d.request("r", PROMPT))
     assert not offers(d.decline(offer, "wrong_epoch"))
     rs = d.state.requests["r"]
-    assert rs.phase == "parked" and not rs.excluded_workers
+    assert rs.phase == "queued" and not rs.excluded_workers
     (again,) = offers(d.message(heartbeat("w0", seq=2)))
     assert again.worker_id == "w0" and again.offer.assignment.attempt == 2
 
 
-def test_capacity_shortage_parks_until_a_heartbeat_shows_room() -> None:
+def test_capacity_shortage_waits_in_the_queue_until_a_heartbeat_shows_room() -> None:
     d = Driver()
-    d.message(heartbeat("w0", pages_free=3, pages_total=3))
+    d.message(heartbeat("w0", pages_free=3, pages_total=1000))
     assert not offers(d.request("r", PROMPT))
-    assert d.state.requests["r"].phase == "parked"
+    assert d.state.requests["r"].phase == "queued"
     fx = d.message(heartbeat("w0", seq=2, pages_free=1000))
     assert len(offers(fx)) == 1
 

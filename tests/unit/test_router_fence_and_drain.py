@@ -36,9 +36,9 @@ def test_the_only_workers_request_waits_for_its_new_epoch_and_continues_there() 
     d.accept(first)
     d.delta(first.offer.assignment, "w0", 0, (7, 8))
     d.now = 4.0
-    assert not offers(d.feed(Tick(4.0)))  # the epoch is fenced; no server is left: the request parks
+    assert not offers(d.feed(Tick(4.0)))  # the epoch is fenced; no server is left: the request waits
     rs = d.state.requests["r"]
-    assert rs.phase == "parked" and "r" not in d.results
+    assert rs.phase == "queued" and "r" not in d.results
     d.now = 4.5
     (second,) = offers(d.message(heartbeat("w0", epoch=2, seq=1)))
     o = second.offer
@@ -49,8 +49,8 @@ def test_the_only_workers_request_waits_for_its_new_epoch_and_continues_there() 
     assert res.outcome.finish_reason == "length" and res.outcome.tokens == (7, 8, 9, 10, 11)
 
 
-def test_a_request_whose_server_never_returns_fails_after_the_queue_wait_naming_the_model() -> None:
-    d = one_worker(worker_expiry_s=3.0, max_queue_wait_s=10.0)
+def test_a_request_whose_server_never_returns_fails_after_the_no_worker_wait_naming_the_model() -> None:
+    d = one_worker(worker_expiry_s=3.0, no_worker_wait_s=10.0)
     (first,) = offers(d.request("r", PROMPT))
     d.accept(first)
     d.now = 4.0

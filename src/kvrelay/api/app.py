@@ -83,7 +83,7 @@ def create_app(ingress: Ingress) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> Response:
-        return _json(exc.body(), exc.status)
+        return _json(exc.body(), exc.status, exc.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:

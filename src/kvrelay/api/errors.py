@@ -17,6 +17,7 @@ class APIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -24,6 +25,8 @@ class APIError(Exception):
         self.type = type_
         self.param = param
         self.code = code
+        self.headers = headers or {}
+        """HTTP headers of the error response (a 429's ``Retry-After``)."""
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -39,8 +42,11 @@ def from_failure(failure: RequestError, model: str) -> APIError:
         case ErrorKind.NO_WORKER:
             return APIError(503, failure.detail, "service_unavailable", "model", "no_worker")
         case ErrorKind.NO_CAPACITY:
-            message = f"every worker serving '{model}' is at capacity; retry later"
-            return APIError(429, message, "rate_limit_error", None, "no_capacity")
+            return APIError(413, failure.detail, "invalid_request_error", "max_tokens", "kv_capacity_exceeded")
+        case ErrorKind.QUEUE_FULL:
+            retry = failure.retry_after_s or 1
+            message = f"kvrelay is overloaded for '{model}': {failure.detail}; retry in {retry} s"
+            return APIError(429, message, "rate_limit_error", None, "queue_full", {"Retry-After": str(retry)})
         case ErrorKind.OVER_CONTEXT_LIMIT:
             return APIError(413, failure.detail, "invalid_request_error", "messages", "context_length_exceeded")
         case ErrorKind.SHUTTING_DOWN:

@@ -69,6 +69,10 @@ class Prepared:
     max_tokens: int
     sampling: Sampling
     stop_strings: tuple[str, ...]
+    priority: int = 0
+    """The router queue's class (lower first)."""
+    user: str = ""
+    """Whose share of the router queue the request takes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +236,7 @@ class Ingress:
             seed=seed,
             stop_token_ids=stop_ids,
         )
-        return Prepared(model, ids, max_tokens, sampling, stop_strings)
+        return Prepared(model, ids, max_tokens, sampling, stop_strings, body.priority or 0, body.user or "")
 
     async def generate(self, p: Prepared, traceparent: str | None = None) -> AsyncIterator[TextDelta | Final]:
         if not self.serving(p.model.name):
@@ -249,7 +253,16 @@ class Ingress:
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         started = time.monotonic()
         self.router.submit(
-            Request(rid, p.model.name, tuple(p.prompt), p.max_tokens, p.sampling, traceparent=context),
+            Request(
+                rid,
+                p.model.name,
+                tuple(p.prompt),
+                p.max_tokens,
+                p.sampling,
+                traceparent=context,
+                priority=p.priority,
+                user=p.user,
+            ),
             Consumer(
                 lambda index, tokens: queue.put_nowait(("delta", tokens)),
                 lambda outcome: queue.put_nowait(("done", outcome)),

@@ -45,8 +45,8 @@ COMPONENTS: dict[str, Any] = _components()
 STATUS_TEXT = {
     400: "a malformed body or an invalid field (param names it)",
     404: "the model is not served",
-    413: "the body, or the prompt with max_tokens, is larger than the model's context",
-    429: "every worker serving the model is at capacity; retry later",
+    413: "the body, or the prompt with max_tokens, is larger than the model's context or any worker's KV",
+    429: "the router queue is full; the Retry-After header says in how many seconds to retry",
     500: "the request failed inside the server",
     503: "no live worker serves the model",
 }
@@ -69,6 +69,9 @@ def responses(ok: dict[str, Any], errors: tuple[int, ...]) -> dict[int | str, di
             "description": STATUS_TEXT[status],
             "content": {"application/json": {"schema": ref("ErrorBody")}},
         }
+    if 429 in errors:
+        retry_after = {"description": "whole seconds to wait before retrying", "schema": {"type": "integer"}}
+        documented[429]["headers"] = {"Retry-After": retry_after}
     return documented
 
 

@@ -63,6 +63,19 @@ class RouterCollector:
             yield CounterMetricFamily(
                 f"kvrelay_reuse_{figure}_tokens", f"prompt tokens of reuse {figure}: {help_}", value=value
             )
+        yield GaugeMetricFamily(
+            "kvrelay_router_queue_requests", "requests waiting in the router queue", value=self.router.state.queued()
+        )
+        yield CounterMetricFamily(
+            "kvrelay_router_queue_waits_total",
+            "times a request began to wait in the router queue",
+            value=counters.get("queued", 0),
+        )
+        yield CounterMetricFamily(
+            "kvrelay_router_queue_refused_total",
+            "new requests refused at a router queue bound (429)",
+            value=counters.get("queue_refused", 0),
+        )
         views = self.router.state.views
         yield GaugeMetricFamily("kvrelay_workers_live", "live workers", value=len(views))
         if self.worker_pages:

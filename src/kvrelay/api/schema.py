@@ -67,7 +67,17 @@ class SamplingFields(Struct, kw_only=True):
         Annotated[int, Meta(ge=1, le=1)] | None,
         Meta(description="how many choices to return: kvrelay returns one, so n must be 1"),
     ] = None
-    user: Annotated[str | None, Meta(description="an id of the end user, accepted and not used")] = None
+    user: Annotated[
+        Annotated[str, Meta(max_length=256)] | None,
+        Meta(description="an id of the end user: while requests wait in the router queue, users share it fairly"),
+    ] = None
+    priority: Annotated[
+        Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] | None,
+        Meta(
+            description="the request's class while it waits in the router queue: lower goes first (as in vLLM); "
+            "default 0"
+        ),
+    ] = None
 
     @property
     def streamed(self) -> bool:

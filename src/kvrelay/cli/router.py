@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 
+from kvrelay.core.router.queue import Limits
 from kvrelay.core.router.state import RouterConfig
 from kvrelay.launch import defaults
 from kvrelay.launch.config import ConfigError, Option, add_options, parse_bool, resolve
@@ -73,6 +74,26 @@ OPTIONS = (
         "on SIGINT/SIGTERM, seconds running requests may take to finish; then each ends with an error event "
         "that says so, and the router exits 0",
     ),
+    Option(
+        "queue_start_within_s",
+        float,
+        ROUTER_DEFAULTS.queue.start_within_s,
+        "a request waits in the router queue while no worker would start it within this many seconds "
+        "(inf: only while none has room)",
+    ),
+    Option(
+        "queue_max_requests",
+        int,
+        ROUTER_DEFAULTS.queue.max_requests,
+        "most requests the router queue holds per model; a new one beyond is a 429 with Retry-After",
+    ),
+    Option(
+        "queue_max_wait_s",
+        float,
+        ROUTER_DEFAULTS.queue.max_wait_s,
+        "a new request is a 429 with Retry-After when the predicted work waiting ahead of it, per worker, "
+        "exceeds this many seconds (inf: no bound)",
+    ),
 )
 
 
@@ -91,12 +112,18 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, SecretError) as exc:
         print(f"kvrelay router: {exc}", file=sys.stderr)
         return 2
+    try:
+        queue = Limits(values["queue_start_within_s"], values["queue_max_requests"], values["queue_max_wait_s"])
+    except ValueError as exc:
+        print(f"kvrelay router: {exc}", file=sys.stderr)
+        return 2
     config = RouterConfig(
         offer_timeout_s=values["offer_timeout_s"],
         progress_timeout_s=values["progress_timeout_s"],
         worker_expiry_s=values["worker_expiry_s"],
         chunk_tokens=values["chunk_tokens"],
         predict_on_route=values["predict_on_route"],
+        queue=queue,
     )
     options = RouterOptions(
         secret=secret,

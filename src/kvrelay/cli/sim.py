@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.core.policies import DEFAULT_POLICY
+from kvrelay.core.router.queue import QUEUE_OFF, Limits
+from kvrelay.core.router.state import RouterConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,10 +55,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write a PNG of the TTFT distribution per policy (default with --json and several "
         "policies: the JSON path with .png)",
     )
+    queue = parser.add_argument_group("router queue (docs/design.md section 6)")
+    queue.add_argument(
+        "--no-router-queue",
+        action="store_true",
+        help="send every request to a worker as soon as one has room (no router queue, no 429s)",
+    )
+    queue.add_argument(
+        "--queue-start-within-s",
+        type=float,
+        default=None,
+        help="a request waits at the router while no worker would start it within this many seconds (default 2)",
+    )
+    queue.add_argument(
+        "--queue-max-requests", type=int, default=None, help="most requests waiting per model (default 4096)"
+    )
+    queue.add_argument(
+        "--queue-max-wait-s",
+        type=float,
+        default=None,
+        help="refuse a new request when the predicted work ahead of it, per worker, exceeds this (default 30)",
+    )
     parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this path")
     parser.add_argument(
         "--log", dest="log_path", default=None, help="write the byte-stable event log to this path (one policy only)"
     )
+
+
+def queue_limits(args: argparse.Namespace) -> Limits:
+    """The router queue's bounds from the flags (``QUEUE_OFF`` with --no-router-queue); ValueError names a bad one."""
+    if args.no_router_queue:
+        return QUEUE_OFF
+    given = {
+        "start_within_s": args.queue_start_within_s,
+        "max_requests": args.queue_max_requests,
+        "max_wait_s": args.queue_max_wait_s,
+    }
+    return Limits(**{k: v for k, v in given.items() if v is not None})
 
 
 def _policies(name: str) -> tuple[str, ...]:
@@ -141,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
             delta_tokens=args.delta_tokens,
             log_path=args.log_path,
         )
-        results = {name: replay(requests, cluster, name, options) for name in policies}
+        config = RouterConfig(chunk_tokens=cluster.chunk_tokens, queue=queue_limits(args))
+        results = {name: replay(requests, cluster, name, options, config) for name in policies}
     except (TraceError, ClusterConfigError, CalibrationError, ValueError) as exc:
         print(f"kvrelay sim: {exc}", file=sys.stderr)
         return 2

@@ -125,7 +125,7 @@ class RecordHeader(msgspec.Struct, frozen=True, gc=False):
 
 class OutcomeHeader(msgspec.Struct, frozen=True, gc=False):
     """An outcome's header: ``attempt`` is 0 for a request that ended before its first offer (its client
-    left while it was being routed or parked)."""
+    left while it was being routed or waited in the router queue, or the queue refused it)."""
 
     request_id: Name
     attempt: Annotated[int, msgspec.Meta(ge=0)]

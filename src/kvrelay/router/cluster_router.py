@@ -130,7 +130,7 @@ class ClusterRouter:
 
     @property
     def in_flight(self) -> int:
-        """Requests the router holds (routed, running or parked), not yet ended."""
+        """Requests the router holds (routed, running or waiting in the router queue), not yet ended."""
         return len(self.state.requests)
 
     def feed(self, event: RouterEvent) -> None:

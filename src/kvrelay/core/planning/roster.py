@@ -19,8 +19,9 @@ Contract: the roster's members are exactly the router's live views;
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvrelay.core.planning import candidates as cand
@@ -106,6 +107,20 @@ class Roster:
         del group.order[bisect_left(group.order, old)]
         insort(group.order, new)
         self._placed[wid] = (group, new)
+
+    def least_queue(self, model: str, need: int, skip: Container[str]) -> float:
+        """The shortest queue (``queue_of``) of a member that serves ``model`` with a context of at least ``need``
+        tokens, leaving out ``skip``; inf when there is none. Members are taken in their group's order."""
+        best = math.inf
+        for group in self.groups.values():
+            models, context_limit = group.key[0], group.key[1]
+            if model not in models or need > context_limit:
+                continue
+            for _, wid in group.order:
+                if wid not in skip:
+                    best = min(best, predicted_ttft.queue_of(group.views[wid], 0.0))
+                    break
+        return best
 
     def remove(self, worker_id: str) -> None:
         placed = self._placed.pop(worker_id, None)

@@ -9,6 +9,7 @@ state. ``on_routed`` lets stateful policies (round-robin's cursor, SGLang's
 approximate tree) learn the choice; it is called exactly once per offer sent.
 ``priority`` sets the offer's place in the chosen worker's prefill queue
 (``Offer.priority``); the peers' published policies set none (0: FIFO).
+``hold_order`` orders a user's requests while they wait in the router queue.
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ class Policy(ABC):
     def priority(self, ctx: RoutingContext, chosen: Candidate) -> float:
         """The ``Offer.priority`` of an offer of ``chosen`` (default 0: every worker queue is FIFO)."""
         return 0.0
+
+    def hold_order(self, arrived: float, work_s: float) -> float:
+        """The key that orders one user's requests waiting in the router queue, lower first (``router.queue``):
+        ``arrived`` is when the request reached the router, ``work_s`` its predicted prefill seconds
+        (default: arrival, FIFO)."""
+        return arrived
 
     def on_routed(self, ctx: RoutingContext, chosen: Candidate) -> None:  # noqa: B027 (an optional hook)
         """Learn that ``chosen`` was offered (default: nothing to learn)."""

@@ -28,6 +28,7 @@ much shorter, so it is never starved). With queues empty the order is moot.
 The peers set no priority (their routers do not), so their workers stay FIFO.
 A started prefill keeps its place (``prefill_order``): preempting it lets long
 prompts starve (the stretch and that choice: docs/performance.md, "Deadline priority").
+A user's requests waiting in the router queue go by the same deadline (``hold_order``).
 """
 
 from __future__ import annotations
@@ -53,3 +54,7 @@ class PredictedTTFT(Policy):
     def priority(self, ctx: RoutingContext, chosen: Candidate) -> float:
         """The deadline ``arrived + DEADLINE_STRETCH * predicted prefill seconds``: earliest runs first."""
         return ctx.arrived + DEADLINE_STRETCH * chosen.terms.prefill_s
+
+    def hold_order(self, arrived: float, work_s: float) -> float:
+        """The same deadline for a request waiting in the router queue, with the queue's work estimate."""
+        return arrived + DEADLINE_STRETCH * work_s

@@ -1,17 +1,23 @@
-"""The lifecycle of one attempt at the router: route it, park it, end it, or abandon it for the next.
+"""The lifecycle of one attempt at the router: route it, hold it in the router queue, end it, or abandon it.
 
 Pure functions over ``RouterState``, used by ``router.step``. Invariants:
 an attempt holds router-side load on its worker (``WorkerLoad``) exactly
 until ``release``; ``route`` either sends one offer (attempt + 1) with its
-offer timer and its decision record, parks the request for capacity, or ends
-it with one ``DeliverResult`` through ``finish``.
+offer timer and its decision record, holds the request in the router queue
+(``router.queue``; a new request may be refused there), or ends it with one
+``DeliverResult`` through ``finish``. ``dispatch`` sends the queue's head on
+while it can go. A request that fits some worker's KV when that worker is idle
+never fails for load: it waits.
 """
 
 from __future__ import annotations
 
+import math
+
 from kvrelay.core.planning import candidates as cand
 from kvrelay.core.planning import exclusions, predicted_ttft
 from kvrelay.core.planning.exclusions import ExclusionKind
+from kvrelay.core.planning.predicted_ttft import Candidate
 from kvrelay.core.planning.roster import plan_pruned
 from kvrelay.core.planning.routes import offered_route
 from kvrelay.core.policies.base import RoutingContext
@@ -31,6 +37,7 @@ from kvrelay.core.router.events import (
     StartTimer,
     TimerKind,
 )
+from kvrelay.core.router.queue import RouterQueue
 from kvrelay.core.router.state import Phase, RequestState, RouterState, usage_of
 from kvrelay.protocol.chunk_keys import cacheable_chunks, prompt_chain
 from kvrelay.protocol.messages import (
@@ -44,17 +51,21 @@ from kvrelay.protocol.messages import (
 Effects = list[Effect]
 
 
-def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None:
-    """Offer the request's next attempt to the best candidate, park it, or end it."""
+def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> bool:
+    """Offer the request's next attempt, hold it in the router queue, or end it; False while it waits.
+
+    A new request waits behind those already waiting; any request waits while no worker it could go
+    to can start it within ``Limits.start_within_s`` or none has room for it (``router.queue``).
+    """
     request, config = rs.request, state.config
     remaining = request.max_new_tokens - len(rs.delivered)
     if remaining <= 0:
         finish(state, rs, FinishReason.LENGTH, now, fx)
-        return
+        return True
     if rs.attempt >= config.max_attempts:
         gave_up = f"gave up after {rs.attempt} attempts: {'; '.join(rs.reasons[-3:])}"
         finish(state, rs, FinishReason.ERROR, now, fx, RequestError(ErrorKind.GAVE_UP, gave_up))
-        return
+        return True
     prompt = request.prompt + tuple(rs.delivered) if rs.delivered else request.prompt
     if request.chain is not None:
         chain = request.chain[: cacheable_chunks(len(prompt), config.chunk_tokens)]
@@ -63,7 +74,7 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
     policy, busy = state.policy, state.roster.busy_share()
     predicts = policy.predicts_on_route and config.predict_on_route
     scoring = predicted_ttft.Scoring(policy.work_weight * busy, busy < policy.interleave_below_busy_share, predicts)
-    if state.policy.needs_all_routes:
+    if policy.needs_all_routes:
         plan = cand.plan(
             request.model,
             len(prompt),
@@ -93,22 +104,42 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
             now,
             scoring,
         )
-    ctx = RoutingContext(request, prompt, chain, config.chunk_tokens, plan, state.views, state.rng, now, rs.arrived)
-    chosen = state.policy.choose(ctx) if plan.routes else None
-    if chosen is None:
-        no_candidate(state, rs, plan, now, fx)
-        return
+    behind = rs.attempt == 0 and rs.phase is not Phase.QUEUED and bool(state.queues.get(request.model))
+    if plan.routes and not behind and _can_start(state, rs, plan, len(prompt) + remaining):
+        ctx = RoutingContext(request, prompt, chain, config.chunk_tokens, plan, state.views, state.rng, now, rs.arrived)
+        chosen = policy.choose(ctx)
+        if chosen is not None:
+            _offer(state, rs, ctx, chosen, predicts, now, fx)
+            return True
+    if not plan.routes and _unservable(state, rs, plan, len(prompt), remaining, now, fx):
+        return True
+    _hold(state, rs, plan, len(prompt), now, fx)
+    return rs.phase is Phase.DONE
+
+
+def _offer(
+    state: RouterState,
+    rs: RequestState,
+    ctx: RoutingContext,
+    chosen: Candidate,
+    predicts: bool,
+    now: float,
+    fx: Effects,
+) -> None:
+    """Send the offer of ``chosen``: attempt + 1, its router-side load, its offer timer and decision record."""
+    request, config, plan, prompt, chain = rs.request, state.config, ctx.plan, ctx.prompt, ctx.chain
+    remaining = request.max_new_tokens - len(rs.delivered)
     state.policy.on_routed(ctx, chosen)
     view = state.views[chosen.worker_id]
     chosen_route = next(r for r in plan.routes if r.worker_id == chosen.worker_id)
     alternatives = cand.alternative_routes(chosen_route, view, len(prompt), remaining, now)
+    if rs.phase is Phase.QUEUED:
+        state.queues[request.model].take(request.request_id)
+        rs.queued_since = None
     rs.attempt += 1
     rs.phase, rs.worker_id, rs.epoch, rs.candidate = Phase.OFFERED, chosen.worker_id, chosen.epoch, chosen
     rs.attempt_start, rs.next_seq, rs.pending = len(rs.delivered), 0, {}
     rs.last_progress = now
-    if rs.parked_since is not None:
-        state.parked.pop(request.request_id, None)
-        rs.parked_since = None
     offered = offered_route(chosen.route)
     gpu = sum(s.chunks for s in offered if s.tier == "gpu") * config.chunk_tokens
     rs.demand_pages = predicted_ttft.page_demand(len(prompt), remaining, gpu, view.heartbeat.page_tokens)
@@ -172,11 +203,57 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> None
         state.count("retries")
 
 
-def no_candidate(state: RouterState, rs: RequestState, plan: cand.Plan, now: float, fx: Effects) -> None:
-    """No candidate for the request: end it (model not served, context too long, waited too long) or park it.
+def _can_start(state: RouterState, rs: RequestState, plan: cand.Plan, need: int) -> bool:
+    """Whether some worker the request could go to would start it within the queue's start bound."""
+    bound = state.config.queue.start_within_s
+    if bound == math.inf or any(r.base_queue_s <= bound for r in plan.routes):
+        return True
+    return state.roster.least_queue(rs.request.model, need, plan.excluded.keys() | rs.excluded_workers) <= bound
 
-    A new request for a model no live worker serves ends at once; one that was offered before parks, since
-    the worker that served it may come back (a new epoch, a restart)."""
+
+def _hold(state: RouterState, rs: RequestState, plan: cand.Plan, prompt_len: int, now: float, fx: Effects) -> None:
+    """Keep the request in the router queue: admit a new one (or refuse it), put one that came back in front."""
+    request = rs.request
+    rid = request.request_id
+    queue = state.queues.setdefault(request.model, RouterQueue())
+    if rid in queue:
+        return
+    serving = [v for v in state.views.values() if request.model in v.heartbeat.models]
+    rate = min((v.heartbeat.prefill_s_per_token for v in serving), default=0.0)
+    work = (prompt_len - max((r.cached_tokens for r in plan.routes), default=0)) * rate
+    if rs.attempt == 0:
+        order = state.policy.hold_order(rs.arrived, work)
+        refusal = queue.admit(state.config.queue, rid, request.priority, request.user, work, order, len(serving))
+        if refusal is not None:
+            state.count("queue_refused")
+            full = RequestError(ErrorKind.QUEUE_FULL, refusal.reason, refusal.retry_after_s)
+            finish(state, rs, FinishReason.ERROR, now, fx, full)
+            return
+    else:
+        queue.requeue(rid, request.priority, request.user, work)
+    rs.phase, rs.queued_since = Phase.QUEUED, now
+    state.count("queued")
+
+
+def dispatch(state: RouterState, now: float, fx: Effects) -> None:
+    """Send each model's waiting requests on, the head first, while its head can go (``router.queue``)."""
+    state.wake = False
+    for model, queue in list(state.queues.items()):
+        going = True
+        while going and (rid := queue.head()) is not None:
+            going = route(state, state.requests[rid], now, fx)
+        if not queue:
+            del state.queues[model]
+
+
+def _unservable(
+    state: RouterState, rs: RequestState, plan: cand.Plan, prompt_len: int, remaining: int, now: float, fx: Effects
+) -> bool:
+    """End a request no worker can ever serve (model not served, over every context limit, more KV than any
+    worker holds) and return True; otherwise forget exclusions that would keep it waiting for nothing.
+
+    A new request for a model no live worker serves ends at once; one that was offered before waits, since the
+    worker that served it may come back (a new epoch, a restart), at most ``no_worker_wait_s``."""
     model = rs.request.model
     serving = [w for w, v in state.views.items() if model in v.heartbeat.models]
     if not serving and rs.attempt == 0:
@@ -191,48 +268,52 @@ def no_candidate(state: RouterState, rs: RequestState, plan: cand.Plan, now: flo
                 ErrorKind.NO_WORKER, f"model '{model}' is not served; served models: {', '.join(served) or 'none'}"
             ),
         )
-        return
-    # A request some worker took before waits (parked, within max_queue_wait_s) for a server of its model to
-    # come back, e.g. a worker back in a new epoch after its old one was fenced, or a restarted worker.
-    if serving and _all_excluded(plan, serving, ExclusionKind.CONTEXT_LIMIT):
+        return True
+    if not serving:
+        # A request some worker took before waits in the router queue for a server of its model to come back (a
+        # worker back in a new epoch after its old one was fenced, a restarted worker), for no_worker_wait_s.
+        if rs.queued_since is not None and now - rs.queued_since > state.config.no_worker_wait_s:
+            waited = RequestError(
+                ErrorKind.NO_WORKER,
+                f"waited {now - rs.queued_since:.1f} s for a worker serving model '{model}' to come back; none did",
+            )
+            finish(state, rs, FinishReason.ERROR, now, fx, waited)
+            return True
+        rs.excluded_workers.clear()  # the worker that comes back may be the one this request lost
+        rs.excluded_pairs.clear()
+        return False
+    if _all_excluded(plan, serving, ExclusionKind.CONTEXT_LIMIT):
         limit = RequestError(ErrorKind.OVER_CONTEXT_LIMIT, plan.excluded[serving[0]].text)
         finish(state, rs, FinishReason.ERROR, now, fx, limit)
-        return
+        return True
+    fitting = [state.views[w].heartbeat for w in serving if not _excluded_for(plan, w, ExclusionKind.CONTEXT_LIMIT)]
+    largest = max(fitting, key=lambda hb: hb.pages_total * hb.page_tokens)
+    tokens = prompt_len + remaining
+    if not any(predicted_ttft.pages_needed(tokens, hb.page_tokens) <= hb.pages_total for hb in fitting):
+        most = largest.pages_total * largest.page_tokens
+        too_big = RequestError(
+            ErrorKind.NO_CAPACITY,
+            f"the prompt ({prompt_len} tokens) and {remaining} tokens to generate need KV for {tokens} tokens; "
+            f"the largest worker serving '{model}' holds {most} when idle: ask for at most "
+            f"{max(0, most - prompt_len)} tokens or send a shorter prompt",
+        )
+        finish(state, rs, FinishReason.ERROR, now, fx, too_big)
+        return True
     if _all_excluded(plan, serving, ExclusionKind.FAILED_BEFORE):
         # Every server of the model failed this request once: forget the exclusions
         # and wait for fresh heartbeats rather than fail while attempts remain.
         rs.excluded_workers.clear()
         rs.excluded_pairs.clear()
-    if rs.parked_since is None:
-        rs.parked_since = now
-        state.count("parked")
-    elif now - rs.parked_since > state.config.max_queue_wait_s:
-        state.parked.pop(rs.request.request_id, None)
-        if serving:
-            waited = RequestError(ErrorKind.NO_CAPACITY, f"waited {now - rs.parked_since:.1f} s for a worker")
-        else:
-            waited = RequestError(
-                ErrorKind.NO_WORKER,
-                f"waited {now - rs.parked_since:.1f} s for a worker serving model '{model}' to come back; none did",
-            )
-        finish(state, rs, FinishReason.ERROR, now, fx, waited)
-        return
-    rs.phase = Phase.PARKED
-    state.parked[rs.request.request_id] = None
+    return False
 
 
 def _all_excluded(plan: cand.Plan, workers: list[str], kind: ExclusionKind) -> bool:
     """Whether planning excluded every one of ``workers`` for ``kind``."""
-    return all((e := plan.excluded.get(w)) is not None and e.kind is kind for w in workers)
+    return all(_excluded_for(plan, w, kind) for w in workers)
 
 
-def retry_parked(state: RouterState, now: float, fx: Effects) -> None:
-    for rid in list(state.parked):
-        rs = state.requests.get(rid)
-        if rs is None or rs.phase != Phase.PARKED:
-            state.parked.pop(rid, None)
-            continue
-        route(state, rs, now, fx)
+def _excluded_for(plan: cand.Plan, worker_id: str, kind: ExclusionKind) -> bool:
+    return (e := plan.excluded.get(worker_id)) is not None and e.kind is kind
 
 
 def release(state: RouterState, rs: RequestState) -> None:
@@ -307,9 +388,11 @@ def finish(
     if rs.worker_id is not None:
         fx.append(CancelTimer((TimerKind.OFFER, rid, rs.attempt)))
         release(state, rs)
+        state.wake = True  # its worker has room for another
     rs.phase = Phase.DONE
     state.requests.pop(rid, None)
-    state.parked.pop(rid, None)
+    if (queue := state.queues.get(rs.request.model)) is not None:
+        queue.remove(rid)
     ttft = None if rs.first_token_at is None else rs.first_token_at - rs.arrived
     usage = usage_of(rs)
     outcome = Outcome(rid, reason, tuple(rs.delivered), rs.attempt, usage, ttft, failure)

@@ -28,6 +28,9 @@ class ErrorKind(StrEnum):
     NO_WORKER = "no_worker"
     OVER_CONTEXT_LIMIT = "over_context_limit"
     NO_CAPACITY = "no_capacity"
+    """The request needs more KV than any worker serving its model holds even when idle."""
+    QUEUE_FULL = "queue_full"
+    """Refused at arrival: the router queue was at a bound (``queue.Limits``); ``retry_after_s`` says when to retry."""
     GAVE_UP = "gave_up"
     DUPLICATE_REQUEST = "duplicate_request"
     SHUTTING_DOWN = "shutting_down"
@@ -45,13 +48,15 @@ class RequestError:
 
     kind: ErrorKind
     detail: str
+    retry_after_s: int | None = None
+    """Whole seconds after which the same request may succeed (``QUEUE_FULL`` sets it)."""
 
     @property
     def text(self) -> str:
         return f"{self.kind}: {self.detail}" if self.kind in _PREFIXED else self.detail
 
 
-_PREFIXED = frozenset({ErrorKind.NO_WORKER, ErrorKind.OVER_CONTEXT_LIMIT, ErrorKind.NO_CAPACITY})
+_PREFIXED = frozenset({ErrorKind.NO_WORKER, ErrorKind.OVER_CONTEXT_LIMIT, ErrorKind.NO_CAPACITY, ErrorKind.QUEUE_FULL})
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +67,8 @@ class Request:
     its block ids); otherwise the router derives them from ``prompt``.
     ``traceparent`` (W3C; ``""``: none) is the ingress's span of the request; every offer carries it on
     (the live router's shell puts its own span of the attempt there when it traces).
+    ``priority`` (lower first) and ``user`` order it in the router queue
+    (``router.queue``) when it has to wait there.
     """
 
     request_id: str
@@ -71,6 +78,8 @@ class Request:
     sampling: Sampling = Sampling()
     chain: tuple[bytes, ...] | None = None
     traceparent: str = ""
+    priority: int = 0
+    user: str = ""
 
 
 class TimerKind(StrEnum):

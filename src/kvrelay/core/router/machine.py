@@ -9,7 +9,9 @@ loss, silence after acceptance, and worker-side failures re-route with
 attempt + 1; once tokens reached the consumer the next attempt is a
 continuation (prompt + delivered tokens, remaining budget), so the consumer
 sees one gapless, duplicate-free stream. Each request gets exactly one
-``DeliverResult``.
+``DeliverResult``. Requests no worker can start soon wait in the router queue
+(``router.queue``); after every event that may have made room (a heartbeat, a
+first token, an attempt's end, a tick) the queue's head is tried again.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from kvrelay.core.planning.registry import HeartbeatReason, accept_heartbeat, ex
 from kvrelay.core.router import reuse
 from kvrelay.core.router.attempts import (
     abandon,
+    dispatch,
     finish,
-    retry_parked,
     route,
 )
 from kvrelay.core.router.events import (
@@ -105,7 +107,7 @@ def step(state: RouterState, event: RouterEvent) -> tuple[RouterState, Effects]:
             for wid, epoch in expire(state.registry, now, state.config.worker_expiry_s):
                 state.count("workers_expired")
                 _worker_lost(state, wid, epoch, now, fx, "heartbeats stopped")
-            retry_parked(state, now, fx)
+            state.wake = True
         case DrainStarted():
             state.draining = True
         case DrainDeadline(now=now):
@@ -114,6 +116,8 @@ def step(state: RouterState, event: RouterEvent) -> tuple[RouterState, Effects]:
                 _stop_for_shutdown(state, state.requests[rid], now, fx)
         case _:
             assert_never(event)
+    if state.wake:
+        dispatch(state, event.now, fx)
     return state, fx
 
 
@@ -305,8 +309,7 @@ def _on_heartbeat(state: RouterState, hb: Heartbeat, now: float, fx: Effects) ->
     load.restore_backlog_s, load.restore_backlog_at = hb.lower_tier_load_s, now
     view = state.views[hb.worker_id] = predicted_ttft.WorkerView(hb, load, fps)
     state.roster.put(view)
-    if state.parked:
-        retry_parked(state, now, fx)
+    state.wake = True
 
 
 def _on_residency(state: RouterState, msg: Residency, now: float, fx: Effects) -> None:
@@ -390,6 +393,7 @@ def _first_progress(state: RouterState, rs: RequestState) -> None:
             view.load.release_outstanding(rs.estimate_s)
             state.roster.requeue(view)
         rs.holds_outstanding = False
+        state.wake = True
 
 
 def _on_delta(state: RouterState, rs: RequestState, msg: Delta, now: float, fx: Effects) -> None:

@@ -20,6 +20,7 @@ from kvrelay.core.planning.roster import Roster
 from kvrelay.core.policies import DEFAULT_POLICY
 from kvrelay.core.policies.base import Policy
 from kvrelay.core.router.events import Request
+from kvrelay.core.router.queue import Limits, RouterQueue
 from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS
 from kvrelay.protocol.messages import Tier, Usage
 
@@ -35,8 +36,12 @@ class RouterConfig:
     max_attempts: int = 8
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     max_index_keys: int = 2_000_000
-    max_queue_wait_s: float = 60.0
-    """How long a request may wait at the router for capacity before it fails with no_capacity."""
+    queue: Limits = field(default_factory=Limits)
+    """When requests wait in the router queue and how many may (``router.queue``); ``QUEUE_OFF``: none wait
+    for load, only for room."""
+    no_worker_wait_s: float = 60.0
+    """How long a request some worker took may wait for a server of its model to come back before it fails
+    with no_worker (a new request for a model no worker serves fails at once)."""
     predict_on_route: bool = True
     """Let a policy that predicts on route credit pending chunks (``planning.pending``); False: never."""
     pending_timeout_s: float = 30.0
@@ -48,12 +53,12 @@ class RouterConfig:
 
 
 class Phase(StrEnum):
-    """Where a request stands: new -> offered -> running -> done; parked while waiting for capacity."""
+    """Where a request stands: new -> offered -> running -> done; queued while it waits in the router queue."""
 
     NEW = "new"
     OFFERED = "offered"
     RUNNING = "running"
-    PARKED = "parked"
+    QUEUED = "queued"
     DONE = "done"
 
 
@@ -82,7 +87,7 @@ class RequestState:
     reasons: list[str] = field(default_factory=list)
     first_token_at: float | None = None
     last_progress: float = 0.0
-    parked_since: float | None = None
+    queued_since: float | None = None
     cached_tokens: dict[Tier, int] = field(default_factory=dict)
     recomputed_tokens: int = 0
     prompt_tokens: int = 0
@@ -105,14 +110,21 @@ class RouterState:
     fingerprints: dict[str, bytes] = field(default_factory=dict)
     requests: dict[str, RequestState] = field(default_factory=dict)
     by_worker: dict[str, set[str]] = field(default_factory=dict)
-    parked: dict[str, None] = field(default_factory=dict)
-    """Requests waiting for capacity, in arrival order."""
+    queues: dict[str, RouterQueue] = field(default_factory=dict)
+    """Requests waiting at the router, one queue per model (``router.queue``); a model's queue never blocks
+    another's."""
+    wake: bool = False
+    """Set when room may have appeared; ``router.step`` then tries the queues' heads again."""
     counters: dict[str, int] = field(default_factory=dict)
     draining: bool = False
     """Set by ``DrainStarted``: new requests end at once with a ``shutting_down`` error."""
 
     def __post_init__(self) -> None:
         self.pending = PendingCredits(self.index, self.config.max_pending_keys)
+
+    def queued(self) -> int:
+        """How many requests wait in the router queues."""
+        return sum(len(q) for q in self.queues.values())
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n

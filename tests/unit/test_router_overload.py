@@ -1,0 +1,107 @@
+"""The pure router under load: requests wait in the router queue instead of failing, in order, within bounds."""
+
+from __future__ import annotations
+
+from kvrelay.core.router.events import ConsumerCancelled, Effect, ErrorKind, Request, RequestArrived, Tick
+from kvrelay.core.router.machine import RouterConfig
+from kvrelay.core.router.queue import QUEUE_OFF, Limits
+from tests.support.router_driver import Driver, heartbeat, offers
+
+PROMPT = tuple(range(1, 64 * 8 + 2))
+
+
+def arrive(
+    d: Driver, rid: str, *, priority: int = 0, user: str = "", model: str = "m", prompt: tuple[int, ...] = PROMPT
+) -> list[Effect]:
+    return d.feed(RequestArrived(d.now, Request(rid, model, prompt, 4, priority=priority, user=user)))
+
+
+def busy_worker(config: RouterConfig | None = None) -> Driver:
+    """One worker whose device queue is 10 s long, over the default start bound of 2 s."""
+    d = Driver(config or RouterConfig())
+    d.message(heartbeat("w0", queue_delay_s=10.0))
+    return d
+
+
+def offered(fx: list[Effect]) -> list[str]:
+    return [o.offer.assignment.request_id for o in offers(fx)]
+
+
+def test_a_request_waits_while_every_worker_is_busy_and_never_fails_for_it() -> None:
+    d = busy_worker()
+    assert not offers(arrive(d, "r"))
+    assert d.state.requests["r"].phase == "queued"
+    d.now = 1000.0
+    d.message(heartbeat("w0", seq=2, queue_delay_s=10.0))
+    d.feed(Tick(d.now))
+    assert "r" not in d.results, "waiting longer than any timeout is not a failure"
+    assert offered(d.message(heartbeat("w0", seq=3, queue_delay_s=0.0))) == ["r"]
+
+
+def test_without_the_router_queue_a_busy_worker_gets_the_request_at_once() -> None:
+    d = busy_worker(RouterConfig(queue=QUEUE_OFF))
+    assert offered(arrive(d, "r")) == ["r"]
+
+
+def test_a_new_request_waits_behind_those_already_waiting_in_the_policys_order() -> None:
+    for policy, order in (("round_robin", ["big", "small"]), ("kvrelay", ["small", "big"])):
+        d = Driver(policy=policy)
+        d.message(heartbeat("w0", pages_free=3, pages_total=1000))
+        assert not offers(arrive(d, "big"))  # needs 33 pages, 3 are free
+        assert not offers(arrive(d, "small", prompt=(1, 2, 3)))  # would fit, but is not let past
+        # FIFO for the peers; kvrelay's deadline (arrival + stretch x predicted prefill) puts the short one first
+        assert offered(d.message(heartbeat("w0", seq=2, pages_free=1000))) == order, policy
+
+
+def test_the_lower_priority_number_is_offered_first_when_room_appears() -> None:
+    d = busy_worker()
+    arrive(d, "batch", priority=5)
+    arrive(d, "default")
+    arrive(d, "urgent", priority=-1)
+    assert offered(d.message(heartbeat("w0", seq=2, queue_delay_s=0.0))) == ["urgent", "default", "batch"]
+
+
+def test_users_take_turns_while_they_wait() -> None:
+    d = busy_worker()
+    for i in range(3):
+        arrive(d, f"alice{i}", user="alice")
+    arrive(d, "bob0", user="bob")
+    assert offered(d.message(heartbeat("w0", seq=2, queue_delay_s=0.0))) == ["alice0", "bob0", "alice1", "alice2"]
+
+
+def test_a_full_queue_refuses_a_new_request_with_a_retry_after() -> None:
+    d = busy_worker(RouterConfig(queue=Limits(max_requests=1)))
+    arrive(d, "first")
+    arrive(d, "second")
+    (refused,) = d.results["second"]
+    failure = refused.outcome.failure
+    assert failure is not None and failure.kind is ErrorKind.QUEUE_FULL and failure.retry_after_s >= 1
+    assert "1 requests are waiting" in failure.detail and d.state.counters["queue_refused"] == 1
+    assert "first" not in d.results and d.state.queued() == 1
+
+
+def test_a_request_larger_than_any_worker_fails_at_once_and_says_what_fits() -> None:
+    d = Driver()
+    d.message(heartbeat("w0", pages_free=3, pages_total=3))
+    arrive(d, "huge")
+    (result,) = d.results["huge"]
+    failure = result.outcome.failure
+    assert failure is not None and failure.kind is ErrorKind.NO_CAPACITY
+    assert "holds 48 when idle: ask for at most 0 tokens" in failure.detail
+
+
+def test_one_models_waiting_requests_do_not_hold_back_another_model() -> None:
+    d = Driver()
+    d.message(heartbeat("wa", models=("a",), queue_delay_s=10.0))
+    d.message(heartbeat("wb", models=("b",)))
+    assert not offers(arrive(d, "for-a", model="a"))
+    assert offered(arrive(d, "for-b", model="b")) == ["for-b"]
+
+
+def test_a_cancelled_waiting_request_leaves_the_queue() -> None:
+    d = busy_worker()
+    arrive(d, "r")
+    d.feed(ConsumerCancelled(d.now, "r"))
+    (result,) = d.results["r"]
+    assert result.outcome.finish_reason == "cancelled" and d.state.queued() == 0
+    assert not offers(d.message(heartbeat("w0", seq=2, queue_delay_s=0.0)))
