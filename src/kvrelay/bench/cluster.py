@@ -25,7 +25,8 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,8 @@ class ClusterSpec:
     lanes: int = defaults.LANES
     ram_bytes: int = 32 << 20
     heartbeat_s: float = 0.25
+    worker_flags: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Further ``kvrelay worker`` flags, by worker id."""
 
     @property
     def log_path(self) -> Path:
@@ -206,6 +209,7 @@ class BenchCluster:
         ]
         if spec.model:
             argv += ["--model", spec.model]
+        argv += spec.worker_flags.get(worker_id, ())
         self.workers[worker_id] = ChildProcess(worker_id, argv, self.env, stderr=self._log)
 
     def await_worker(self, worker_id: str) -> None:

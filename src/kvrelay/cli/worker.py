@@ -44,6 +44,13 @@ OPTIONS = (
         "re-match a prompt's prefix before its prefill and wait for a request already filling it (true or false)",
     ),
     Option(
+        "exact_continuations",
+        parse_bool,
+        True,
+        "continue a stream another worker dropped bit-exactly, replaying its delivered tokens as decode steps "
+        "(false: recompute them in one prefill, sooner to the first token but the text may differ)",
+    ),
+    Option(
         "chunk_dir",
         str,
         None,
@@ -129,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
                 s3_prefix=values["s3_prefix"],
             ),
             share_prefill=values["share_prefill"],
+            exact_continuations=values["exact_continuations"],
         )
     options = WorkerOptions(
         settings,

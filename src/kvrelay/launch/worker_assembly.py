@@ -59,6 +59,8 @@ class WorkerSettings:
     store: StoreSpec | None = None
     share_prefill: bool = True
     """Re-match a prefix before its prefill and wait for a request filling it (``worker.shared_prefill``)."""
+    exact_continuations: bool = True
+    """A continuation replays its delivered tokens as decode rows, so it is bit-exact (``Job.replay``)."""
 
     def engine_options(self) -> EngineOptions:
         """The worker's engine: ``kv_tokens`` rounded down to whole pages (at least one), chunks of ``chunk_tokens``."""
@@ -137,7 +139,12 @@ async def build_worker(settings: WorkerSettings) -> WorkerParts:
         settings.worker_id, new_epoch(), artifacts.name, artifacts.fingerprint, context_limit, settings.chunk_tokens
     )
     controller = WorkerController(
-        identity, pool, runtime, config.kv_bytes_per_token(kv.k.element_size()), share_prefill=settings.share_prefill
+        identity,
+        pool,
+        runtime,
+        config.kv_bytes_per_token(kv.k.element_size()),
+        share_prefill=settings.share_prefill,
+        exact_continuations=settings.exact_continuations,
     )
     pool.on_residency = controller.publish_residency
     peer = attach_store(settings.store, controller, kv, artifacts.fingerprint) if settings.store is not None else None

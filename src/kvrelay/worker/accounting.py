@@ -44,9 +44,11 @@ def learn_restore_rates(rates: dict[Tier, float], report: RestoreReport) -> None
 
 
 def learned_speeds(run: Run, result: JobResult, prefill_s: float, decode_s: float) -> tuple[float, float]:
-    """The moving averages of prefill and decode seconds per token after one run."""
+    """The moving averages of prefill and decode seconds per token after one run (a run that replayed
+    delivered tokens as decode steps teaches nothing of prefill)."""
     uncached = len(run.offer.prompt) - sum(run.cached_tokens.values())
-    if result.first_token_s is not None and result.admitted_s is not None and uncached >= 32:
+    replayed = run.handle is not None and run.handle.job.replay > 0
+    if result.first_token_s is not None and result.admitted_s is not None and uncached >= 32 and not replayed:
         per_token = (result.first_token_s - result.admitted_s) / uncached
         prefill_s = 0.8 * prefill_s + 0.2 * per_token
     gaps = [b - a for a, b in zip(run.token_times, run.token_times[1:])]

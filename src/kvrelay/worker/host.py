@@ -10,7 +10,10 @@ this module only carries effects:
   loop), then one runtime job for the uncached tokens and the decode budget;
   the route is activated only after the restore copies completed; before the
   job enters the device queue the prefix is re-matched, and a run whose next
-  chunk another started run is filling waits for it (``shared_prefill``);
+  chunk another started run is filling waits for it (``shared_prefill``); a
+  continuation's job replays the delivered tokens past its resident prefix as
+  decode rows (``Job.replay``), so it continues exactly as the first attempt
+  would have;
 - runtime token events -> ``TokensProduced`` -> deltas, as soon as they exist;
 - ``FenceWork`` -> mark the job cancelled at once (the machine sends nothing
   more for it); the runtime answers once the step in flight has finished,
@@ -77,9 +80,11 @@ class WorkerController:
         restore_bytes_per_s: Mapping[Tier, float] | None = None,
         clock: Callable[[], float] = time.monotonic,
         share_prefill: bool = True,
+        exact_continuations: bool = True,
     ) -> None:
         """``share_prefill``: re-match a prefix before its prefill and wait for a run filling it (False: match
-        at admission only, to compare)."""
+        at admission only, to compare). ``exact_continuations``: a continuation replays its delivered tokens
+        as decode rows (False: prefills them with the prompt, faster to its first token but not bit-exact)."""
         self.me = identity
         self.worker_id, self.epoch = identity.worker_id, identity.epoch
         self.pool = pool
@@ -94,6 +99,7 @@ class WorkerController:
         self.restore_bytes_per_s = dict(restore_bytes_per_s or {})
         self.clock = clock
         self.share_prefill = share_prefill
+        self.exact_continuations = exact_continuations
         self.filling = FillingChunks()
         self.state = machine.new_worker(identity.worker_id, identity.epoch, (identity.model,), identity.context_limit)
         self.runs: dict[Assignment, Run] = {}
@@ -342,9 +348,10 @@ class WorkerController:
             max_new_tokens=offer.max_new_tokens,
             sampling=offer.sampling,
             priority=offer.priority,
+            replay=self._replay_of(offer, cached),
         )
         loop = asyncio.get_running_loop()
-        self._queue_tokens(run, len(job.tokens))
+        self._queue_tokens(run, job.prefill_len)
         run.submitted_at = self.clock()
 
         def on_event(event: RuntimeEvent) -> None:
@@ -353,6 +360,15 @@ class WorkerController:
         run.handle = self.runtime.submit(job, on_event, timeout=0)
         if self._handing_over:
             run.handle.cancel()
+
+    def _replay_of(self, offer: Offer, cached: int) -> int:
+        """How many of the job's tokens (``offer.prompt[cached:]``) to replay as decode rows: the delivered
+        tokens that are not resident, all but one when no prompt token is left to prefill (a one-token
+        prefill chunk is a decode row already)."""
+        if not self.exact_continuations or offer.generated_before == 0:
+            return 0
+        left = len(offer.prompt) - cached
+        return max(0, min(offer.generated_before, left - 1))
 
     def _on_runtime_event(self, run: Run, event: RuntimeEvent) -> None:
         match event:

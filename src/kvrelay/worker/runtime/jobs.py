@@ -6,7 +6,10 @@ feeding each back except the last. So:
 
 - prefill only: ``Job(prompt, pages, max_new_tokens=0)``;
 - prefill then decode: ``Job(prompt, pages, max_new_tokens=n, sampling=s)``;
-- continue after a resident prefix: ``Job(rest, pages, start_pos=len(prefix), ...)``.
+- continue after a resident prefix: ``Job(rest, pages, start_pos=len(prefix), ...)``;
+- continue a stream exactly: ``Job(prompt + delivered, pages, replay=len(delivered), ...)`` prefills the
+  prompt, then feeds the delivered tokens one per step as decode rows, so their K/V (and every later
+  token) come from the arithmetic of the decode steps that first produced them, not of a prefill.
 
 Per job, the runtime emits ``TokenEvent``s in order, then exactly one ``JobResult``.
 For a cancelled job the ``JobResult`` is sent only after the step in flight (if any)
@@ -45,6 +48,14 @@ class Job:
     sampling: Sampling = field(default_factory=Sampling)
     priority: float = 0.0
     """Its place among jobs waiting for a lane (``prefill_order``: lower first, ties in submission order)."""
+    replay: int = 0
+    """The last ``replay`` input tokens are fed one per step as decode rows instead of prefilled; at most
+    ``len(tokens) - 1`` (a one-token prefill chunk is a decode row already)."""
+
+    @property
+    def prefill_len(self) -> int:
+        """The input tokens written as prefill chunks (the rest are replayed)."""
+        return len(self.tokens) - self.replay
 
     @property
     def positions_needed(self) -> int:

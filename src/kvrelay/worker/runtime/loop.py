@@ -103,6 +103,7 @@ class _Sequence:
 
     @property
     def prompt_done(self) -> bool:
+        """Every input token is written (prefilled or replayed)."""
         return self.written == len(self.job.tokens)
 
     @property
@@ -117,7 +118,7 @@ class _Sequence:
 
     def lane_state(self) -> LaneState:
         return LaneState(
-            prompt_left=len(self.job.tokens) - self.written, admitted=self.ticket, last_step=self.last_step
+            prompt_left=max(0, self.job.prefill_len - self.written), admitted=self.ticket, last_step=self.last_step
         )
 
 
@@ -249,6 +250,11 @@ class PagedRuntime:
             raise ValueError("a job needs at least one input token (the prompt, or the last sampled token)")
         if job.start_pos < 0 or job.max_new_tokens < 0:
             raise ValueError(f"start_pos and max_new_tokens must be >= 0; got {job.start_pos}, {job.max_new_tokens}")
+        if not 0 <= job.replay < len(job.tokens):
+            raise ValueError(
+                f"replay must be in 0 .. {len(job.tokens) - 1} (at least one input token is prefilled); "
+                f"got {job.replay}"
+            )
         capacity = len(job.page_table) * self.kv.page_tokens
         if job.positions_needed > capacity:
             raise ValueError(
@@ -291,7 +297,7 @@ class PagedRuntime:
 
     def _iterate(self, waiting: list[_Sequence]) -> None:
         lanes = [None if s is None else s.lane_state() for s in self._lanes]
-        plan = plan_iteration(self.policy, lanes, [len(s.job.tokens) for s in waiting])
+        plan = plan_iteration(self.policy, lanes, [s.job.prefill_len for s in waiting])
         if plan.admit:
             with self._cond:
                 for _ in plan.admit:
@@ -307,12 +313,17 @@ class PagedRuntime:
         for lane in plan.decode_lanes:
             seq = self._lanes[lane]
             assert seq is not None
-            rows.append(_Row(seq, seq.generated[-1:], seq.kv_end, True))
+            if seq.prompt_done:
+                rows.append(_Row(seq, seq.generated[-1:], seq.kv_end, True))
+            else:  # a replayed input token: a decode row that samples only after the last one
+                last = seq.written + 1 == len(seq.job.tokens)
+                token = seq.job.tokens[seq.written : seq.written + 1]
+                rows.append(_Row(seq, token, seq.kv_end, last and seq.job.max_new_tokens > 0))
         for chunk in plan.prefill:
             seq = self._lanes[chunk.lane]
             assert seq is not None
             tokens = seq.job.tokens[seq.written : seq.written + chunk.tokens]
-            completes = seq.written + chunk.tokens == len(seq.job.tokens)
+            completes = seq.written + chunk.tokens == len(seq.job.tokens)  # never, while tokens are to replay
             rows.append(_Row(seq, tokens, seq.job.start_pos + seq.written, completes and seq.job.max_new_tokens > 0))
         self._step += 1
         try:

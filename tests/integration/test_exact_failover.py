@@ -1,0 +1,80 @@
+"""Failover the client cannot see: after ``kill -9`` of a worker mid-stream, every stream's text equals the
+same stream undisturbed, greedy and seeded.
+
+A router and two workers (real processes) serve a tiny random Gemma 3 in bfloat16 without an EOS id (every
+stream runs to its budget; sliding window 16, so decode rows wrap their window rings). Six streams of 96
+tokens run undisturbed, then again while the worker holding the most of them mid-way is killed; the router
+continues those elsewhere, and the continuation replays the delivered tokens as decode steps
+(``Job.replay``), so it computes what the killed worker would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from kvrelay.bench.failover import Cut, StreamSpec, compare, run_round
+from kvrelay.launch.child import ChildProcess
+from kvrelay.testing.tiny_models import make_tiny_model
+from tests.support.processes import Router, start_worker, stop_all, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+BUDGET = 96
+PROMPTS = [tuple(5 + (salt * 37 + i * 11) % 370 for i in range(12 + 5 * salt)) for salt in range(6)]
+WORKER_FLAGS = ("--dtype", "bfloat16", "--lanes", "8")
+
+
+@dataclass
+class Cluster:
+    home: Path
+    model: Path
+    router: Router
+    workers: dict[str, ChildProcess] = field(default_factory=dict)
+
+    def start(self, *worker_ids: str) -> None:
+        for wid in worker_ids:
+            self.workers[wid] = start_worker(self.home, wid, self.router.workers_url, self.model, *WORKER_FLAGS)
+        wait_until(lambda: set(worker_ids) <= set(self.router.live_workers()), 90, f"workers {worker_ids} live")
+
+    def kill(self, worker_id: str) -> None:
+        self.workers.pop(worker_id).process.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    home = tmp_path_factory.mktemp("exact-failover")
+    model = make_tiny_model("gemma3", home / "gemma", seed=3, hidden_size=256, intermediate_size=768, eos_token_id=None)
+    router = Router(home, model, "--offer-timeout-s", "2.0", "--worker-expiry-s", "4.0")
+    c = Cluster(home, model, router)
+    try:
+        c.start("w1", "w2")
+        yield c
+    finally:
+        stop_all([*c.workers.values(), c.router.child])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+def test_kill_9_mid_stream_continues_token_identical(cluster: Cluster, temperature: float) -> None:
+    specs = [
+        StreamSpec(p, BUDGET, temperature, seed=None if temperature == 0 else 70 + i) for i, p in enumerate(PROMPTS)
+    ]
+    url, name = cluster.router.http_url, cluster.model.name
+    undisturbed, _ = run_round(url, name, specs)
+    assert all(s.completion_tokens == BUDGET and s.error is None for s in undisturbed)
+    assert len({s.text for s in undisturbed}) == len(specs), "distinct prompts should continue differently"
+    lost = cluster.router.cluster()["router_counters"].get("worker_lost_assignments", 0)
+
+    cut = Cut(lambda: cluster.router.cluster()["requests"], cluster.kill, min_delivered=8, min_left=24)
+    disturbed, strike = run_round(url, name, specs, cut)
+    assert strike is not None
+    outcome = compare(undisturbed, disturbed, strike)
+    assert outcome.complete == (True,) * len(specs), [s.error for s in disturbed]
+    assert outcome.same == (True,) * len(specs)
+    assert strike.held >= 2
+    counters = cluster.router.cluster()["router_counters"]
+    assert counters["worker_lost_assignments"] >= lost + strike.held
+    cluster.start(strike.victim)  # the next case starts with two workers again
