@@ -64,6 +64,7 @@ from kvrelay.protocol.messages import (
     WireMessage,
 )
 from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
+from kvrelay.sim.chunk_origins import ChunkOrigins
 from kvrelay.sim.cluster_config import ClusterConfig
 from kvrelay.sim.events import (
     Arrival,
@@ -156,6 +157,7 @@ class Simulation:
         self._to_workers = 0
         self.known_chains: dict[str, tuple[bytes, ...]] = {}
         self.shared = SharedObjectTier()
+        self.origins = ChunkOrigins(cluster.chunk_tokens)
         self.peers: dict[str, WorkerCaches] = {}
         self.workers: dict[str, SimWorker] = {}
         for i in range(cluster.workers):
@@ -172,6 +174,7 @@ class Simulation:
                 admission_s,
                 rematch,
                 cluster.spec_of(i),
+                self.origins,
             )
             self._start_worker(wid, 0.0, offset=cluster.heartbeat_interval_s * i / cluster.workers)
         self._push(0.0, RouterTick())

@@ -4,7 +4,8 @@ Arrivals are ``start_s + timestamp / rate_scale`` (``start_s`` lets every worker
 send its first heartbeat before traffic). TTFT is measured at the consumer: from
 submission to the first delivered token. Prefix hits are the cached tokens (all
 tiers) the workers reported for the attempts the router accepted, over all
-prompt tokens of the trace; the infinite-cache bounds, by blocks and by
+prompt tokens of the trace, less those a request found from its own earlier attempts
+(``sim.chunk_origins``; reported apart as ``own_attempt_cached_tokens``); the infinite-cache bounds, by blocks and by
 routable chunks, are computed from the trace itself
 (``trace.infinite_cache_bound``, ``trace.chunk_cache_bound``). No policy's hit
 share can exceed the chunk-level one. ``reuse`` holds the router's decision-quality figures
@@ -106,7 +107,7 @@ def _metrics(
     prompt_tokens = sum(r.input_length for r in requests)
     ttfts: list[float] = []
     by_request: dict[str, float] = {}
-    completed = cached = recomputed = 0
+    completed = cached = recomputed = own_cached = 0
     cached_by_tier: dict[str, int] = {}
     errors: dict[str, int] = {}
     for c in sim.consumers.values():
@@ -124,6 +125,9 @@ def _metrics(
         for tier, n in o.usage.cached_tokens.items():
             cached_by_tier[tier] = cached_by_tier.get(tier, 0) + n
             cached += n
+        own = sim.origins.own_tokens.get(c.request_id, 0)
+        cached -= own
+        own_cached += own
         recomputed += o.usage.recomputed_tokens
     bound = infinite_cache_bound(requests, options.block_tokens).token_share
     chunk_bound = chunk_cache_bound(requests, options.block_tokens, chunk_tokens).token_share
@@ -154,6 +158,7 @@ def _metrics(
         "chunk_cache_bound": chunk_bound,
         "chunk_bound_ratio": share / chunk_bound if chunk_bound else 0.0,
         "recomputed_tokens": recomputed,
+        "own_attempt_cached_tokens": own_cached,
         "reuse": {
             **reuse.as_dict(),
             "captured_share": reuse.captured_share,

@@ -56,6 +56,7 @@ from kvrelay.sim.admission import (
     plan_admission,
 )
 from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
+from kvrelay.sim.chunk_origins import ChunkOrigins
 from kvrelay.sim.cluster_config import ClusterConfig, WorkerSpec
 from kvrelay.sim.events import AdmissionDue, IterationDone, RestoreDone, WorkerDue
 from kvrelay.sim.tokens import token_value
@@ -84,9 +85,11 @@ class SimWorker:
         admission_s: float = 0.0,
         rematch: bool = True,
         spec: WorkerSpec | None = None,
+        origins: ChunkOrigins | None = None,
     ) -> None:
         """``rematch``: re-match the prefix when a prefill starts (False: only at admission, to compare);
-        ``spec``: this worker's costs and capacities (default: the cluster's ``worker``)."""
+        ``spec``: this worker's costs and capacities (default: the cluster's ``worker``); ``origins``: the
+        cluster's record of which request first computed each chunk (shared by the workers)."""
         w = spec if spec is not None else cluster.worker
         self.worker_id, self.cluster, self.spec = worker_id, cluster, w
         self.rates = cluster.rates_of(w)
@@ -94,6 +97,7 @@ class SimWorker:
         self.peers = peers  # caches of the live workers: peer restores read their ram and ssd
         self.admission_s = admission_s
         self.rematch = rematch
+        self.origins = origins if origins is not None else ChunkOrigins(cluster.chunk_tokens)
         self.known_chains = known_chains if known_chains is not None else {}
         self._chain_memo: dict[tuple[str, int], tuple[bytes, ...]] = {}
         chunk_pages = cluster.chunk_tokens // cluster.page_tokens
@@ -459,6 +463,7 @@ class SimWorker:
             elif work.prefill_left == 0:
                 self.prefill_queue.remove(work)
                 self._fill_gpu(work, work.computed, computed=True)
+                self.origins.computed(work.computed, work.offer.assignment.request_id)
                 self._unclaim(work, work.computed)
                 work.generated = 1
                 work.first_token_at = now
@@ -493,6 +498,7 @@ class SimWorker:
         plan = work.plan
         cached = dict(plan.cached_tokens)
         shared = work.rematched * self.cluster.chunk_tokens
+        self.origins.reported([*plan.gpu_keys, *(k for k, _ in plan.restore)], work.offer.assignment.request_id)
         if shared:
             cached["gpu"] = cached.get("gpu", 0) + shared
         return Usage(
