@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.bench.background_load import cpu_hog
-from kvrelay.bench.trace.client import replay, wait_ready, warm_up
+from kvrelay.bench.trace.client import Measured, replay, wait_ready, warm_up
 from kvrelay.bench.trace.decisions import routing_summary
 from kvrelay.bench.trace.engine_metrics import scrape
 from kvrelay.bench.trace.faces import CLUSTER_READY, Face, FaceOptions, kvrelay_cluster, serve_workers, start_peer
@@ -87,8 +87,8 @@ LABELS = {
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", type=Path, default=TRACE)
-    p.add_argument("--offset", type=int, default=3943, help="first request of the slice (timestamp order)")
-    p.add_argument("--count", type=int, default=50, help="requests in the slice")
+    p.add_argument("--offset", type=int, default=3953, help="first request of the slice (timestamp order)")
+    p.add_argument("--count", type=int, default=40, help="requests in the slice")
     p.add_argument("--block-tokens", type=int, default=16, help="tokens per trace block here (the trace's: 512)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048)
     p.add_argument("--max-output-tokens", type=int, default=16)
@@ -107,6 +107,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hog-share", type=float, default=0.5, help="loaded phase: share of one core kept busy")
     p.add_argument("--hog-cpu", type=int, default=0, help="loaded phase: the core the hog is pinned to")
     p.add_argument("--routers-venvs", type=Path, default=None, help="where `make routers` put the peers")
+    p.add_argument(
+        "--from-requests",
+        default=None,
+        help="run nothing: report the phases of these saved .requests.json files (comma-separated), in order",
+    )
     p.add_argument("--keep-dir", default=None, help="keep every replay's home (logs, fact stores) under this")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per request")
     p.add_argument("--json", default=None, help="write the figures here")
@@ -154,6 +159,8 @@ async def replay_setup(name: str, start: Any, home: Path, model: str, prompts: l
         elapsed = time.perf_counter() - clock
         run1, wait1 = face.sched_seconds()
         cached = scrape(started.metrics_urls) - cached0
+        counters = _router_counters(face.url) if name in KVRELAY_POLICIES else {}
+        cpu = {role: round(seconds, 1) for role, seconds in face.cpu_seconds().items()}
     except BaseException:
         print(f"  {name} failed; logs: {face.logs()}", flush=True)
         raise
@@ -161,14 +168,24 @@ async def replay_setup(name: str, start: Any, home: Path, model: str, prompts: l
         face.stop()
     availability = (run1 - run0) / max(1e-9, run1 - run0 + wait1 - wait0)
     stores = {p.name: p for p in home.rglob("facts.sqlite3")}
-    routing = routing_summary(stores) if KVRELAY_POLICIES.get(name) else {}
+    routing = {**routing_summary(stores), "router_counters": counters} if name in KVRELAY_POLICIES else {}
     errors = sum(m.error is not None for m in measured)
     print(
         f"  {name}: {len(prompts)} requests in {elapsed:.1f} s, {errors} errors, engine-cached {cached:.0f} tokens, "
-        f"workers' CPU availability {availability:.2f}; {routing.get('accepted_by_worker', '')}",
+        f"workers' CPU availability {availability:.2f}; CPU s by process {cpu}; {routing}",
         flush=True,
     )
     return Replay(name, measured, availability, cached, routing)
+
+
+def _router_counters(url: str) -> dict[str, int]:
+    """kvrelay's router's counters (parked, offer timeouts, declines...) from its ``/cluster``."""
+    import httpx
+
+    try:
+        return dict(httpx.get(url + "/cluster", timeout=10).json().get("router_counters", {}))
+    except (httpx.HTTPError, ValueError):
+        return {}
 
 
 def native_starter(args: argparse.Namespace, options: FaceOptions, model: str, peers: dict[str, str]):
@@ -327,17 +344,22 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(f"{peer.value} is not installed (`make routers`): the {name} setup is left out.")
             print(notes[-1], flush=True)
     phases: list[Phase] = []
-    with _work_dir(args.keep_dir) as work:
-        for engine in engines:
-            ran, note = (run_native if engine == "native" else run_vllm)(args, setups, peers, work)
-            phases += ran
-            notes.append(note)
     out = Path(args.json) if args.json else None
-    if out is not None:  # the measurements first, so a later failure cannot lose them
-        out.parent.mkdir(parents=True, exist_ok=True)
-        Path(args.requests_json or out.with_suffix(".requests.json")).write_text(
-            json.dumps([_phase_json(p) for p in phases]) + "\n"
-        )
+    if args.from_requests:
+        for path in args.from_requests.split(","):
+            saved = json.loads(Path(path).read_text())
+            phases += [_phase_of(p) for p in saved["phases"]]
+            notes += saved["notes"]
+    else:
+        with _work_dir(args.keep_dir) as work:
+            for engine in engines:
+                ran, note = (run_native if engine == "native" else run_vllm)(args, setups, peers, work)
+                phases += ran
+                notes.append(note)
+        if out is not None:  # the measurements first, so a later failure cannot lose them
+            out.parent.mkdir(parents=True, exist_ok=True)
+            saved = {"phases": [_phase_json(p) for p in phases], "notes": notes}
+            Path(args.requests_json or out.with_suffix(".requests.json")).write_text(json.dumps(saved) + "\n")
     notes += [
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, shared with other work; loaded: a hog keeping "
         f"{args.hog_share:g} of core {args.hog_cpu} busy; {args.rounds} replays per setup and phase, alternating.",
@@ -353,6 +375,14 @@ def main(argv: list[str] | None = None) -> int:
         plot_grid(args.png or out.with_suffix(".png"), phases, LABELS)
         print(f"wrote {out} and its .md, .png, .requests.json")
     return 0
+
+
+def _phase_of(saved: dict[str, Any]) -> Phase:
+    replays = {
+        name: [Replay(**{**r, "measured": [Measured(**m) for m in r["measured"]]}) for r in runs]
+        for name, runs in saved["replays"].items()
+    }
+    return Phase(saved["engine"], saved["load"], replays)
 
 
 def _phase_json(phase: Phase) -> dict[str, Any]:

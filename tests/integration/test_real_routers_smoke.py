@@ -46,6 +46,6 @@ def test_real_routers_writes_figures_report_and_plot(tmp_path: Path) -> None:
     else:
         assert "smg is not installed" in done.stdout
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    phases = json.loads(out.with_suffix(".requests.json").read_text())
+    phases = json.loads(out.with_suffix(".requests.json").read_text())["phases"]
     assert [(p["engine"], p["load"]) for p in phases] == [("native", "loaded")]
     assert len(phases[0]["replays"]["kvrelay"][0]["measured"]) == 6

@@ -8,7 +8,9 @@ Contract:
   ``/reset_prefix_cache``); yields them once all are ready and stops them all after, also on error.
 - ``empty_caches(engines)`` makes every engine forget its prefix cache (``POST /reset_prefix_cache``, retried
   while blocks are still held, ``RuntimeError`` naming the engine after ``limit_s``), so each replay starts
-  cold as the native setups do, without the minutes of a vLLM start.
+  cold as the native setups do, without the minutes of a vLLM start; then sends each a one-token completion,
+  so the engine steps and publishes the cache's ``AllBlocksCleared`` KV event before the next setup's
+  workers subscribe (a kvrelay worker that saw it later would start a new epoch under its first request).
 - ``kvrelay_over_vllm(name, policy, engines, model_dir, home)``: a ``Face`` of ``kvrelay router --policy
   policy`` and one ``kvrelay worker --engine vllm`` per engine (the workers learn residency from the engine's
   KV events); ``peer_face(name, engines, home)``: an empty ``Face`` to start a peer router on, with the
@@ -66,6 +68,13 @@ def empty_caches(engines: Sequence[VllmServer], limit_s: float = 60.0) -> None:
                         f"(last answer {answer.status_code} {answer.text[:200]}); see {engine.log_path}"
                     )
                 time.sleep(0.5)
+            body = {"model": engine.spec.served_name, "prompt": " flush", "max_tokens": 1, "temperature": 0.0}
+            answer = client.post(engine.spec.url + "/v1/completions", json=body)
+            if answer.status_code != 200:
+                raise RuntimeError(
+                    f"the vLLM server at {engine.spec.url} did not answer a completion after its reset "
+                    f"({answer.status_code} {answer.text[:200]}); see {engine.log_path}"
+                )
 
 
 def _engine_pids(engines: Sequence[VllmServer]) -> tuple[int, ...]:
