@@ -38,7 +38,8 @@ the engines' own ``/metrics`` (vLLM's ``vllm:prefix_cache_hits``; kvrelay's ``kv
 scraped around each replay), with usage ``cached_tokens`` beside it. Writes ``--json`` figures, a Markdown
 report (``--md``), a TTFT CDF grid (``--png``) and the per-request measurements (``--requests-json``).
 
-Run (about 25 minutes for both engines, quiet and loaded, two rounds):
+Run (about 40 minutes on the shared 2-core machine: both engines, quiet and loaded, two rounds; the vLLM engine
+first):
 ``flock /tmp/kvrelay-heavy.lock .venv/bin/python bench/real_routers.py --json bench/results/real_routers.json``
 """
 
@@ -52,7 +53,7 @@ import platform
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -87,12 +88,12 @@ LABELS = {
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", type=Path, default=TRACE)
-    p.add_argument("--offset", type=int, default=3953, help="first request of the slice (timestamp order)")
-    p.add_argument("--count", type=int, default=40, help="requests in the slice")
+    p.add_argument("--offset", type=int, default=3969, help="first request of the slice (timestamp order)")
+    p.add_argument("--count", type=int, default=24, help="requests in the slice")
     p.add_argument("--block-tokens", type=int, default=16, help="tokens per trace block here (the trace's: 512)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048)
     p.add_argument("--max-output-tokens", type=int, default=16)
-    p.add_argument("--time-stretch", type=float, default=2.0, help="wall s per trace s, native engine")
+    p.add_argument("--time-stretch", type=float, default=4.0, help="wall s per trace s, native engine")
     p.add_argument("--vllm-time-stretch", type=float, default=0.5, help="wall s per trace s, vLLM engine")
     p.add_argument("--model", default=None, help="native engine: model directory or GGUF (default: Gemma 3 270M)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
@@ -100,7 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lanes", type=int, default=16, help="native engine: concurrent sequences per worker")
     p.add_argument("--vllm-model", type=Path, default=None, help="vLLM engine: model directory (default: tiny Llama)")
     p.add_argument("--vllm-blocks", type=int, default=256, help="vLLM engine: KV blocks of 64 tokens per server")
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
+    p.add_argument("--engines", default="vllm,native", help=f"comma-separated subset of {', '.join(ENGINES)}")
     p.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated subset of {', '.join(LOADS)}")
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated subset of {', '.join(SETUPS)}")
     p.add_argument("--rounds", type=int, default=2, help="replays per setup and phase, in alternating order")
@@ -242,9 +243,11 @@ def run_phases(
     setups: list[str],
     args: argparse.Namespace,
     work: Path,
-) -> list[Phase]:
-    """Every load of ``--loads`` on one engine: each setup ``--rounds`` times in alternating order."""
-    phases = []
+    phases: list[Phase],
+    save: Callable[[], None],
+) -> None:
+    """Every load of ``--loads`` on one engine: each setup ``--rounds`` times in alternating order; each phase
+    is appended to ``phases`` and ``save``d as soon as it is done."""
     for load in _subset(args.loads, LOADS, "--loads"):
         hog: AbstractContextManager[Any] = cpu_hog(args.hog_share, args.hog_cpu) if load == "loaded" else nullcontext()
         replays: dict[str, list[Replay]] = {name: [] for name in setups}
@@ -255,7 +258,7 @@ def run_phases(
                     home = work / f"{engine}-{load}-{name}-{round_}"
                     replays[name].append(asyncio.run(replay_setup(name, start, home, model, prompts, args.timeout_s)))
         phases.append(Phase(engine, load, replays))
-    return phases
+        save()
 
 
 @contextmanager
@@ -270,8 +273,13 @@ def _work_dir(keep: str | None) -> Iterator[Path]:
 
 
 def run_native(
-    args: argparse.Namespace, setups: list[str], peers: dict[str, str], work: Path
-) -> tuple[list[Phase], str]:
+    args: argparse.Namespace,
+    setups: list[str],
+    peers: dict[str, str],
+    work: Path,
+    phases: list[Phase],
+    save: Callable[[], None],
+) -> str:
     import torch
 
     from kvrelay.models.loading.loader import load_artifacts
@@ -281,14 +289,21 @@ def run_native(
     prompts = build_prompts(args, artifacts.tokenizer, scaling)
     options = FaceOptions(args.model, args.dtype, args.kv_tokens, args.lanes, 1)
     start = native_starter(args, options, artifacts.name, peers)
-    note = (
+    run_phases("native", start, artifacts.name, prompts, setups, args, work, phases, save)
+    return (
         f"native: {artifacts.name} ({args.dtype}) on kvrelay's runtime, 2 workers of {args.lanes} lanes and "
         f"{args.kv_tokens} KV tokens, 1 torch thread each; {_slice_note(prompts, scaling)}"
     )
-    return run_phases("native", start, artifacts.name, prompts, setups, args, work), note
 
 
-def run_vllm(args: argparse.Namespace, setups: list[str], peers: dict[str, str], work: Path) -> tuple[list[Phase], str]:
+def run_vllm(
+    args: argparse.Namespace,
+    setups: list[str],
+    peers: dict[str, str],
+    work: Path,
+    phases: list[Phase],
+    save: Callable[[], None],
+) -> str:
     from transformers import AutoTokenizer
 
     from kvrelay.bench.trace.vllm_engines import shared_engines
@@ -301,13 +316,12 @@ def run_vllm(args: argparse.Namespace, setups: list[str], peers: dict[str, str],
     print(f"vllm: starting 2 vLLM servers of {model_dir} ...", flush=True)
     with shared_engines(model_dir, 2, args.vllm_blocks, work / "vllm-logs") as engines:
         start = vllm_starter(engines, model_dir, peers)
-        phases = run_phases("vllm", start, model_dir.name, prompts, setups, args, work)
-    note = (
+        run_phases("vllm", start, model_dir.name, prompts, setups, args, work, phases, save)
+    return (
         f"vllm: vLLM {_vllm_version()} CPU build, 2 OpenAI servers of the tiny random Llama of the vLLM tests "
         f"(float32, eager, prefix caching, {args.vllm_blocks} KV blocks of {VLLM_BLOCK_TOKENS} tokens each); "
         f"{_slice_note(prompts, scaling)}"
     )
-    return phases, note
 
 
 def _vllm_version() -> str:
@@ -351,15 +365,18 @@ def main(argv: list[str] | None = None) -> int:
             phases += [_phase_of(p) for p in saved["phases"]]
             notes += saved["notes"]
     else:
+        saved_at = Path(args.requests_json or out.with_suffix(".requests.json")) if out is not None else None
+
+        def save() -> None:  # the measurements first, phase by phase, so a later failure cannot lose them
+            if saved_at is not None:
+                saved_at.parent.mkdir(parents=True, exist_ok=True)
+                saved = {"phases": [_phase_json(p) for p in phases], "notes": notes}
+                saved_at.write_text(json.dumps(saved) + "\n")
+
         with _work_dir(args.keep_dir) as work:
             for engine in engines:
-                ran, note = (run_native if engine == "native" else run_vllm)(args, setups, peers, work)
-                phases += ran
-                notes.append(note)
-        if out is not None:  # the measurements first, so a later failure cannot lose them
-            out.parent.mkdir(parents=True, exist_ok=True)
-            saved = {"phases": [_phase_json(p) for p in phases], "notes": notes}
-            Path(args.requests_json or out.with_suffix(".requests.json")).write_text(json.dumps(saved) + "\n")
+                notes.append((run_native if engine == "native" else run_vllm)(args, setups, peers, work, phases, save))
+                save()
     notes += [
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, shared with other work; loaded: a hog keeping "
         f"{args.hog_share:g} of core {args.hog_cpu} busy; {args.rounds} replays per setup and phase, alternating.",

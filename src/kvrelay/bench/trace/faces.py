@@ -90,6 +90,8 @@ class Face:
         return run, wait
 
     def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM every started process; after ``grace_s``, SIGKILL the process group of any still alive (a
+        ``kvrelay cluster``'s workers with it)."""
         for _, p in reversed(self.processes):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -97,7 +99,10 @@ class Face:
             try:
                 p.wait(grace_s)
             except subprocess.TimeoutExpired:
-                p.kill()
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 p.wait()
 
 
@@ -162,8 +167,10 @@ def process_env(home: Path, threads: int, **extra: str) -> dict[str, str]:
 
 
 def spawn(face: Face, name: str, argv: list[str], env: dict[str, str]) -> None:
+    """Start ``argv`` as one of the face's processes, in a process group of its own, output to ``<name>.log``."""
     with (face.home / f"{name}.log").open("wb") as log:
-        face.processes.append((name, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)))
+        child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        face.processes.append((name, child))
 
 
 def kvrelay_argv(command: str, *args: str) -> list[str]:
