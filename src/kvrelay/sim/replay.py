@@ -11,6 +11,8 @@ routable chunks, are computed from the trace itself
 share can exceed the chunk-level one. ``reuse`` holds the router's decision-quality figures
 (``core.router.reuse``): the prefix reuse available at each routing, what the chosen routes captured, what the
 workers delivered (the same sum as the cached tokens above), and captured and delivered as shares of available.
+``answered_once`` counts the requests that got exactly one outcome (all of them, unless one was lost);
+``refused_with_retry_after`` those the router queue refused with a ``Retry-After`` (``queue_full``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from kvrelay.core.router.events import ErrorKind
 from kvrelay.core.router.machine import RouterConfig
 from kvrelay.core.router.reuse import reuse_figures
 from kvrelay.sim.cluster_config import ClusterConfig
@@ -110,10 +113,14 @@ def _metrics(
     completed = cached = recomputed = own_cached = 0
     cached_by_tier: dict[str, int] = {}
     errors: dict[str, int] = {}
+    answered_once = refused_with_retry = 0
     for c in sim.consumers.values():
         if not c.outcomes:
             continue
         o = c.outcomes[0]
+        answered_once += len(c.outcomes) == 1
+        if o.failure is not None and o.failure.kind is ErrorKind.QUEUE_FULL and (o.failure.retry_after_s or 0) >= 1:
+            refused_with_retry += 1
         if o.finish_reason in ("stop", "length"):
             completed += 1
             if c.first_token_at is not None:
@@ -169,6 +176,8 @@ def _metrics(
         "load_imbalance": max(busy) / mean_busy if mean_busy else 0.0,
         "per_worker": workers,
         "errors": errors,
+        "answered_once": answered_once,
+        "refused_with_retry_after": refused_with_retry,
         "drained": finished,
         "router_counters": dict(sorted(sim.router.counters.items())),
         "simulated_s": sim.now,
