@@ -25,7 +25,9 @@ pytestmark = pytest.mark.timeout(300)
 
 BUDGET = 96
 PROMPTS = [tuple(5 + (salt * 37 + i * 11) % 370 for i in range(12 + 5 * salt)) for salt in range(6)]
-WORKER_FLAGS = ("--dtype", "bfloat16", "--lanes", "8")
+WORKER_FLAGS = ("--dtype", "bfloat16", "--lanes", "8", "--chunk-tokens", "256")
+"""256-token chunks: no chunk of a stream is ever registered, so a continuation cannot reuse K/V of the undisturbed
+run and computes every delivered token's K/V itself."""
 
 
 @dataclass

@@ -6,10 +6,11 @@ thread, keeping its text pieces and the arrival time of each. ``run_round(http_u
 model, specs, cut=None)`` runs the specs at once and returns their streams; with
 ``cut``, it calls ``cut.strike`` while they run (``Cut``: wait until a worker holds at
 least ``min_streams`` of them, each with ``min_delivered`` tokens delivered and
-``min_left`` still to come, then kill it). ``compare(undisturbed, disturbed, strike)``
-says per stream whether the text is the same and whether it is complete, and, for the
-streams that were cut, how long their clients waited for the next token after the
-kill (the continuation's time to first token as the client sees it).
+``min_left`` still to come, then kill it; no strike when the streams end first).
+``compare(undisturbed, disturbed, strike)`` says per stream whether the text is the
+same and whether it is complete, and, for the streams that were cut, how long their
+clients waited for the next token after the kill (the continuation's time to first
+token as the client sees it).
 """
 
 from __future__ import annotations
@@ -109,10 +110,10 @@ class Cut:
     timeout_s: float = 120.0
     victims: frozenset[str] | None = None
 
-    def strike(self, max_tokens: int) -> Strike:
-        """Wait for a worker holding enough streams mid-way and kill it."""
+    def strike(self, max_tokens: int, ended: Callable[[], bool]) -> Strike | None:
+        """Wait for a worker holding enough streams mid-way and kill it; None when the streams ``ended()`` first."""
         deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not ended():
             requests = list(self.requests().values())
             mid: dict[str, int] = {}
             for state in requests:
@@ -124,10 +125,12 @@ class Cut:
             if mid and max(mid.values()) >= self.min_streams:
                 victim = max(sorted(mid), key=mid.__getitem__)
                 self.kill(victim)
-                held = sum(state.get("worker_id") == victim for state in requests)
+                held = sum(state.get("worker_id") == victim and state.get("delivered", 0) > 0 for state in requests)
                 return Strike(victim, time.monotonic(), held)
             threading.Event().wait(0.02)
-        raise TimeoutError(f"no worker held {self.min_streams} streams mid-way within {self.timeout_s} s")
+        if not ended():
+            raise TimeoutError(f"no worker held {self.min_streams} streams mid-way within {self.timeout_s} s")
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +145,11 @@ class Strike:
 def run_round(
     http_url: str, model: str, specs: list[StreamSpec], cut: Cut | None = None, timeout_s: float = 600.0
 ) -> tuple[list[Stream], Strike | None]:
-    """Run ``specs`` at once (and ``cut`` while they run); their streams and the strike (None: no cut)."""
+    """Run ``specs`` at once (and ``cut`` while they run); their streams and the strike (None: no cut, or the
+    streams ended before a worker held enough of them mid-way)."""
     streams = [Stream(http_url, model, spec).start() for spec in specs]
-    strike = None if cut is None else cut.strike(max(spec.max_tokens for spec in specs))
+    ended = lambda: all(stream.done.is_set() for stream in streams)  # noqa: E731
+    strike = None if cut is None else cut.strike(max(spec.max_tokens for spec in specs), ended)
     deadline = time.monotonic() + timeout_s
     for stream in streams:
         if not stream.done.wait(max(0.0, deadline - time.monotonic())):
