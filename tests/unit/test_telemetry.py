@@ -3,6 +3,9 @@ exported to an in-memory exporter."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -129,3 +132,16 @@ def test_a_runs_spans_follow_its_recorded_times_under_the_offers_span() -> None:
     assert by_name["prefill"].end_time == by_name["decode"].start_time
     assert by_name["decode"].attributes["kvrelay.cached_tokens"] == 64
     assert by_name["decode"].attributes["kvrelay.finish_reason"] == "fenced"
+
+
+def test_with_tracing_off_the_faces_never_import_the_sdk() -> None:
+    """No ``--otlp-endpoint``: ``start_tracing`` gives None and no face module has imported OpenTelemetry's SDK."""
+    code = (
+        "import sys\n"
+        "import kvrelay.launch.router, kvrelay.launch.worker, kvrelay.launch.serve, kvrelay.launch.cluster\n"
+        "from kvrelay.launch.tracing import start_tracing\n"
+        "assert start_tracing(None, 'kvrelay-router') is None\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk', 'kvrelay.telemetry'))))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
