@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from kvrelay.testing.tcp_proxy import TcpProxy
 from kvrelay.testing.tiny_models import make_tiny_model
 from tests.support.processes import (
     ChildProcess,
@@ -41,7 +42,6 @@ from tests.support.processes import (
     stop_all,
     wait_until,
 )
-from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.timeout(120)
 

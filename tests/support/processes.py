@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import httpx
 
 from kvrelay.launch.child import ChildProcess
-from kvrelay.launch.cluster import ROUTER_READY
+from kvrelay.launch.cluster import ROUTER_READY, status_url
 
 SECRET = "kvrelay-test-secret-0123456789abcdef"
 T = TypeVar("T")
@@ -91,6 +91,7 @@ class Router:
         )
         ready = self.child.wait_for(ROUTER_READY, 60)
         self.http_url, self.workers_url = ready.group(1), ready.group(2)
+        self.status_url = status_url(ready.string)
         self.port = int(self.http_url.rsplit(":", 1)[1])
         self.worker_port = int(self.workers_url.rsplit(":", 1)[1].split("/")[0])
 
@@ -99,6 +100,10 @@ class Router:
 
     def live_workers(self) -> dict[str, Any]:
         return self.cluster()["workers"]
+
+    def status(self) -> dict[str, Any]:
+        """The router's read-only status view (``launch.router.router_status``)."""
+        return httpx.get(self.status_url, timeout=10).json()
 
 
 def start_worker(home: Path, worker_id: str, router_url: str, model_dir: Path, *flags: str) -> ChildProcess:

@@ -240,3 +240,11 @@ def test_why_lost_names_the_work_term_when_a_quicker_start_loses_on_score() -> N
         "predicted TTFT 8.0 ms lower, but its score was 504.0 ms higher: it recomputes more on a busy "
         "cluster (the score adds weighted prefill seconds)"
     )
+
+
+def test_explain_takes_a_response_id_as_the_router_request_id() -> None:
+    from kvrelay.cli.explain import router_request_id
+
+    assert router_request_id("cmpl-kv-0123abcd") == "kv-0123abcd"
+    assert router_request_id("chatcmpl-kv-0123abcd") == "kv-0123abcd"
+    assert router_request_id("kv-0123abcd") == "kv-0123abcd"

@@ -102,6 +102,13 @@ def test_random_events_match_a_plain_model(seed: int) -> None:
         assert ix.lookup(chain) == expected
         assert ix.runs(chain) == [(v, len(list(g))) for v, g in itertools.groupby(expected)]
         assert len(ix) == len(model)
+        local, shared = ix.holdings()
+        for wx, slot in ix.slots.items():
+            for t in ("gpu", "ram", "ssd"):
+                want = sorted(k for k, v in model.items() if (v >> (4 * (slot + 1))) & TIER_BITS[t])
+                assert ix.keys_of(wx, t) == want
+                assert sorted(local[wx][t]) == want
+        assert sorted(shared) == sorted(k for k, v in model.items() if v & OBJECT)
 
 
 def test_equal_values_are_one_object_and_runs_count_them() -> None:

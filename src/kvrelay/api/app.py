@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI): models, completions, chat completions, health, metrics.
 
-Streaming responses are server-sent events in OpenAI's chunk format ending
+A response's ``id`` is ``cmpl-`` (``chatcmpl-``) and the router's request id, which ``kvrelay explain`` takes
+as it is. Streaming responses are server-sent events in OpenAI's chunk format ending
 with ``data: [DONE]``. A client that disconnects cancels its request through
 the router to the worker. Every error, a wrong route or method included, is
 OpenAI's error body (``api.responses.ErrorBody``) with the HTTP status of
@@ -15,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 from kvrelay.api import openapi
 from kvrelay.api.body import read_body
 from kvrelay.api.errors import APIError
-from kvrelay.api.ingress import Final, Ingress, Prepared, TextDelta
+from kvrelay.api.ingress import Final, Ingress, Prepared, TextDelta, new_request_id
 from kvrelay.api.responses import (
     AssistantMessage,
     ChatChoice,
@@ -158,9 +158,10 @@ def create_app(ingress: Ingress) -> FastAPI:
         return await respond(request, prepared, body.streamed, body.include_usage, chat=True)
 
     async def respond(request: Request, p: Prepared, stream: bool, include_usage: bool, chat: bool) -> Response:
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        request_id = new_request_id()
+        rid = ("chatcmpl-" if chat else "cmpl-") + request_id
         created = int(time.time())
-        events = ingress.generate(p, request.headers.get("traceparent"))
+        events = ingress.generate(p, request_id, request.headers.get("traceparent"))
         if stream:
             first = await _first(events)
             return StreamingResponse(

@@ -10,8 +10,11 @@ It never depends on the model runtime: it submits protocol requests to a
 - ``Ingress.generate`` yields ``TextDelta``s then exactly one ``Final``, or
   raises ``APIError`` when the request failed (after the text of the tokens it
   got, if any); if the caller stops iterating early (a client disconnected) the
-  request is cancelled through the router, which cancels it at the worker.
-- ``generate(p, traceparent)`` continues the client's W3C trace context when it parses
+  request is cancelled through the router, which cancels it at the worker. The
+  router knows the request by ``rid`` (``new_request_id()``: ``kv-`` and 20 hex
+  digits), which the HTTP response's ``id`` carries, so a client's id names the
+  request in the fact store (``kvrelay explain``).
+- ``generate(p, rid, traceparent)`` continues the client's W3C trace context when it parses
   (``protocol.trace_context``; else it is ignored): with tracing on (``tracing``), an ``ingress`` span of
   the request's whole life is a child of it and the router's and workers' spans are the span's children;
   with tracing off, the client's context is passed on as it came.
@@ -94,6 +97,11 @@ PREPARE_THREADS = 4
 """Threads that decode, template and tokenize request bodies, off the event loop."""
 PROBE_CHARS_PER_TOKEN = 8
 CUT_SLACK = 64
+
+
+def new_request_id() -> str:
+    """A fresh router request id: ``kv-`` and 20 random hex digits."""
+    return "kv-" + hashlib.blake2b(uuid.uuid4().bytes, digest_size=10).hexdigest()
 
 
 class Ingress:
@@ -238,12 +246,11 @@ class Ingress:
         )
         return Prepared(model, ids, max_tokens, sampling, stop_strings, body.priority or 0, body.user or "")
 
-    async def generate(self, p: Prepared, traceparent: str | None = None) -> AsyncIterator[TextDelta | Final]:
+    async def generate(self, p: Prepared, rid: str, traceparent: str | None = None) -> AsyncIterator[TextDelta | Final]:
         if not self.serving(p.model.name):
             raise APIError(
                 503, f"no worker serves model '{p.model.name}' right now", "service_unavailable", "model", "no_worker"
             )
-        rid = "kv-" + hashlib.blake2b(uuid.uuid4().bytes, digest_size=10).hexdigest()
         context = parse_traceparent(traceparent) or ""
         span = None
         if self.tracing is not None:

@@ -15,7 +15,9 @@ from kvrelay.paths import DATA_ENV
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("request_id", metavar="REQUEST_ID", help="the request to explain")
+    parser.add_argument(
+        "request_id", metavar="REQUEST_ID", help="the request to explain (kv-..., or a response id cmpl-kv-...)"
+    )
     parser.add_argument(
         "--db",
         metavar="URL",
@@ -25,6 +27,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+RESPONSE_ID_PREFIXES = ("chatcmpl-", "cmpl-")
+
+
+def router_request_id(given: str) -> str:
+    """The router's request id in ``given``: an HTTP response id (``cmpl-kv-...``) loses its prefix."""
+    for prefix in RESPONSE_ID_PREFIXES:
+        if given.startswith(prefix):
+            return given[len(prefix) :]
+    return given
+
+
 def run(args: argparse.Namespace) -> int:
     import sqlalchemy as sa
 
@@ -32,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from kvrelay.facts.explain import explain_lines
     from kvrelay.facts.queries import FactReader
 
+    request_id = router_request_id(args.request_id)
     url = args.db or default_url()
     try:
         engine = make_engine(url)
@@ -44,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvrelay explain: no fact store at {path}; pass --db URL or set {DATA_ENV}", file=sys.stderr)
         return 1
     try:
-        history = FactReader(engine).request_history(args.request_id)
+        history = FactReader(engine).request_history(request_id)
     except sa.exc.SQLAlchemyError as exc:
         print(f"kvrelay explain: cannot read the fact store at {shown}: {exc}", file=sys.stderr)
         return 1
@@ -52,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         engine.dispose()
     if history is None:
         print(
-            f"kvrelay explain: request {args.request_id!r} has no recorded decisions or outcome in {shown}",
+            f"kvrelay explain: request {request_id!r} has no recorded decisions or outcome in {shown}",
             file=sys.stderr,
         )
         return 1

@@ -27,6 +27,8 @@ OPTIONS = (
         "several; none: the default Gemma 3 270M",
         repeated=True,
     ),
+    Option("status_host", str, defaults.STATUS_HOST, "address of the read-only status listener (GET /status)"),
+    Option("status_port", int, 0, "port of the read-only status listener (0: any free port; named in the ready line)"),
     Option("db", str, None, "fact store URL (none: SQLite under the data directory)"),
     Option("secret_file", str, None, f"file holding the shared secret workers must present (else ${SECRET_ENV_VAR})"),
     Option("policy", str, defaults.POLICY, "routing policy"),
@@ -137,10 +139,12 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=values["max_body_bytes"],
         drain_s=values["drain_s"],
         otlp_endpoint=values["otlp_endpoint"],
+        status_host=values["status_host"],
+        status_port=values["status_port"],
     )
 
-    def ready(http_url: str, workers_url: str) -> None:
-        print(f"kvrelay router ready http={http_url} workers={workers_url}", flush=True)
+    def ready(http_url: str, workers_url: str, status_url: str) -> None:
+        print(f"kvrelay router ready http={http_url} workers={workers_url} status={status_url}", flush=True)
 
     try:
         asyncio.run(run_router(options, ready))

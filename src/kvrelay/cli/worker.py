@@ -62,6 +62,9 @@ OPTIONS = (
     Option("s3_endpoint", str, None, "S3 endpoint URL of the object tier (instead of --object-dir)"),
     Option("s3_bucket", str, None, "S3 bucket of the object tier"),
     Option("s3_prefix", str, defaults.S3_PREFIX, "key prefix of chunks in the S3 bucket"),
+    Option("peer_host", str, defaults.PEER_HOST, "address where peers fetch this worker's ram and ssd chunks"),
+    Option("status_host", str, defaults.STATUS_HOST, "address of the read-only status listener (GET /status)"),
+    Option("status_port", int, 0, "port of the read-only status listener (0: any free port; named in the ready line)"),
     Option("heartbeat_s", float, defaults.HEARTBEAT_S, "seconds between heartbeats"),
     Option(
         "grace_s",
@@ -134,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
                 s3_endpoint=values["s3_endpoint"],
                 s3_bucket=values["s3_bucket"],
                 s3_prefix=values["s3_prefix"],
+                peer_host=values["peer_host"],
             ),
             share_prefill=values["share_prefill"],
             exact_continuations=values["exact_continuations"],
@@ -145,10 +149,12 @@ def run(args: argparse.Namespace) -> int:
         values["heartbeat_s"],
         values["grace_s"],
         otlp_endpoint=values["otlp_endpoint"],
+        status_host=values["status_host"],
+        status_port=values["status_port"],
     )
 
-    def ready(worker_id: str, epoch: int, model: str) -> None:
-        print(f"kvrelay worker ready id={worker_id} epoch={epoch} model={model}", flush=True)
+    def ready(worker_id: str, epoch: int, model: str, status_url: str) -> None:
+        print(f"kvrelay worker ready id={worker_id} epoch={epoch} model={model} status={status_url}", flush=True)
 
     try:
         asyncio.run(run_worker(options, ready))

@@ -53,6 +53,16 @@ POLL_S = 0.2
 ROUTER_READY = re.compile(r"kvrelay router ready http=(\S+) workers=(\S+)")
 WORKER_READY = re.compile(r"kvrelay worker ready id=(\S+)")
 _PORT = re.compile(r":(\d+)(?:/|$)")
+STATUS_URL = re.compile(r" status=(\S+)")
+"""The read-only status URL in a router's or worker's ready line (``launch/status.py``)."""
+
+
+def status_url(ready_line: str) -> str:
+    """The status listener's URL named in a router's or worker's ready line."""
+    found = STATUS_URL.search(ready_line)
+    if found is None:
+        raise ValueError(f"no status URL in the ready line {ready_line!r}")
+    return found.group(1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,8 @@ HTTP_PORT = 8000
 """The OpenAI-compatible API's port."""
 WORKER_PORT = 8001
 """The router's worker WebSocket port (``kvrelay cluster`` picks a free one instead)."""
+STATUS_HOST = "127.0.0.1"
+"""The address of a router's or worker's read-only status listener (``launch/status.py``)."""
 POLICY = DEFAULT_POLICY
 """The routing policy."""
 
@@ -42,6 +44,8 @@ GRACE_S = 10.0
 DRAIN_S = 30.0
 """On SIGINT/SIGTERM, seconds the HTTP face (``kvrelay serve``, ``kvrelay router``) lets running requests take;
 then each ends with a ``shutting_down`` error that says how many of its tokens were delivered."""
+PEER_HOST = "127.0.0.1"
+"""The address a worker serves its ram and ssd chunks to peers on."""
 SERVE_WORKER_ID = "local-0"
 """The id of ``kvrelay serve``'s one worker."""
 

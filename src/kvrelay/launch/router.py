@@ -5,8 +5,11 @@ Contract:
   live workers, requests in flight and counters as JSON) listens on
   ``host:port``; workers connect over WebSocket at
   ``ws://host:worker_port/workers`` (the transport's own server, on a port of
-  its own). Port 0 picks a free port; ``on_ready(http_url, workers_url)`` is
-  called once both listen, with the bound ports.
+  its own). Port 0 picks a free port; ``on_ready(http_url, workers_url,
+  status_url)`` is called once they listen, with the bound ports.
+- A read-only status listener (``launch/status.py``, on ``status_host``,
+  127.0.0.1 by default) shows the router's residency index by worker and tier,
+  the requests in flight and queued, and the counters (``router_status``).
 - The models the ingress offers are learned from heartbeats (``ModelCatalog``);
   the router loads only the tokenizers of ``model_sources``.
 - On SIGINT/SIGTERM the HTTP face drains within ``drain_s`` (``launch.drain``:
@@ -32,6 +35,7 @@ from kvrelay.launch import defaults
 from kvrelay.launch.catalog import ModelCatalog, load_served_model
 from kvrelay.launch.drain import listen, serve_until_stopped
 from kvrelay.launch.router_stack import build_router_stack
+from kvrelay.launch.status import StatusServer
 from kvrelay.launch.tracing import start_tracing
 from kvrelay.protocol.messages import Heartbeat, WireMessage
 from kvrelay.router.cluster_router import ClusterRouter
@@ -58,6 +62,8 @@ class RouterOptions:
     drain_s: float = defaults.DRAIN_S
     otlp_endpoint: str | None = None
     """Export request traces over OTLP/HTTP to this collector (``telemetry.tracing``); None: no tracing."""
+    status_host: str = defaults.STATUS_HOST
+    status_port: int = 0
 
 
 class _HeartbeatTap:
@@ -105,7 +111,27 @@ def cluster_snapshot(router: ClusterRouter, endpoint: RouterEndpoint) -> dict[st
     }
 
 
-async def run_router(options: RouterOptions, on_ready: Callable[[str, str], None] = lambda h, w: None) -> None:
+def router_status(router: ClusterRouter) -> dict[str, Any]:
+    """What the status listener answers: the residency index (hex keys by worker and tier, and the object tier's),
+    the live workers' epochs, the requests in flight and those waiting in the router queues, and the counters."""
+    local, shared = router.state.index.holdings()
+    return {
+        "index": {
+            "workers": {
+                wid: {tier: sorted(k.hex() for k in keys) for tier, keys in tiers.items()}
+                for wid, tiers in sorted(local.items())
+            },
+            "object": sorted(k.hex() for k in shared),
+            "forgotten": router.state.index.forgotten,
+        },
+        "live_workers": {wid: v.heartbeat.epoch for wid, v in sorted(router.state.views.items())},
+        "requests": sorted(router.state.requests),
+        "queued": sorted(rid for queue in router.state.queues.values() for rid in queue),
+        "counters": dict(router.state.counters),
+    }
+
+
+async def run_router(options: RouterOptions, on_ready: Callable[[str, str, str], None] = lambda h, w, s: None) -> None:
     """Serve until SIGINT/SIGTERM, then drain and stop (see the module contract)."""
     loaded = {}
     for source in options.model_sources:
@@ -133,16 +159,19 @@ async def run_router(options: RouterOptions, on_ready: Callable[[str, str], None
     app.add_api_route("/cluster", lambda: cluster_snapshot(router, endpoint), methods=["GET"])
     router.start()
     sock: socket.socket | None = None
+    status = StatusServer(lambda: router_status(router), options.status_host, options.status_port)
 
     def ready(port: int) -> None:
-        on_ready(f"http://{options.host}:{port}", endpoint.url)
+        on_ready(f"http://{options.host}:{port}", endpoint.url, status.url)
         log.info("router: HTTP on http://%s:%d, workers on %s", options.host, port, endpoint.url)
 
     try:
+        await status.start()
         await endpoint.start(_HeartbeatTap(router, catalog), registry_liveness(router))
         sock = listen(options.host, options.port)
         await serve_until_stopped(app, sock, router, options.drain_s, ready)
     finally:
+        await status.close()
         await endpoint.close()
         await stack.close()
         if sock is not None:

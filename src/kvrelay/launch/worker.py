@@ -5,8 +5,8 @@ Contract:
   (``transport.worker_endpoint``), authenticated with the shared secret. When
   a link drops, the controller moves to a new epoch (``on_disconnect``), so
   every assignment of the old epoch is fenced and its pages come back once the
-  step in flight has finished. ``on_ready(worker_id, epoch, model)`` is called
-  once the model is loaded and the links are starting.
+  step in flight has finished. ``on_ready(worker_id, epoch, model, status_url)``
+  is called once the model is loaded and the links are starting.
 - Graceful shutdown on SIGINT/SIGTERM: the controller declines every new offer
   (``shutting_down``); running work gets ``grace_s`` to finish; what is still
   running then is handed over (a ``cancelled`` Result with the tokens so far,
@@ -16,6 +16,10 @@ Contract:
 - Every time the controller's reservations drop to none, the controller logs
   "holds no reservations", so an operator (or a test) can see a fenced
   assignment's pages come back.
+- A read-only status listener (``launch/status.py``, on ``status_host``,
+  127.0.0.1 by default) shows the worker's epoch, its reservations and runs,
+  and for a native worker its pages and the chunk keys each local tier holds
+  (``worker_status``).
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ import logging
 import signal
 from collections.abc import Callable, Sized
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvrelay.core.worker.machine import WorkerState
 from kvrelay.engines.vllm.host import VllmWorker
 from kvrelay.launch import defaults
+from kvrelay.launch.status import StatusServer
 from kvrelay.launch.tracing import start_tracing
 from kvrelay.launch.vllm_worker import VllmSettings, build_vllm_worker
 from kvrelay.launch.worker_assembly import WorkerSettings, build_worker
@@ -74,9 +79,42 @@ class WorkerOptions:
     grace_s: float = defaults.GRACE_S
     otlp_endpoint: str | None = None
     """Export each attempt's spans over OTLP/HTTP to this collector (a native worker; None: no tracing)."""
+    status_host: str = defaults.STATUS_HOST
+    status_port: int = 0
 
 
-async def run_worker(options: WorkerOptions, on_ready: Callable[[str, int, str], None] = lambda w, e, m: None) -> None:
+def worker_status(host: WorkerController | VllmWorker, endpoint: WorkerEndpoint) -> dict[str, Any]:
+    """What the status listener answers: epoch, reservations, runs and the routers linked; for a native worker also
+    its pages and the hex chunk keys of each local tier (gpu: the page pool's prefix index; ram and ssd: the chunk
+    store's)."""
+    status: dict[str, Any] = {
+        "worker_id": host.worker_id,
+        "epoch": host.epoch,
+        "reservations": len(host.state.slots),
+        "runs": len(host.runs),
+        "routers": endpoint.connected(),
+        "endpoint_counters": dict(endpoint.counters),
+    }
+    if isinstance(host, WorkerController):
+        pool = host.pool
+        status["pages"] = {
+            "total": pool.num_pages,
+            "free": pool.num_free,
+            "cached": pool.num_cached,
+            "referenced": pool.num_referenced,
+            "reserved": pool.num_reserved,
+        }
+        keys = {"gpu": sorted(k.hex() for k in pool.resident_keys())}
+        stack = getattr(host.restorer, "stack", None)
+        if stack is not None:
+            keys.update({tier.name: sorted(k.hex() for k in tier.keys()) for tier in stack.local_tiers})
+        status["keys"] = keys
+    return status
+
+
+async def run_worker(
+    options: WorkerOptions, on_ready: Callable[[str, int, str, str], None] = lambda w, e, m, s: None
+) -> None:
     """Serve until SIGINT/SIGTERM, then drain (see the module contract)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -100,8 +138,10 @@ async def run_worker(options: WorkerOptions, on_ready: Callable[[str, int, str],
     host.publish = endpoint.publish
     if isinstance(options.settings, VllmSettings):
         vllm.start()
+    status = StatusServer(lambda: worker_status(host, endpoint), options.status_host, options.status_port)
+    await status.start()
     await endpoint.start()
-    on_ready(host.worker_id, host.epoch, name)
+    on_ready(host.worker_id, host.epoch, name, status.url)
     log.info(
         "worker %s (epoch %d) serves %s; routers: %s", host.worker_id, host.epoch, name, ", ".join(options.router_urls)
     )
@@ -110,6 +150,7 @@ async def run_worker(options: WorkerOptions, on_ready: Callable[[str, int, str],
         await drain(host, endpoint, options.grace_s)
     finally:
         await endpoint.close()
+        await status.close()
         if isinstance(options.settings, VllmSettings):
             await vllm.aclose()
         else:

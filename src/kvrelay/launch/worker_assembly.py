@@ -86,6 +86,8 @@ class StoreSpec:
     s3_endpoint: str | None = None
     s3_bucket: str | None = None
     s3_prefix: str = defaults.S3_PREFIX
+    peer_host: str = defaults.PEER_HOST
+    """The address the peer server listens on (another host's worker must be able to reach it)."""
 
     def object_tier(self, on_residency: Callable[[ResidencyEvent], None]) -> ChunkTier | None:
         """The object tier: S3 when an endpoint and bucket are given, else a shared directory, else none."""
@@ -170,6 +172,6 @@ def attach_store(store: StoreSpec, controller: WorkerController, kv: KVPages, fi
     controller.restore_bytes_per_s = {
         t: r for t, r in INITIAL_RESTORE_RATES.items() if t != "object" or stack.object_tier is not None
     }
-    peer = PeerServer(stack.local_tiers)
+    peer = PeerServer(stack.local_tiers, host=store.peer_host)
     controller.peer_url = peer.url
     return peer

@@ -115,6 +115,10 @@ class PagePool:
     def num_evictable(self) -> int:
         return self.num_cached
 
+    def resident_keys(self) -> list[bytes]:
+        """Keys of every chunk the prefix index holds (the gpu tier's residency)."""
+        return list(self._chunks)
+
     def resident_prefix(self, chain: Sequence[bytes]) -> list[tuple[int, ...]]:
         """Pages of the longest resident prefix of ``chain`` (one tuple per chunk)."""
         out: list[tuple[int, ...]] = []

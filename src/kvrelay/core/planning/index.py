@@ -17,6 +17,7 @@ by identity.
 Contract:
 - after ``store(w, tier, keys)``, ``lookup`` reports ``tier`` for ``w`` on each key;
 - after ``remove`` it does not; after ``drop_worker(w)`` nothing of ``w`` remains;
+- ``keys_of(w, tier)`` and ``holdings()`` list what ``lookup`` would report;
 - ``len(index) <= max_keys`` always.
 """
 
@@ -159,6 +160,30 @@ class ResidencyIndex:
     def holders(self, value: int) -> list[tuple[str, int]]:
         """``(worker_id, local tier bits)`` for every worker holding the key."""
         return [(wid, bits) for wid, s in self._slots.items() if (bits := (value >> (4 * (s + 1))) & LOCAL_MASK)]
+
+    def keys_of(self, worker_id: str, tier: str) -> list[bytes]:
+        """The keys the index lists for ``worker_id`` on local ``tier``, sorted (the same whatever the hash seed)."""
+        bit = TIER_BITS.get(tier, 0) & LOCAL_MASK
+        s = self._slots.get(worker_id)
+        if not bit or s is None:
+            return []
+        shift, entries = 4 * (s + 1), self._entries
+        return sorted(key for key in self._worker_keys[worker_id] if (entries.get(key, 0) >> shift) & bit)
+
+    def holdings(self) -> tuple[dict[str, dict[str, list[bytes]]], list[bytes]]:
+        """Everything the index holds: per worker, its keys by local tier name; and the object tier's keys."""
+        names = [(name, bit) for name, bit in TIER_BITS.items() if bit & LOCAL_MASK]
+        local: dict[str, dict[str, list[bytes]]] = {wid: {name: [] for name, _ in names} for wid in self._slots}
+        shared: list[bytes] = []
+        for key, value in self._entries.items():
+            if value & OBJECT:
+                shared.append(key)
+            for wid, s in self._slots.items():
+                bits = (value >> (4 * (s + 1))) & LOCAL_MASK
+                for name, bit in names:
+                    if bits & bit:
+                        local[wid][name].append(key)
+        return local, shared
 
     @property
     def slots(self) -> dict[str, int]:
