@@ -178,3 +178,48 @@ def test_host_staging_budget_waits_or_skips(
         assert a.pool.num_referenced == 0, "pages pinned for a capture are unpinned when it ends"
 
     run(model_dir, body)
+
+
+def test_checkpoints_never_wait_on_the_object_tier_on_the_event_loop(model_dir: Path, tmp_path: Path) -> None:
+    """An object tier that does not answer (a listener that never replies) stalls only the checkpoint thread: the
+    event loop, whose heartbeats keep the worker alive at its router, keeps turning."""
+    import socket
+    import time
+
+    from kvrelay.store.ram import RamTier
+    from kvrelay.store.s3 import S3Tier
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+
+    async def body(a: WorkerHarness) -> None:
+        client = S3Tier.make_client(endpoint, connect_timeout_s=1.0, read_timeout_s=1.0)
+        stack = TierStack(ram=RamTier(1 << 30), object_tier=S3Tier(client, "silent-bucket"))
+        with_store(a, stack)
+        longest = 0.0
+        done = asyncio.Event()
+
+        async def watch() -> None:
+            nonlocal longest
+            while not done.is_set():
+                before = time.monotonic()
+                await asyncio.sleep(0.01)
+                longest = max(longest, time.monotonic() - before)
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        _, replies = a.offer("r", PROMPT, 4)
+        await replies.wait_for(Result)
+        await a.quiesce()
+        assert a.controller.checkpointer is not None
+        await a.controller.checkpointer.drain(60)
+        done.set()
+        await watcher
+        assert a.controller.checkpointer.counters["failed"] == 2  # both chunks: the object tier never answered
+        assert longest < 0.5, f"the event loop stalled for {longest:.2f} s"
+
+    try:
+        run(model_dir, body)
+    finally:
+        silent.close()

@@ -414,6 +414,11 @@ class FenceAwareHost(ScriptedHost):
     def __init__(self, worker_id: str) -> None:
         super().__init__(worker_id, new_epoch_on_disconnect=False)
         self.fenced: list[int] = []
+        self.snapshots: list[int] = []
+
+    def residency_snapshot(self) -> list[Residency]:
+        self.snapshots.append(self.epoch)
+        return []
 
     def on_fenced(self, fenced: Fenced) -> None:
         if fenced.epoch == self.epoch:
@@ -434,6 +439,7 @@ def test_a_worker_linking_again_in_a_fenced_epoch_is_told_so_and_comes_back_in_a
         await side.wait_route("w0", 2, timeout_s=2.0)  # well before its next periodic heartbeat
         assert host.fenced == [1] and side.endpoint.counters["fenced_notices"] == 1
         assert second.counters["fenced_notices"] == 1
+        assert host.snapshots == [1, 1, 2]  # each new link, and the new epoch, start with what the worker holds
         assert list((await side.submit("r", max_new=3).outcome()).tokens) == expected(3)
         assert host.offers[-1].epoch == 2
         await second.close()

@@ -22,6 +22,19 @@ def test_replica_records_become_queryable_replica_facts(tmp_path: Path) -> None:
     assert replicas.get(keys[1], []) == []
 
 
+def test_the_replica_map_of_a_fresh_database_is_empty(fact_db_url: str) -> None:
+    """SQLite reports a missing table as an OperationalError, PostgreSQL as a ProgrammingError: both mean empty."""
+    import sqlalchemy as sa
+
+    from kvrelay.facts.replica_map import ReplicaMap
+
+    engine = sa.create_engine(fact_db_url)
+    try:
+        assert len(ReplicaMap.load(engine)) == 0
+    finally:
+        engine.dispose()
+
+
 def test_the_replica_map_loads_live_replicas_and_follows_the_routers_records(tmp_path: Path) -> None:
     from kvrelay.facts.replica_map import ReplicaMap
 

@@ -299,3 +299,27 @@ def test_reuse_figures_count_what_was_held_what_the_route_took_and_what_the_work
     figures = reuse_figures(d.state.counters)
     assert figures.delivered_tokens == 4 * 64 == sum(d.results["r2"][0].outcome.usage.cached_tokens.values())
     assert (figures.captured_share, figures.delivered_share) == (0.5, 0.4)
+
+
+def test_a_residency_snapshot_makes_the_index_list_exactly_what_the_worker_holds() -> None:
+    """A restarted worker whose chunk directory was wiped: the replica facts of its old epoch name ssd chunks it
+    no longer has; its snapshot on reconnect removes them from the index and records their removal."""
+    from kvrelay.core.router.events import ReplicasKnown
+
+    d = two_workers()
+    d.message(heartbeat("w0", epoch=2, seq=1))
+    d.feed(ReplicasKnown(d.now, tuple((k, "ssd", "w0") for k in CHAIN[:4])))
+    d.residency("w0", "gpu", CHAIN[:2], epoch=2, seq=1)
+    assert d.state.index.keys_of("w0", "ssd") == sorted(CHAIN[:4])
+    d.effects.clear()
+    snapshot = Residency(worker_id="w0", epoch=2, seq=2, tier="ssd", stored=CHAIN[3:5], replace=True)
+    d.message(snapshot)
+    assert sorted(d.state.index.keys_of("w0", "ssd")) == sorted(CHAIN[3:5])
+    assert d.state.index.keys_of("w0", "gpu") == sorted(CHAIN[:2])  # other tiers untouched
+    (rec,) = [e for e in d.effects if isinstance(e, Record) and e.kind == "replica"]
+    assert rec.data == {"worker_id": "w0", "tier": "ssd", "stored": CHAIN[4:5], "removed": tuple(sorted(CHAIN[:3]))}
+    d.message(Residency(worker_id="w0", epoch=2, seq=3, tier="ssd", stored=CHAIN[6:7]))  # a later part adds
+    d.message(Residency(worker_id="w0", epoch=2, seq=4, tier="gpu", replace=True))  # an empty tier
+    assert sorted(d.state.index.keys_of("w0", "ssd")) == sorted(CHAIN[3:5] + CHAIN[6:7])
+    assert d.state.index.keys_of("w0", "gpu") == []
+    assert d.state.counters["residency_snapshots"] == 2

@@ -294,3 +294,44 @@ def test_put_refuses_a_malformed_or_truncated_blob(tmp_path: Path, tier_kind: st
     with pytest.raises(ChunkCorrupt, match="declares"):
         tier.put(chunk(0)[:-1])
     assert tier.keys() == []
+
+
+FULL_DISK_CHILD = """
+import json, resource, signal, sys
+from pathlib import Path
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))  # the kernel refuses every file write past 512 bytes
+from tests.unit.test_tiers import FP, KEYS, Recorder, chunk, make_ssd
+from kvrelay.store.files import SharedDirTier
+from kvrelay.store.ram import RamTier
+from kvrelay.store.tier_stack import TierStack
+tmp = Path(sys.argv[1])
+ssd = make_ssd(tmp, Recorder())
+stack = TierStack(RamTier(1 << 20), ssd, None)
+hit = stack.fetch(KEYS[6], FP, remotes=[SharedDirTier(tmp / "shared")])
+print(json.dumps({
+    "put": stack.put(chunk(0)),
+    "localized": hit is not None and hit.tier,
+    "residency": stack.residency(KEYS[6]),
+    "errors": ssd.counters().errors,
+    "files": sorted(p.name for p in (tmp / "ssd").iterdir()),
+}))
+"""
+
+
+def test_a_disk_that_refuses_writes_costs_the_ssd_copy_only(tmp_path: Path) -> None:
+    """Written through the ssd tier of a full disk (the kernel refusing every write past 512 bytes), a chunk stays
+    in ram and the write goes on; a chunk localized from elsewhere is kept in ram; nothing raises, no file stays."""
+    import json
+    import subprocess
+    import sys
+
+    make_shared(tmp_path, Recorder()).put(chunk(6))
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_CHILD, str(tmp_path)], capture_output=True, text=True, cwd=root, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out == {"put": ["ram"], "localized": "object", "residency": ["ram"], "errors": 2, "files": []}
+    assert "cannot write chunk" in done.stderr

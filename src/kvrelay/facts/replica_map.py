@@ -37,12 +37,11 @@ class ReplicaMap:
         """Every live replica of the store (an empty map when the schema does not exist yet)."""
         out = cls()
         statement = sa.select(replicas.c.key, replicas.c.tier, replicas.c.location).where(LIVE_REPLICA)
-        try:
-            with engine.connect() as conn:
-                for key, tier, location in conn.execute(statement):
-                    out.add(bytes(key), tier, location)
-        except sa.exc.OperationalError:
-            pass  # a fresh database: the writer creates the schema
+        with engine.connect() as conn:
+            if not sa.inspect(conn).has_table(replicas.name):
+                return out  # a fresh database: the writer creates the schema
+            for key, tier, location in conn.execute(statement):
+                out.add(bytes(key), tier, location)
         return out
 
     def __len__(self) -> int:

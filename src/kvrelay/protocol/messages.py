@@ -223,7 +223,13 @@ class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
 
 
 class Residency(Message, frozen=True, kw_only=True, tag="residency"):
-    """Worker -> router: chunk keys stored on / removed from one tier of one worker."""
+    """Worker -> router: chunk keys stored on / removed from one tier of one worker.
+
+    With ``replace``, ``stored`` is everything the tier holds now (the first
+    part of a snapshot; later parts of it add keys without ``replace``): the
+    router forgets the worker's other keys on that tier. A worker sends a
+    snapshot of each tier when a link to a router comes up.
+    """
 
     worker_id: ShortStr
     epoch: NonNegInt
@@ -232,6 +238,7 @@ class Residency(Message, frozen=True, kw_only=True, tag="residency"):
     model: ShortStr = ""
     stored: tuple[ChunkKey, ...] = ()
     removed: tuple[ChunkKey, ...] = ()
+    replace: bool = False
 
 
 class Fenced(Message, frozen=True, kw_only=True, tag="fenced"):

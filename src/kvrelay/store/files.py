@@ -5,11 +5,14 @@ temporary file in the same directory (``.<key hex>.<random>.tmp``), are fsynced,
 and the file is renamed onto its final name with ``os.replace`` (then the
 directory is fsynced). A writer killed at any point leaves at most a temporary
 file, which no reader opens; ``SsdTier`` deletes leftovers when it starts.
-Reads map the file (``mmap``, read-only) and verify it in place.
+Reads map the file (``mmap``, read-only) and verify it in place. A write the file
+system refuses (a full disk) stores nothing and raises nothing: ``put`` returns
+False and counts an error.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import tempfile
@@ -22,9 +25,12 @@ from kvrelay.store.chunk_format import ChunkView, decode_whole_header
 from kvrelay.store.tier import (
     ChunkTier,
     CorruptionListener,
+    Counters,
     LruIndex,
     ResidencyListener,
 )
+
+log = logging.getLogger(__name__)
 
 CHUNK_SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
@@ -59,6 +65,19 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_or_refuse(tier: str, counters: Counters, directory: Path, key: bytes, blob: Any, fsync: bool) -> bool:
+    """``write_chunk_file``, or False when the file system refuses it (full, read-only, failing): logged and
+    counted in ``counters.errors``, so a full disk costs this copy only, never the write through the other tiers
+    or a restore that was going to read the chunk back."""
+    try:
+        write_chunk_file(directory, key, blob, fsync)
+    except OSError as exc:
+        counters.add(errors=1)
+        log.warning("the %s tier cannot write chunk %s into %s: %s; not stored", tier, key.hex(), directory, exc)
+        return False
+    return True
 
 
 def write_chunk_file(directory: Path, key: bytes, blob: Any, fsync: bool = True) -> Path:
@@ -172,7 +191,8 @@ class SsdTier(ChunkTier):
                 return False
             if not self._index.fits(size):
                 return False
-        write_chunk_file(self.directory, key, blob, self._fsync)
+        if not write_or_refuse(self.name, self._counters, self.directory, key, blob, self._fsync):
+            return False
         with self._lock:
             self._counters.add(bytes_written=size, chunks_written=1)
             if key in self._index:
@@ -258,7 +278,8 @@ class SharedDirTier(ChunkTier):
         key = decode_whole_header(blob).key
         if self.path_for(key).exists():
             return False
-        write_chunk_file(self.directory, key, blob, self._fsync)
+        if not write_or_refuse(self.name, self._counters, self.directory, key, blob, self._fsync):
+            return False
         size = memoryview(blob).nbytes
         with self._lock:
             self._counters.add(bytes_written=size, chunks_written=1)

@@ -1,7 +1,8 @@
 """A worker's stack of chunk tiers: write-through ram, then ssd, then object (each optional).
 
-- ``put`` writes a chunk through every configured tier, fastest first (an error
-  from a tier propagates; tiers before it keep the chunk).
+- ``put`` writes a chunk through every configured tier, fastest first (a file
+  tier that cannot write, e.g. a full disk, stores nothing and the others go on;
+  any other error from a tier propagates, and tiers before it keep the chunk).
 - ``get`` looks the chunk up fastest first and says which tier answered.
 - ``localize`` brings a chunk from a slower source (the object tier, or a peer
   the router named) into the local ssd tier and returns it read back through

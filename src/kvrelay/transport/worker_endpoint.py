@@ -7,8 +7,11 @@ Contract:
   by a ``random.Random(seed)``, so a test run is reproducible. A refused
   handshake (HTTP 401/403) is logged as an error and retried the same way.
 - On every new connection the link sends ``host.heartbeat()`` at once, then
-  every ``heartbeat_interval_s``; each heartbeat is built by the host (fresh
-  observations, next seq), so several routers see one growing sequence.
+  the host's ``residency_snapshot()`` messages (if it defines it: what each
+  of its tiers holds, so the router's index starts from the truth), then a
+  heartbeat every ``heartbeat_interval_s``; each heartbeat is built by the
+  host (fresh observations, next seq), so several routers see one growing
+  sequence.
 - Offers addressed to this worker go to ``host.on_offer(offer, reply)``, where
   ``reply`` writes OfferResult / Delta / Result back on the very connection the
   offer came from; cancels go to ``host.on_cancel``. Offers for another
@@ -25,8 +28,9 @@ Contract:
   epoch (and drop the work of the old one) before its next heartbeat. A router
   that refuses a heartbeat of a fenced epoch on a live connection answers with a
   ``Fenced`` notice, which goes to ``host.on_fenced`` (if it defines it); the
-  link then sends ``host.heartbeat()`` at once, so the new epoch is routed
-  without waiting for the next period. Epochs
+  link then sends ``host.heartbeat()`` and the residency snapshot at once, so
+  the new epoch is routed, from the truth, without waiting for the next
+  period. Epochs
   are per worker, not per router: with several routers, a new epoch also makes
   the others fence the old one (and re-route its work) at its next heartbeat.
 - Every frame is encoded by ``protocol.codec.encode``: a message holding a
@@ -71,7 +75,9 @@ class WorkerHost(Protocol):
     A host may also define ``on_disconnect(router_url: str) -> None``; the
     endpoint calls it, when present, each time a connection to a router ends,
     and ``on_fenced(fenced: Fenced) -> None``, called with a router's notice
-    that it fenced an epoch of this worker (see the module contract on epochs).
+    that it fenced an epoch of this worker (see the module contract on epochs);
+    and ``residency_snapshot() -> list[Residency]``, sent on each new
+    connection after the first heartbeat.
     """
 
     worker_id: str
@@ -255,10 +261,18 @@ class WorkerEndpoint:
                 self._call_host(on_disconnect, url)
             self.count("disconnected")
 
+    def _announce(self, link: _Link) -> None:
+        """A heartbeat of the current epoch, then the host's residency snapshot (if it defines one)."""
+        self._call_host(lambda: link.send(self._host.heartbeat()))
+        snapshot = getattr(self._host, "residency_snapshot", None)
+        if snapshot is not None:
+            self._call_host(lambda: [link.send(message) for message in snapshot()])
+
     async def _heartbeat_forever(self, link: _Link) -> None:
+        self._announce(link)
         while True:
-            self._call_host(lambda: link.send(self._host.heartbeat()))
             await asyncio.sleep(self.heartbeat_interval_s)
+            self._call_host(lambda: link.send(self._host.heartbeat()))
 
     def _on_frame(self, link: _Link, frame: bytes | str) -> None:
         item = read_frame(frame, self.max_frame_bytes)
@@ -279,7 +293,7 @@ class WorkerEndpoint:
                 if on_fenced is None:
                     return
                 self._call_host(on_fenced, item)
-                self._call_host(lambda: link.send(self._host.heartbeat()))  # the new epoch, announced at once
+                self._announce(link)  # the new epoch and what the worker holds, at once
             case Malformed(reason=reason):
                 self.count(reason)
             case Extension():

@@ -64,6 +64,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SNAPSHOT_KEYS = 8192
+"""Chunk keys per part of a residency snapshot (about 150 KB on the wire)."""
+
 
 class WorkerController:
     def __init__(
@@ -208,6 +211,36 @@ class WorkerController:
             if run.handle is not None:
                 run.handle.cancel()
         return len(running)
+
+    def residency_snapshot(self) -> list[Residency]:
+        """Everything each local tier (gpu, ram, ssd) holds now, as snapshot messages (``Residency.replace``).
+
+        The transport sends them on a link that just came up, right after the first heartbeat of the epoch, so
+        the router's index lists exactly what this worker holds: chunks cached before a lost connection stay
+        routable, and what a restart lost (a wiped chunk directory) is forgotten. A tier's keys go in parts of
+        ``SNAPSHOT_KEYS``; the first part replaces, the rest add.
+        """
+        tiers: list[tuple[Tier, list[bytes]]] = [("gpu", self.pool.resident_keys())]
+        stack = getattr(self.restorer, "stack", None)
+        if stack is not None:
+            tiers += [(tier.name, tier.keys()) for tier in stack.local_tiers]
+        out = []
+        for tier_name, keys in tiers:
+            for start in range(0, max(len(keys), 1), SNAPSHOT_KEYS):
+                self._residency_seq += 1
+                part = tuple(keys[start : start + SNAPSHOT_KEYS])
+                out.append(
+                    Residency(
+                        worker_id=self.worker_id,
+                        epoch=self.epoch,
+                        seq=self._residency_seq,
+                        tier=tier_name,
+                        model=self.me.model,
+                        stored=part,
+                        replace=start == 0,
+                    )
+                )
+        return out
 
     def publish_residency(self, stored: tuple[bytes, ...], removed: tuple[bytes, ...], tier: Tier = "gpu") -> None:
         """One Residency message per change of a tier (the pool's gpu callback; lower tiers via the loop)."""

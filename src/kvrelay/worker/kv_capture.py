@@ -3,10 +3,13 @@
 Contract (all methods on the event loop's thread):
 
 - ``capture(key, pages)`` is called right after a chunk was registered in the
-  pool. Unless a tier already holds the key, it pins the chunk's pages (one
-  reference, so they cannot be evicted or reused while copied), and on a worker
-  thread gathers them into a host staging tensor, encodes the stored form and
-  writes it through the stack (ram, then ssd, then object, each optional).
+  pool. Unless a local tier (ram, ssd: in-memory lookups) already holds the
+  key, it pins the chunk's pages (one reference, so they cannot be evicted or
+  reused while copied), and on a worker thread asks the object tier whether it
+  holds the key (a network request: never on the loop, whose heartbeats keep
+  the worker alive), else gathers the pages into a host staging tensor, encodes
+  the stored form and writes it through the stack (ram, then ssd, then object,
+  each optional).
   When the copy is done the pages are unpinned and the chunk is marked durable
   in the pool (evicted first from now on).
 - Host staging holds at most ``budget_bytes``. When a capture does not fit it
@@ -58,7 +61,7 @@ class Checkpointer:
         self.counters = {"captured": 0, "skipped_full": 0, "already_stored": 0, "failed": 0}
 
     def capture(self, key: bytes, pages: Sequence[int]) -> None:
-        if any(tier.contains(key) for tier in self.stack.tiers):
+        if any(tier.contains(key) for tier in self.stack.local_tiers):
             self.counters["already_stored"] += 1
             self.pool.mark_durable(key)
             return
@@ -91,18 +94,24 @@ class Checkpointer:
         future = loop.run_in_executor(self._executor, self._save, key, pages)
         future.add_done_callback(lambda f: self._finish(key, pages, size, f))
 
-    def _save(self, key: bytes, pages: tuple[int, ...]) -> tuple[str, ...]:
+    def _save(self, key: bytes, pages: tuple[int, ...]) -> tuple[str, ...] | None:
+        """The tiers that newly stored the chunk, or None when the object tier already held it."""
+        shared = self.stack.object_tier
+        if shared is not None and shared.contains(key):
+            return None
         staging = gather_chunk(self.kv, pages)
         return self.stack.put(encode_chunk(key, self.fingerprint, staging))
 
-    def _finish(self, key: bytes, pages: tuple[int, ...], size: int, future: asyncio.Future[tuple[str, ...]]) -> None:
+    def _finish(
+        self, key: bytes, pages: tuple[int, ...], size: int, future: asyncio.Future[tuple[str, ...] | None]
+    ) -> None:
         self.staged_bytes -= size
         self.pool.unref(pages)
         if future.exception() is not None:
             self.counters["failed"] += 1
             log.warning("checkpoint of chunk %s failed: %s", key.hex(), future.exception())
         else:
-            self.counters["captured"] += 1
+            self.counters["captured" if future.result() is not None else "already_stored"] += 1
             self.pool.mark_durable(key)
         while self._waiting:
             next_key, next_pages = self._waiting[0]

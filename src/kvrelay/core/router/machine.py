@@ -313,27 +313,37 @@ def _on_heartbeat(state: RouterState, hb: Heartbeat, now: float, fx: Effects) ->
 
 
 def _on_residency(state: RouterState, msg: Residency, now: float, fx: Effects) -> None:
-    """Follow a worker's residency in the index; durable tiers (ssd, object) also become replica facts."""
+    """Follow a worker's residency in the index; durable tiers (ssd, object) also become replica facts.
+
+    A snapshot (``replace``) makes the index list exactly its keys for that worker and tier: what the index held
+    beyond them (from before a restart, or from stale replica facts) is removed, and recorded as removed."""
     entry = state.registry.live_entry(msg.worker_id)
     last = state.residency_seq.get(msg.worker_id, (-1, -1))
     if entry is None or msg.epoch != entry.epoch or (msg.epoch, msg.seq) <= last:
         state.count("stale_residency")
         return
     state.residency_seq[msg.worker_id] = (msg.epoch, msg.seq)
-    if msg.stored:
-        state.index.store(msg.worker_id, msg.tier, msg.stored)
-        if msg.tier == "gpu":
-            state.pending.settle(msg.worker_id, msg.stored)
-    if msg.removed:
-        state.index.remove(msg.worker_id, msg.tier, msg.removed)
-    if msg.tier in ("ssd", "object"):
+    stored, removed = msg.stored, msg.removed
+    if msg.replace:
+        state.count("residency_snapshots")
+        held = state.index.keys_of(msg.worker_id, msg.tier)
+        known, now_held = set(held), set(stored)
+        stored = tuple(k for k in stored if k not in known)
+        removed = tuple(k for k in held if k not in now_held)
+    if stored:
+        state.index.store(msg.worker_id, msg.tier, stored)
+    if msg.stored and msg.tier == "gpu":
+        state.pending.settle(msg.worker_id, msg.stored)
+    if removed:
+        state.index.remove(msg.worker_id, msg.tier, removed)
+    if msg.tier in ("ssd", "object") and (stored or removed):
         fx.append(
             Record(
                 RecordKind.REPLICA,
                 "",
                 0,
                 now,
-                {"worker_id": msg.worker_id, "tier": msg.tier, "stored": msg.stored, "removed": msg.removed},
+                {"worker_id": msg.worker_id, "tier": msg.tier, "stored": stored, "removed": removed},
             )
         )
 
