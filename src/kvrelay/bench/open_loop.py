@@ -4,7 +4,8 @@ answers, each one's fate recorded at the client.
 ``open_loop(base_url, model, prompts, at_s, max_tokens)`` sends streaming
 completion ``i`` at ``at_s[i]`` seconds after the start, whatever the earlier
 ones are doing, and returns one ``Answer`` per prompt once every one has ended:
-the first token's time, or the HTTP status of a refusal with its
+the first token's time (of the first chunk with text, or of the last chunk
+when no token had text), or the HTTP status of a refusal with its
 ``Retry-After`` header and OpenAI error body, or the error text of anything
 else. ``closed_loop_rate`` measures what the server sustains: completions per
 second with ``concurrency`` requests always in flight. Times are
@@ -50,6 +51,8 @@ async def _one(client: Any, model: str, prompt: Sequence[int], max_tokens: int, 
                     answer.first_token = time.monotonic()
                 if choice.finish_reason:
                     answer.finish_reason = choice.finish_reason
+                    if answer.first_token is None:  # no token had text: the end is the first output
+                        answer.first_token = time.monotonic()
         answer.status = 200
     except openai.APIStatusError as exc:
         answer.status, answer.error_body = exc.status_code, exc.body
