@@ -105,3 +105,16 @@ def test_a_cancelled_waiting_request_leaves_the_queue() -> None:
     (result,) = d.results["r"]
     assert result.outcome.finish_reason == "cancelled" and d.state.queued() == 0
     assert not offers(d.message(heartbeat("w0", seq=2, queue_delay_s=0.0)))
+
+
+def test_a_declined_request_comes_back_to_a_full_queue_first_and_is_never_refused() -> None:
+    d = Driver(RouterConfig(queue=Limits(start_within_s=0.0, max_requests=1)))
+    d.message(heartbeat("w0"))
+    (first,) = offers(arrive(d, "first"))  # w0 is idle: it goes at once
+    assert not offers(arrive(d, "second"))  # w0 now holds work: it waits, and the queue is full
+    arrive(d, "third")
+    assert d.results["third"][0].outcome.failure is not None
+    assert not offers(d.decline(first, "no_capacity"))  # back in the full queue, not refused
+    assert "first" not in d.results and d.state.queued() == 2
+    (again,) = offers(d.message(heartbeat("w0", seq=2)))
+    assert again.offer.assignment.request_id == "first" and again.offer.assignment.attempt == 2
