@@ -28,12 +28,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
+from kvrelay.core.router.events import Outcome, Record
 from kvrelay.core.router.reuse import reuse_figures
 from kvrelay.core.router.state import RouterState
-from kvrelay.dashboard.tap import ClusterTap, Mark, MarkKind, Trail
+from kvrelay.dashboard.tap import ClusterTap, DeltaRun, Mark, MarkKind, Trail
 from kvrelay.facts.explain import explain_lines, format_route, format_terms, offer_text, why_lost
 from kvrelay.facts.queries import DecisionRow
-from kvrelay.protocol.messages import CACHE_TIERS
+from kvrelay.protocol.messages import CACHE_TIERS, Offer, Result
 
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
 
@@ -155,21 +158,47 @@ def cluster_state(state: RouterState, tap: ClusterTap, recent: int = 40) -> dict
     }
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def describe(mark: Mark, trail: Trail) -> str:
+    """What happened at ``mark``, in words."""
+    subject = mark.subject
+    match mark.kind, subject:
+        case MarkKind.ARRIVED, _:
+            return f"arrived: {trail.prompt_tokens} prompt tokens, model {trail.model}"
+        case MarkKind.OFFERED, Offer():
+            route = format_route(msgspec.to_builtins(subject.route))
+            return f"offered to {mark.worker_id} (epoch {subject.epoch}): {route}"
+        case MarkKind.RESTORE, Result(timings=timings, usage=usage):
+            cached = ", ".join(f"{tier} {n}" for tier, n in sorted(usage.cached_tokens.items()) if n) or "none"
+            return (
+                f"restore on {mark.worker_id}: {_ms(timings.restore_s)} (cached {cached}; recomputed "
+                f"{usage.recomputed_tokens}); queue {_ms(timings.queue_s)}, prefill {_ms(timings.prefill_s)}, "
+                f"worker TTFT {_ms(timings.ttft_s)}"
+            )
+        case MarkKind.FIRST_TOKEN, _:
+            return f"first token from {mark.worker_id}"
+        case MarkKind.DELTAS, DeltaRun(messages=messages, tokens=tokens):
+            return f"{messages} delta message(s), {tokens} token(s) from {mark.worker_id}, the last one here"
+        case MarkKind.ENDED, Outcome():
+            error = f": {subject.error}" if subject.error else ""
+            return (
+                f"ended {subject.finish_reason} after {subject.attempts} attempt(s), "
+                f"{len(subject.tokens)} tokens{error}"
+            )
+        case _, Record(data=data):
+            reason = data.get("reason")
+            return f"{mark.kind.replace('_', ' ')} by {mark.worker_id}" + (f" ({reason})" if reason else "")
+    return str(mark.kind)
+
+
 def _timeline(trail: Trail) -> list[Mark]:
     marks = list(trail.marks)
     for attempt, run in sorted(trail.deltas.items()):
-        marks.append(
-            Mark(run.first_t, attempt, MarkKind.FIRST_TOKEN, run.worker_id, f"first token from {run.worker_id}")
-        )
-        marks.append(
-            Mark(
-                run.last_t,
-                attempt,
-                MarkKind.DELTAS,
-                run.worker_id,
-                f"{run.messages} delta message(s), {run.tokens} token(s) from {run.worker_id}, the last one here",
-            )
-        )
+        marks.append(Mark(run.first_t, attempt, MarkKind.FIRST_TOKEN, run.worker_id, run))
+        marks.append(Mark(run.last_t, attempt, MarkKind.DELTAS, run.worker_id, run))
     late = {MarkKind.FIRST_TOKEN: 1, MarkKind.DELTAS: 2, MarkKind.ENDED: 3}
     return sorted(marks, key=lambda m: (m.t, late.get(m.kind, 0)))
 
@@ -189,7 +218,7 @@ def request_detail(tap: ClusterTap, request_id: str) -> dict[str, Any] | None:
                 "attempt": m.attempt,
                 "kind": str(m.kind),
                 "worker_id": m.worker_id,
-                "text": m.text,
+                "text": describe(m, trail),
             }
             for m in _timeline(trail)
         ],

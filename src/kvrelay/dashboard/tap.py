@@ -15,8 +15,9 @@ Contract:
   first token and the deltas of each attempt, and the end.
 - The infinite-cache bound: at arrival, a request's bound is the tokens of the
   longest prefix of its routable chunk chain whose keys were seen before in any
-  request's prompt (chain keys hash their prefix, so those keys form a prefix);
-  then its keys count as seen. At most ``max_seen_keys`` keys are remembered
+  request's prompt (chain keys hash their prefix, so those keys form a prefix;
+  the tap uses ``prefix_ids``, a cheaper hash with the same prefix property,
+  unless the request carries its chain); then its keys count as seen. At most ``max_seen_keys`` keys are remembered
   (the oldest forgotten first), so past that the bound is a lower bound.
 - Totals over ended requests: prompt tokens, tokens served from any cache tier,
   bound tokens; and every measured TTFT with its end time, the last
@@ -27,11 +28,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-
-import msgspec
 
 from kvrelay.core.router.events import (
     DeliverResult,
@@ -45,10 +44,9 @@ from kvrelay.core.router.events import (
     SendOffer,
 )
 from kvrelay.core.router.state import RouterState
-from kvrelay.facts.explain import format_route
 from kvrelay.facts.queries import RequestHistory
 from kvrelay.facts.record_history import history_from_records
-from kvrelay.protocol.chunk_keys import cacheable_chunks, prompt_chain
+from kvrelay.protocol.chunk_keys import cacheable_chunks
 from kvrelay.protocol.messages import CACHE_TIERS, Delta, Heartbeat, Result
 
 KEEP_REQUESTS = 256
@@ -74,14 +72,15 @@ class MarkKind(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Mark:
-    """``kind`` at router time ``t`` of ``attempt`` (0: the request as a whole) on ``worker_id``; ``text`` says
-    what happened."""
+    """``kind`` at router time ``t`` of ``attempt`` (0: the request as a whole) on ``worker_id``; ``subject`` is
+    what the router saw (the ``Offer``, the offer-outcome ``Record``, the worker's ``Result``, the ``Outcome``, a
+    ``DeltaRun``; None for the arrival), put into words only when the page asks (``snapshot.describe``)."""
 
     t: float
     attempt: int
     kind: MarkKind
     worker_id: str
-    text: str
+    subject: object = None
 
 
 @dataclass(slots=True)
@@ -129,8 +128,16 @@ class Totals:
     bound_tokens: int = 0
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.1f} ms"
+def prefix_ids(fingerprint: bytes, prompt: tuple[int, ...], chunk_tokens: int) -> list[int]:
+    """One identity per routable chunk of ``prompt``, each standing for the whole prefix up to that chunk's end
+    under ``fingerprint``, as ``protocol.chunk_keys.prompt_chain``'s keys do, but from Python's tuple hash: a
+    seventh of the cost of the router's content hash, which the tap would otherwise compute a second time per
+    request (64-bit, so two prefixes collide with negligible odds; a statistic, never an address)."""
+    ids, h = [], hash(fingerprint)
+    for i in range(cacheable_chunks(len(prompt), chunk_tokens)):
+        h = hash((h, prompt[i * chunk_tokens : (i + 1) * chunk_tokens]))
+        ids.append(h)
+    return ids
 
 
 class ClusterTap:
@@ -153,7 +160,7 @@ class ClusterTap:
         self.max_seen_keys = max_seen_keys
         self.heartbeat_at: dict[str, float] = {}
         self.trails: OrderedDict[str, Trail] = OrderedDict()
-        self.seen: dict[bytes, None] = {}
+        self.seen: dict[Hashable, None] = {}
         self.totals = Totals()
         self.ttfts: deque[tuple[float, float]] = deque()
 
@@ -182,14 +189,9 @@ class ClusterTap:
         for effect in effects:
             match effect:
                 case SendOffer(worker_id=wid, offer=offer):
-                    self._mark(
-                        offer.assignment.request_id,
-                        MarkKind.OFFERED,
-                        offer.assignment.attempt,
-                        wid,
-                        f"offered to {wid} (epoch {offer.epoch}): {format_route(msgspec.to_builtins(offer.route))}",
-                        event.now,
-                    )
+                    trail = self.trails.get(offer.assignment.request_id)
+                    if trail is not None:
+                        trail.marks.append(Mark(event.now, offer.assignment.attempt, MarkKind.OFFERED, wid, offer))
                 case Record(kind=RecordKind.REPLICA):
                     pass
                 case Record() as record:
@@ -206,7 +208,7 @@ class ClusterTap:
             return
         trail = Trail(rid, model, len(prompt), now, self.wall())
         trail.bound_tokens = self._bound(rid, prompt, chain)
-        trail.marks.append(Mark(now, 0, MarkKind.ARRIVED, "", f"arrived: {len(prompt)} prompt tokens, model {model}"))
+        trail.marks.append(Mark(now, 0, MarkKind.ARRIVED, ""))
         self.trails[rid] = trail
         self.trails.move_to_end(rid)
         while len(self.trails) > self.keep_requests:
@@ -215,13 +217,14 @@ class ClusterTap:
     def _bound(self, rid: str, prompt: tuple[int, ...], chain: tuple[bytes, ...] | None) -> int:
         state = self.state()
         chunk_tokens = state.config.chunk_tokens
+        keys: Sequence[Hashable]
         if chain is not None:
             keys = chain[: cacheable_chunks(len(prompt), chunk_tokens)]
         else:
             rs = state.requests.get(rid)
             if rs is None:
                 return 0
-            keys = prompt_chain(rs.fingerprint, prompt, chunk_tokens)
+            keys = prefix_ids(rs.fingerprint, prompt, chunk_tokens)
         held = 0
         while held < len(keys) and keys[held] in self.seen:
             held += 1
@@ -231,22 +234,16 @@ class ClusterTap:
             del self.seen[next(iter(self.seen))]
         return held * chunk_tokens
 
-    def _mark(self, rid: str, kind: MarkKind, attempt: int, worker_id: str, text: str, t: float) -> None:
-        trail = self.trails.get(rid)
-        if trail is not None:
-            trail.marks.append(Mark(t, attempt, kind, worker_id, text))
-
     def _record(self, record: Record) -> None:
         trail = self.trails.get(record.request_id)
         if trail is None:
             return
         trail.records.append(record)
         if record.kind == RecordKind.OFFER_OUTCOME:
-            wid, outcome, reason = record.data["worker_id"], record.data["outcome"], record.data.get("reason")
+            outcome = record.data["outcome"]
             if outcome == MarkKind.ACCEPTED:
                 trail.accepted_at[record.attempt] = record.now
-            text = f"{str(outcome).replace('_', ' ')} by {wid}" + (f" ({reason})" if reason else "")
-            trail.marks.append(Mark(record.now, record.attempt, MarkKind(outcome), wid, text))
+            trail.marks.append(Mark(record.now, record.attempt, MarkKind(outcome), record.data["worker_id"], record))
 
     def _delta(self, now: float, delta: Delta) -> None:
         trail = self.trails.get(delta.assignment.request_id)
@@ -264,34 +261,17 @@ class ClusterTap:
         trail = self.trails.get(rid)
         if trail is None:
             return
-        timings, usage = result.timings, result.usage
-        cached = ", ".join(f"{tier} {n}" for tier, n in sorted(usage.cached_tokens.items()) if n) or "none"
-        text = (
-            f"restore on {result.worker_id}: {_ms(timings.restore_s)} (cached {cached}; recomputed "
-            f"{usage.recomputed_tokens}); queue {_ms(timings.queue_s)}, prefill {_ms(timings.prefill_s)}, "
-            f"worker TTFT {_ms(timings.ttft_s)}"
-        )
         accepted, run = trail.accepted_at.get(attempt), trail.deltas.get(attempt)
-        at = now if accepted is None else min(now, accepted + timings.queue_s)
+        at = now if accepted is None else min(now, accepted + result.timings.queue_s)
         at = at if run is None else min(at, run.first_t)
-        trail.marks.append(Mark(at, attempt, MarkKind.RESTORE, result.worker_id, text))
+        trail.marks.append(Mark(at, attempt, MarkKind.RESTORE, result.worker_id, result))
 
     def _ended(self, now: float, rid: str, outcome: Outcome) -> None:
         trail = self.trails.get(rid)
         if trail is None or trail.outcome is not None:
             return
         trail.outcome = outcome
-        error = f": {outcome.error}" if outcome.error else ""
-        trail.marks.append(
-            Mark(
-                now,
-                0,
-                MarkKind.ENDED,
-                "",
-                f"ended {outcome.finish_reason} after {outcome.attempts} attempt(s), "
-                f"{len(outcome.tokens)} tokens{error}",
-            )
-        )
+        trail.marks.append(Mark(now, 0, MarkKind.ENDED, "", outcome))
         self.totals.requests += 1
         self.totals.prompt_tokens += trail.prompt_tokens
         self.totals.cached_tokens += sum(n for tier, n in outcome.usage.cached_tokens.items() if tier in CACHE_TIERS)
