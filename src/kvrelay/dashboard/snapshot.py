@@ -21,7 +21,8 @@ Contract (plain JSON-ready dicts; times in seconds, ``*_ms`` in milliseconds):
   arrival; each attempt's first token and deltas),
   its decisions, and ``explain``: the lines ``kvrelay explain`` prints for it
   (``facts.explain.explain_lines``, from the same records the store gets); None
-  for a request the tap no longer holds.
+  for a request the tap no longer holds. ``stored_detail(history)``: such a
+  request from the fact store, in the same shape, without a timeline.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from kvrelay.core.router.reuse import reuse_figures
 from kvrelay.core.router.state import RouterState
 from kvrelay.dashboard.tap import ClusterTap, DeltaRun, Mark, MarkKind, Trail
 from kvrelay.facts.explain import explain_lines, format_route, format_terms, offer_text, why_lost
-from kvrelay.facts.queries import DecisionRow
+from kvrelay.facts.queries import DecisionRow, RequestHistory
 from kvrelay.protocol.messages import CACHE_TIERS, Offer, Result
 
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
@@ -223,4 +224,31 @@ def request_detail(tap: ClusterTap, request_id: str) -> dict[str, Any] | None:
             for m in _timeline(trail)
         ],
         "explain": [] if history is None else explain_lines(history),
+        "from_store": False,
+    }
+
+
+def stored_detail(history: RequestHistory) -> dict[str, Any]:
+    """A request the tap no longer holds, from the fact store: its decisions, its outcome and what
+    ``kvrelay explain`` prints; no timeline (the store keeps decisions, not marks) and ``from_store`` set."""
+    outcome = history.outcome
+    first = history.decisions[0] if history.decisions else None
+    return {
+        "request_id": history.request_id,
+        "model": None if first is None else first.model,
+        "arrived": None,
+        "prompt_tokens": None,
+        "bound_tokens": None,
+        "decisions": [decision_view(d) for d in history.decisions],
+        "finish_reason": None if outcome is None else outcome.finish_reason,
+        "attempts": None if outcome is None else outcome.attempts,
+        "ttft_ms": None if outcome is None or outcome.ttft_s is None else outcome.ttft_s * 1000,
+        "cached_tokens": None
+        if outcome is None
+        else sum(n for tier, n in outcome.cached_tokens.items() if tier in CACHE_TIERS),
+        "generated_tokens": None if outcome is None else outcome.generated_tokens,
+        "error": None if outcome is None else outcome.error,
+        "timeline": [],
+        "explain": explain_lines(history),
+        "from_store": True,
     }

@@ -123,4 +123,4 @@ def build_router_stack(
     metrics.registry.register(FactStoreCollector(facts))
     ingress = Ingress(router, models, metrics, serving, max_body_bytes, tracing)
     app = create_app(ingress)
-    return RouterStack(router, facts, replicas, metrics, ingress, app, add_dashboard(app, router))
+    return RouterStack(router, facts, replicas, metrics, ingress, app, add_dashboard(app, router, facts.reader))

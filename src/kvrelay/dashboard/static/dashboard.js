@@ -135,7 +135,10 @@ function renderRequests(requests) {
 
 async function fetchJSON(url) {
   const response = await fetch(url, { cache: "no-store" });
-  if (!response.ok) throw new Error(`${url}: HTTP ${response.status}`);
+  if (!response.ok) {
+    const body = await response.json().catch(() => null);
+    throw new Error(body && body.error ? body.error.message : `${url}: HTTP ${response.status}`);
+  }
   return response.json();
 }
 
@@ -150,7 +153,7 @@ async function renderDetail() {
     body.hidden = true;
     const empty = document.getElementById("detail-empty");
     empty.hidden = false;
-    empty.textContent = `Request ${selected} is no longer held by this router; \`kvrelay explain ${selected}\` reads the fact store.`;
+    empty.textContent = `Request ${selected}: ${err.message}`;
     return;
   }
   body.hidden = false;
@@ -158,6 +161,13 @@ async function renderDetail() {
     el("div", {}, el("strong", { class: "rid", id: "detail-id" }, detail.request_id), " ", endText(detail)),
     el("div", { class: "muted" }, `${detail.model}, ${count(detail.prompt_tokens)} prompt tokens, ` +
       `${count(detail.generated_tokens)} generated, attempts ${detail.attempts === null ? dash : detail.attempts}`));
+  if (detail.from_store) {
+    document.querySelector("#timeline tbody").replaceChildren(el("tr", { "data-kind": "none" },
+      el("td", { colspan: "4", class: "muted" },
+        "This router no longer holds this request's timeline; its decisions and outcome below come from the fact store.")));
+    setText("explain", detail.explain.join("\n"));
+    return;
+  }
   document.querySelector("#timeline tbody").replaceChildren(...detail.timeline.map((m) =>
     el("tr", { class: "k-" + m.kind, "data-kind": m.kind },
       el("td", {}, m.offset_ms.toFixed(1)),
