@@ -11,7 +11,7 @@ import msgspec
 from kvrelay.core.router.events import Outcome, Request
 from kvrelay.core.router.machine import RouterConfig, new_router
 from kvrelay.dashboard.snapshot import cluster_state, request_detail
-from kvrelay.dashboard.tap import ClusterTap
+from kvrelay.dashboard.tap import ClusterTap, prefix_ids
 from kvrelay.facts.explain import explain_lines
 from kvrelay.facts.queries import FactReader
 from kvrelay.facts.sink import record_sink
@@ -124,3 +124,13 @@ def test_tap_follows_attempts_bound_hits_and_explains_as_the_store_does(tmp_path
         assert stored is not None
         assert detail["explain"] == explain_lines(stored)
     store.engine.dispose()
+
+
+def test_prefix_ids_stand_for_whole_prefixes_under_a_fingerprint() -> None:
+    base = tuple(range(300))
+    fork = base[:128] + tuple(range(1000, 1172))
+    ids, forked = prefix_ids(b"m", base, 64), prefix_ids(b"m", fork, 64)
+    assert len(ids) == 4 and len(forked) == 4
+    assert ids[:2] == forked[:2] and all(a != b for a, b in zip(ids[2:], forked[2:]))
+    assert not set(prefix_ids(b"other", base, 64)) & set(ids)
+    assert prefix_ids(b"m", base[:65], 64) == ids[:1] and prefix_ids(b"m", base[:64], 64) == []
