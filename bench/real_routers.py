@@ -155,13 +155,14 @@ async def replay_setup(name: str, start: Any, home: Path, model: str, prompts: l
         await warm_up(face.url, model)
         cached0 = scrape(started.metrics_urls)
         run0, wait0 = face.sched_seconds()
+        cpu0 = face.cpu_seconds()
         clock = time.perf_counter()
         measured = await replay(face.url, model, prompts, timeout_s)
         elapsed = time.perf_counter() - clock
         run1, wait1 = face.sched_seconds()
         cached = scrape(started.metrics_urls) - cached0
         counters = _router_counters(face.url) if name in KVRELAY_POLICIES else {}
-        cpu = {role: round(seconds, 1) for role, seconds in face.cpu_seconds().items()}
+        cpu = {role: round(seconds - cpu0.get(role, 0.0), 1) for role, seconds in face.cpu_seconds().items()}
     except BaseException:
         print(f"  {name} failed; logs: {face.logs()}", flush=True)
         raise
@@ -173,7 +174,7 @@ async def replay_setup(name: str, start: Any, home: Path, model: str, prompts: l
     errors = sum(m.error is not None for m in measured)
     print(
         f"  {name}: {len(prompts)} requests in {elapsed:.1f} s, {errors} errors, engine-cached {cached:.0f} tokens, "
-        f"workers' CPU availability {availability:.2f}; CPU s by process {cpu}; {routing}",
+        f"workers' CPU availability {availability:.2f}; CPU s during the replay by process {cpu}; {routing}",
         flush=True,
     )
     return Replay(name, measured, availability, cached, routing)
@@ -328,7 +329,7 @@ def _vllm_version() -> str:
     from kvrelay.launch.vllm_server import vllm_python
 
     found = sorted(Path(vllm_python()).parents[1].glob("lib/python*/site-packages/vllm*.dist-info"))
-    return found[0].name.split("-")[1] if found else "(version unknown)"
+    return found[0].name.removesuffix(".dist-info").split("-")[1] if found else "(version unknown)"
 
 
 def _slice_note(prompts: list[TracePrompt], scaling: Scaling) -> str:

@@ -58,16 +58,14 @@ def best_other(
     phase: Phase, attr: str, summaries: Mapping[str, Summary] | None = None
 ) -> tuple[str, float, float, float]:
     """The other setup with the lowest ``attr`` (a TTFT percentile): its name, its value over kvrelay's, and the
-    least and largest of that ratio over single rounds (each round: the best other setup in that round)."""
+    least and largest of that ratio over single rounds (that setup's round i against kvrelay's round i)."""
     summaries = summaries or phase.summaries()
     others = {n: getattr(s, attr) for n, s in summaries.items() if n != SUBJECT}
     name = min(others, key=lambda n: others[n])
     pooled = others[name] / getattr(summaries[SUBJECT], attr)
     rounds = []
-    for i, mine in enumerate(phase.replays[SUBJECT]):
-        own = getattr(summarize([mine.measured]), attr)
-        theirs = [getattr(summarize([runs[i].measured]), attr) for n, runs in phase.replays.items() if n != SUBJECT]
-        rounds.append(min(theirs) / own)
+    for mine, theirs in zip(phase.replays[SUBJECT], phase.replays[name], strict=False):
+        rounds.append(getattr(summarize([theirs.measured]), attr) / getattr(summarize([mine.measured]), attr))
     return name, pooled, float(np.min(rounds)), float(np.max(rounds))
 
 
