@@ -35,6 +35,21 @@ def test_the_replica_map_of_a_fresh_database_is_empty(fact_db_url: str) -> None:
         engine.dispose()
 
 
+def test_the_replica_map_of_a_sqlite_file_in_a_directory_not_made_yet_is_empty(tmp_path: Path) -> None:
+    """A router on a fresh data directory starts: the writer makes the directory, the file and the schema later."""
+    import sqlalchemy as sa
+
+    from kvrelay.facts.replica_map import ReplicaMap
+
+    missing = tmp_path / "not-yet" / "facts.sqlite3"
+    engine = sa.create_engine(f"sqlite:///{missing}")
+    try:
+        assert len(ReplicaMap.load(engine)) == 0
+    finally:
+        engine.dispose()
+    assert not missing.parent.exists()
+
+
 def test_the_replica_map_loads_live_replicas_and_follows_the_routers_records(tmp_path: Path) -> None:
     from kvrelay.facts.replica_map import ReplicaMap
 

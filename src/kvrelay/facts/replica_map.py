@@ -23,6 +23,7 @@ from collections.abc import Iterable
 import sqlalchemy as sa
 
 from kvrelay.core.router.events import Replica
+from kvrelay.facts.engine import sqlite_path
 from kvrelay.facts.schema import LIVE_REPLICA, replicas
 
 
@@ -34,8 +35,12 @@ class ReplicaMap:
 
     @classmethod
     def load(cls, engine: sa.Engine) -> ReplicaMap:
-        """Every live replica of the store (an empty map when the schema does not exist yet)."""
+        """Every live replica of the store (an empty map when the schema, or the SQLite file and its directory,
+        does not exist yet)."""
         out = cls()
+        path = sqlite_path(engine)
+        if path is not None and not path.exists():
+            return out  # a fresh data directory: the writer creates it, the file and the schema
         statement = sa.select(replicas.c.key, replicas.c.tier, replicas.c.location).where(LIVE_REPLICA)
         with engine.connect() as conn:
             if not sa.inspect(conn).has_table(replicas.name):
