@@ -334,10 +334,10 @@ class Ingress:
         finally:
             if not finished:
                 self.router.cancel(rid)
+                self.series.disconnects.inc()
             if span is not None:
                 span.set_attribute("kvrelay.completed", finished)
                 span.end()
-                self.series.disconnects.inc()
 
 
 def _encode(model: ServedModel, text: str, special: bool, param: str) -> list[int]:
