@@ -90,11 +90,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("gemma3", tmp_path_factory.mktemp("tiny") / "tiny-gemma3", max_position_embeddings=8192)
 
 
-def test_followers_of_a_long_prefill_reuse_it_and_start_sooner(model: Path, tmp_path: Path) -> None:
+def test_followers_of_a_long_prefill_reuse_it(model: Path, tmp_path: Path) -> None:
     on = burst(tmp_path / "on", model, predict=True)
     off = burst(tmp_path / "off", model, predict=False)
     print(f"predict on route: {on}\nwithout: {off}")
     assert [cached for _, cached in on[1:]] == [46 * 64] * 4
     # Without, a follower shares only what became resident before its admission (after a re-route, say).
     assert sum(cached for _, cached in off[1:]) < 4 * 46 * 64
-    assert sum(t for t, _ in on[1:]) < sum(t for t, _ in off[1:])
+    # How much sooner they start is a benchmark's figure (bench/predict_on_route.py), not asserted: on a shared
+    # machine the followers' TTFT follows the load, and a loaded run had the sums reversed (3.62 against 3.27 s).
