@@ -166,19 +166,23 @@ def test_killed_engine_streams_complete_and_its_restart_clears_the_routers_belie
 ) -> None:
     router, workers = vllm_cluster
     model, victim = vllm_model.name, vllm_engines[0]
+    # Two prefixes resident on v0's engine only: the streams start with the first, so the router sends them
+    # there by residency; the second is for after the restart, which must have cleared the router's belief in it.
+    lead = [29 + (i * 7) % 270 for i in range(4 * BLOCK)]
     prefix = [23 + (i * 11) % 280 for i in range(4 * BLOCK)]
-    direct_completion(victim, [*prefix, 5], 1)  # a prefix resident on v0's engine only
+    direct_completion(victim, [*lead, 5], 1)
+    direct_completion(victim, [*prefix, 5], 1)
     settle(router, "v0")
     wait_until(lambda: not router.cluster()["requests"] or None, 30, "no request in flight")
     epoch_before = router.live_workers()["v0"]["epoch"]
     retries_before = router.cluster()["router_counters"].get("retries", 0)
-    # 101 + 1,500 tokens are 26 of an engine's 64 blocks: long enough to be cut, and both streams fit one engine,
-    # so the survivor can take both continuations at once wherever the router first put them.
+    # 357 + 1,500 tokens are 30 of an engine's 64 blocks: long enough to be cut, and both streams fit one
+    # engine, so the survivor can take both continuations at once.
     budget, streams = 1500, 2
     results: dict[int, dict[str, Any]] = {}
 
     def consume(i: int) -> None:
-        chunks = list(stream_completion(router.http_url, model, [100 + i, *range(30, 130)], budget))
+        chunks = list(stream_completion(router.http_url, model, [*lead, 100 + i, *range(30, 130)], budget))
         choices = [c for c in chunks if c.get("choices")]
         results[i] = {"last": chunks[-1], "usage": chunks[-1].get("usage"), "finish": choices[-1] if choices else None}
 
