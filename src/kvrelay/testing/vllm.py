@@ -53,9 +53,12 @@ def tiny_vllm_spec(model_dir: Path, blocks: int = 64, python: str | None = None)
 
 
 @contextmanager
-def started_vllm_servers(specs: Sequence[VllmServerSpec], log_dir: Path) -> Iterator[list[VllmServer]]:
-    """Start every server at once, wait until all are ready, yield them, stop them all (see the module docstring)."""
-    servers = [VllmServer(spec, log_dir / f"vllm-{spec.port}.log") for spec in specs]
+def started_vllm_servers(
+    specs: Sequence[VllmServerSpec], log_dir: Path, env: dict[str, str] | None = None
+) -> Iterator[list[VllmServer]]:
+    """Start every server at once (in ``env``, default this process's), wait until all are ready, yield them,
+    stop them all (see the module docstring)."""
+    servers = [VllmServer(spec, log_dir / f"vllm-{spec.port}.log", env=env) for spec in specs]
     try:
         for server in servers:
             server.start()

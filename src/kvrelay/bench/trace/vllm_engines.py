@@ -32,7 +32,7 @@ import httpx
 from kvrelay.bench.trace.faces import Face, kvrelay_argv, process_env, spawn
 from kvrelay.launch.vllm_server import VllmServer
 from kvrelay.testing.ports import free_port
-from kvrelay.testing.vllm import READY_TIMEOUT_S, tiny_vllm_spec
+from kvrelay.testing.vllm import started_vllm_servers, tiny_vllm_spec
 from kvrelay.transport.auth import SECRET_ENV_VAR
 
 
@@ -41,16 +41,8 @@ def shared_engines(model_dir: Path, count: int, blocks: int, log_dir: Path) -> I
     """Start ``count`` vLLM servers at once, yield them when all are ready, stop them all (module contract)."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     specs = [replace(tiny_vllm_spec(model_dir, blocks), served_name=model_dir.name) for _ in range(count)]
-    servers = [VllmServer(spec, log_dir / f"vllm-{spec.port}.log", env=env) for spec in specs]
-    try:
-        for server in servers:
-            server.start()
-        for server in servers:
-            server.wait_ready(READY_TIMEOUT_S)
+    with started_vllm_servers(specs, log_dir, env) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def empty_caches(engines: Sequence[VllmServer], limit_s: float = 60.0) -> None:
