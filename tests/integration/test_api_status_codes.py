@@ -78,3 +78,23 @@ def test_a_full_router_queue_is_a_429_with_retry_after(tokenizer) -> None:  # ty
     error = r.json()["error"]
     assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
     assert "1 requests are waiting" in error["message"]
+
+
+def test_a_model_whose_workers_have_not_registered_yet_is_a_503_with_retry_after(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """After a router (re)start the router has loaded the model but no worker has announced it: the client is told
+    to retry, not that the model does not exist; a model the router never loaded is still a 404."""
+    router = ClusterRouter(new_router(), lambda w, m: None)
+    app = create_app(Ingress(router, {}, Metrics(), lambda name: False, awaited={"m"}))
+
+    async def call() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvrelay") as c:
+            body = {"prompt": "hello", "max_tokens": 4}
+            return (
+                await c.post("/v1/completions", json={"model": "m", **body}),
+                await c.post("/v1/completions", json={"model": "other", **body}),
+            )
+
+    awaited, unknown = asyncio.run(call())
+    assert awaited.status_code == 503 and awaited.headers["Retry-After"] == "2"
+    assert "no worker registered yet" in awaited.json()["error"]["message"]
+    assert unknown.status_code == 404 and "is not served" in unknown.json()["error"]["message"]

@@ -14,6 +14,9 @@ It never depends on the model runtime: it submits protocol requests to a
   router knows the request by ``rid`` (``new_request_id()``: ``kv-`` and 20 hex
   digits), which the HTTP response's ``id`` carries, so a client's id names the
   request in the fact store (``kvrelay explain``).
+- A request for a model no worker has announced is a 404 naming the served models, unless the model is
+  ``awaited`` (the router loaded it and its workers have not registered yet, as after a router restart):
+  then a 503 with ``Retry-After``.
 - ``generate(p, rid, traceparent)`` continues the client's W3C trace context when it parses
   (``protocol.trace_context``; else it is ignored): with tracing on (``tracing``), an ``ingress`` span of
   the request's whole life is a child of it and the router's and workers' spans are the span's children;
@@ -26,7 +29,7 @@ import asyncio
 import hashlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -97,6 +100,8 @@ PREPARE_THREADS = 4
 """Threads that decode, template and tokenize request bodies, off the event loop."""
 PROBE_CHARS_PER_TOKEN = 8
 CUT_SLACK = 64
+AWAITED_RETRY_S = 2
+"""Seconds a client is told to wait (``Retry-After``) when its model's workers have not registered yet."""
 
 
 def new_request_id() -> str:
@@ -115,6 +120,7 @@ class Ingress:
         serving: Callable[[str], bool],
         max_body_bytes: int | None = None,
         tracing: Tracing | None = None,
+        awaited: Collection[str] = (),
     ) -> None:
         self.router = router
         self.tracing = tracing
@@ -122,6 +128,8 @@ class Ingress:
         self.metrics = metrics
         self.serving = serving
         """Whether at least one live worker serves a model now."""
+        self.awaited = awaited
+        """Models this router can tokenize that no worker has announced yet (after a start or restart)."""
         self.max_body_bytes = max_body_bytes
         """The bound on a request body's bytes; None: ``api.body.body_limit`` of the served models' contexts."""
         self.series = IngressSeries.register(metrics.registry)
@@ -154,6 +162,16 @@ class Ingress:
 
     def model(self, name: str) -> ServedModel:
         served = self.models.get(name)
+        if served is None and name in self.awaited:
+            raise APIError(
+                503,
+                f"model '{name}' has no worker registered yet: workers register within seconds of a router start; "
+                f"retry after {AWAITED_RETRY_S} s",
+                "service_unavailable",
+                "model",
+                "no_worker",
+                {"Retry-After": str(AWAITED_RETRY_S)},
+            )
         if served is None:
             raise APIError(
                 404,

@@ -48,7 +48,7 @@ STATUS_TEXT = {
     413: "the body, or the prompt with max_tokens, is larger than the model's context or any worker's KV",
     429: "the router queue is full; the Retry-After header says in how many seconds to retry",
     500: "the request failed inside the server",
-    503: "no live worker serves the model",
+    503: "no live worker serves the model now (after a router start, none registered yet: see Retry-After)",
 }
 
 

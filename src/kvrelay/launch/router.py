@@ -148,6 +148,7 @@ async def run_router(options: RouterOptions, on_ready: Callable[[str, str, str],
         models=catalog.served,
         max_body_bytes=options.max_body_bytes,
         tracing=tracing,
+        awaited=catalog.loaded.keys(),
     )
     router = stack.router
     stack.metrics.gauge(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -97,6 +97,7 @@ def build_router_stack(
     worker_pages: bool = True,
     max_body_bytes: int | None = None,
     tracing: Tracing | None = None,
+    awaited: Collection[str] = (),
 ) -> RouterStack:
     """Open the fact store and wire router, metrics, ingress and app (see the module contract)."""
     facts = FactStore(db_url)
@@ -121,6 +122,6 @@ def build_router_stack(
         "every router counter",
     )
     metrics.registry.register(FactStoreCollector(facts))
-    ingress = Ingress(router, models, metrics, serving, max_body_bytes, tracing)
+    ingress = Ingress(router, models, metrics, serving, max_body_bytes, tracing, awaited)
     app = create_app(ingress)
     return RouterStack(router, facts, replicas, metrics, ingress, app, add_dashboard(app, router, facts.reader))
