@@ -229,6 +229,46 @@ def test_work_weight_prefers_the_start_that_leaves_device_time_to_others() -> No
     assert weighted.score_s == pytest.approx(0.541 + 0.5 * 1e-3)
 
 
+def test_work_is_priced_at_the_fleet_rate_so_a_slow_idle_worker_is_not_charged_its_slowness_twice() -> None:
+    # w0 is slow (2.5 ms per token) and idle: 513 * 2.5 ms + 20 ms = 1.3025 s to the first token.
+    # w1 is fast (1 ms per token) behind a 0.9 s queue: 0.9 + 0.513 + 0.02 = 1.433 s.
+    # Priced at each worker's own rate, a work weight of 1 adds 1.2825 s to w0 and 0.513 s to w1, and the later
+    # start wins; at the fleet's rate (2 / (400 + 1000 tokens/s)) both add the same, and the earlier start wins.
+    workers = [idle_heartbeat("w0", prefill_s_per_token=2.5e-3), idle_heartbeat("w1", queue_delay_s=0.9)]
+    views = [
+        predicted_ttft.WorkerView(hb, predicted_ttft.WorkerLoad(), predicted_ttft.reported_fingerprints(hb))
+        for hb in workers
+    ]
+    roster = Roster()
+    for v in views:
+        roster.put(v)
+    price = roster.work_s_per_token()
+    assert price == pytest.approx(2 / 1400)
+
+    def best(scoring: predicted_ttft.Scoring) -> predicted_ttft.Candidate:
+        c = cand.plan("m", len(PROMPT), 4, CHAIN, b"m", 64, views, ResidencyIndex(), scoring=scoring).best()
+        assert c is not None
+        pruned = plan_pruned("m", len(PROMPT), 4, CHAIN, b"m", 64, roster, ResidencyIndex(), scoring=scoring).best()
+        assert pruned == c
+        return c
+
+    own_rate = best(predicted_ttft.Scoring(work_weight=1.0))
+    assert own_rate.worker_id == "w1" and own_rate.score_s == pytest.approx(1.433 + 0.513)
+    fleet_rate = best(predicted_ttft.Scoring(work_weight=1.0, work_s_per_token=price))
+    assert fleet_rate.worker_id == "w0"
+    assert fleet_rate.predicted_ttft_s == pytest.approx(1.3025)
+    assert fleet_rate.score_s == pytest.approx(1.3025 + 513 * price)
+
+
+def test_router_prices_work_at_the_fleet_rate() -> None:
+    # The same two workers behind kvrelay's policy: one of two is busy, so the work weight is 2 * 0.5 = 1.
+    d = Driver()
+    d.message(idle_heartbeat("w0", prefill_s_per_token=2.5e-3))
+    d.message(idle_heartbeat("w1", queue_delay_s=0.9))
+    (offer,) = offers(d.request("r", PROMPT))
+    assert offer.worker_id == "w0"
+
+
 def test_counted_interleave_sends_a_long_prefill_to_the_idle_worker_without_lanes() -> None:
     # Chunks of 128 tokens: 513 uncached tokens take 5 iterations, so w0 (1 lane, empty queue) runs 4 decode
     # steps between them: 0.513 + 4 * 0.02 + 0.02 = 0.613 s. w1 has no lanes: 0.533 s. w2 has lanes but a

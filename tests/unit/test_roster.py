@@ -64,6 +64,34 @@ def test_busy_share_follows_queues() -> None:
     assert roster.busy_share() == 0.0
 
 
+def test_work_price_is_the_members_mean_rate() -> None:
+    roster = Roster()
+    assert roster.work_s_per_token() == 0.0
+    for wid in ("a", "b", "c"):
+        roster.put(view(wid, prefill_s_per_token=1e-4 / 3))
+    assert roster.work_s_per_token() == 1e-4 / 3  # one rate: that rate exactly, not a mean's rounding of it
+    roster.put(view("d", prefill_s_per_token=2.5e-4))
+    roster.put(view("e", prefill_s_per_token=2.5e-4))
+    roster.put(view("a", prefill_s_per_token=1e-4))
+    roster.put(view("b", prefill_s_per_token=1e-4))
+    roster.put(view("c", prefill_s_per_token=1e-4))
+    # three workers at 10,000 tokens/s and two at 4,000: 38,000 / 5 = 7,600 tokens/s per worker
+    assert roster.work_s_per_token() == pytest.approx(1 / 7600)
+    roster.put(view("f", prefill_s_per_token=0.0))  # a worker that reports no rate yet: no fleet price
+    assert roster.work_s_per_token() == 0.0
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_a_fleet_price_equal_to_the_workers_rate_scores_as_without_one(seed: int) -> None:
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    hb = heartbeat("w", prefill_s_per_token=rng.choice([1e-4, 2.5e-4, 1e-3 / 3, rng.random() * 1e-3]))
+    weight = rng.random() * 2.0
+    own = predicted_ttft.score_per_token(hb, predicted_ttft.Scoring(weight))
+    priced = predicted_ttft.score_per_token(hb, predicted_ttft.Scoring(weight, work_s_per_token=hb.prefill_s_per_token))
+    assert own == priced == hb.prefill_s_per_token * (1.0 + weight)
+
+
 def random_case(
     rng: random.Random,
 ) -> tuple[list[predicted_ttft.WorkerView], ResidencyIndex, set[str], set[tuple[str, str]]]:
@@ -117,7 +145,8 @@ def test_pruned_planning_finds_the_same_best_candidate(seed: int) -> None:
     for v in rng.sample(views, len(views) // 2):  # loads move after the views were placed
         v.load.outstanding_s = rng.random()
         roster.requeue(v)
-    scoring = predicted_ttft.Scoring(rng.choice([0.0, 0.5]), rng.random() < 0.5)
+    price = rng.choice([0.0, roster.work_s_per_token()])
+    scoring = predicted_ttft.Scoring(rng.choice([0.0, 0.5]), rng.random() < 0.5, work_s_per_token=price)
     full = cand.plan("m", len(PROMPT), 16, CHAIN, b"m", 64, views, index, excluded, pairs, 0.0, scoring)
     pruned = plan_pruned("m", len(PROMPT), 16, CHAIN, b"m", 64, roster, index, excluded, pairs, 0.0, scoring)
     assert pruned.best() == full.best()

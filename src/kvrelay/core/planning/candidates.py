@@ -29,6 +29,7 @@ from kvrelay.core.planning.predicted_ttft import (
     lower_load_of,
     make_candidate,
     queue_of,
+    score_per_token,
 )
 from kvrelay.core.planning.routes import Boundary, Run, boundaries_of, walk_route
 from kvrelay.protocol.messages import Heartbeat, RouteSegment
@@ -198,7 +199,7 @@ def _evaluate(
     pt = hb.page_tokens
     available = hb.pages_free + hb.pages_evictable - load.inflight_pages - load.accepted_pages
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
-    per_token = hb.prefill_s_per_token * (1.0 + scoring.work_weight)
+    per_token = score_per_token(hb, scoring)
     fixed = prompt_len * per_token
     decode = hb.decode_s_per_token
     chunk = interleave_chunk(hb, base_queue, scoring)
@@ -226,7 +227,7 @@ def intrinsic_cost(
 ) -> float:
     """The lowest score over ``bounds`` on a worker like ``hb`` without its queue and decode step."""
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
-    per_token = hb.prefill_s_per_token * (1.0 + scoring.work_weight)
+    per_token = score_per_token(hb, scoring)
     best = prompt_len * per_token
     for cached, _, restored, _ in bounds[1:]:
         restore = 0.0

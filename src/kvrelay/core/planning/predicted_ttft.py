@@ -23,10 +23,19 @@ the prefill will meet are known (kvrelay's policy sets it while the cluster is
 calm, ``policies.kvrelay_ttft``).
 
 Candidates are ranked by a score: the predicted TTFT plus ``Scoring.work_weight`` times
-the candidate's prefill seconds. Recomputing occupies the device that every
+the work of the candidate's prefill. Recomputing occupies the device that every
 later request queues behind, which a request's own TTFT does not count; kvrelay's
 policy weighs that work by how busy the cluster is (``policies.kvrelay_ttft``),
 the other policies plan with weight 0, where the score is the predicted TTFT.
+The work is priced per token at the cluster's rate (``Scoring.work_s_per_token``,
+``Roster.work_s_per_token``), not at the candidate worker's: a token computed on a
+slow worker takes no more of the cluster's capacity than one computed on a fast
+worker (the slower prefill is already in the predicted TTFT). Pricing it at the
+worker's own rate charged a slow worker's candidates its slowness twice over,
+so on a mixed fleet the fast workers filled their pages with short prompts and
+the long prompts, which most need them, found room only on slow workers
+(docs/performance.md, "Work on a mixed fleet"). On a fleet of one speed both
+prices are the same number.
 
 Everything here is pure; ``candidates`` plans with it (docs/design.md section 6).
 """
@@ -51,6 +60,9 @@ class Scoring(NamedTuple):
     """Count the decode steps an idle worker with active lanes runs between the chunks of the prefill."""
     pending: bool = False
     """Count the chunks routed requests are computing on a worker as cached there (``planning.pending``)."""
+    work_s_per_token: float = 0.0
+    """What one uncached token of work costs the cluster, in seconds, for the work term; 0: the candidate's
+    own worker's ``prefill_s_per_token`` (see ``score_per_token``)."""
 
 
 PREDICTED_TTFT = Scoring()
@@ -157,6 +169,20 @@ def page_demand(prompt_len: int, max_new: int, gpu_cached_tokens: int, page_toke
     return pages_needed(prompt_len + max_new, page_tokens) - shared + cow
 
 
+def score_per_token(hb: Heartbeat, scoring: Scoring) -> float:
+    """Score seconds per uncached prompt token on a worker like ``hb``: its prefill plus the weighted work.
+
+    With no cluster price, or one equal to the worker's own rate, this is ``prefill_s_per_token * (1 +
+    work_weight)`` exactly (the same float as before the price existed, so a fleet of one speed plans
+    bit for bit as it did).
+    """
+    own = hb.prefill_s_per_token
+    price = scoring.work_s_per_token
+    if price <= 0.0 or price == own:
+        return own * (1.0 + scoring.work_weight)
+    return own + scoring.work_weight * price
+
+
 def interleave_chunk(hb: Heartbeat, base_queue: float, scoring: Scoring) -> int:
     """The prefill chunk between whose iterations decode steps are counted; 0: none are counted.
 
@@ -203,6 +229,11 @@ def make_candidate(
     prefill = (prompt_len - cached) * hb.prefill_s_per_token
     steps = interleaved_steps(prompt_len - cached, interleave_chunk(hb, base_queue, scoring))
     decode = hb.decode_s_per_token + hb.decode_s_per_token * steps
+    price = scoring.work_s_per_token
+    if price <= 0.0 or price == hb.prefill_s_per_token:
+        weighted = prefill * (1.0 + scoring.work_weight)
+    else:
+        weighted = prefill + scoring.work_weight * price * (prompt_len - cached)
     return Candidate(
         worker_id=hb.worker_id,
         epoch=hb.epoch,
@@ -210,5 +241,5 @@ def make_candidate(
         cached_tokens=cached,
         predicted_ttft_s=queue + total_restore + prefill + decode,
         terms=Terms(queue, restore, prefill, decode),
-        score_s=queue + total_restore + prefill * (1.0 + scoring.work_weight) + decode,
+        score_s=queue + total_restore + weighted + decode,
     )

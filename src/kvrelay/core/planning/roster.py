@@ -66,6 +66,19 @@ class Roster:
         """The share of members with a non-empty queue (0 with no members)."""
         return len(self._busy) / len(self._placed) if self._placed else 0.0
 
+    def work_s_per_token(self) -> float:
+        """Prefill seconds per token of the members' mean rate: ``n / sum(1 / prefill_s_per_token)`` (0 with no
+        members, or when a member reports no rate). Adding a token of work anywhere delays the fleet's
+        backlog by about this much per worker, whichever worker computes it (``Scoring.work_s_per_token``).
+        When every member reports the same rate, it is that rate exactly."""
+        rates = [(len(g.views), g.key[2][0]) for g in self.groups.values()]
+        if not rates or any(p <= 0.0 for _, p in rates):
+            return 0.0
+        first = rates[0][1]
+        if all(p == first for _, p in rates):
+            return first
+        return sum(n for n, _ in rates) / sum(n / p for n, p in rates)
+
     def _mark(self, view: predicted_ttft.WorkerView) -> None:
         if predicted_ttft.queue_of(view, 0.0) > 0.0:
             self._busy.add(view.heartbeat.worker_id)
@@ -263,7 +276,7 @@ def plan_pruned(
         if exact and runs:
             intrinsic = cand.intrinsic_cost(first.heartbeat, shared[1], prompt_len, chunk_tokens, scoring)
         else:
-            intrinsic = prompt_len * first.heartbeat.prefill_s_per_token * (1.0 + scoring.work_weight)
+            intrinsic = prompt_len * predicted_ttft.score_per_token(first.heartbeat, scoring)
         for i, (wait, wid) in enumerate(group.order):
             if (wait + intrinsic, wid) > (best, best_id):  # neither this worker nor any after it can win
                 pruned.add(group.order[i:], intrinsic, local_set)

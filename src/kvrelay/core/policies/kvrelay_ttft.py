@@ -8,7 +8,10 @@ adds the candidate's prefill seconds times ``WORK_WEIGHT`` times the share of
 workers with a non-empty queue (``Roster.busy_share``): on an idle cluster the
 score is the predicted TTFT; on a saturated one a restore from a slow tier,
 which runs beside the device, beats a slightly quicker recompute
-(why this weight: docs/performance.md, "Work weight").
+(why this weight: docs/performance.md, "Work weight"). The work is priced per token
+at the fleet's mean prefill rate, not the candidate worker's, so a slow worker is
+not charged its slowness twice (``Scoring.work_s_per_token``; docs/performance.md,
+"Work on a mixed fleet").
 
 While fewer than half the workers have a queue (``CALM_BUSY_SHARE``), a
 candidate on a worker whose queue is empty also counts the decode steps its

@@ -73,7 +73,10 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> bool
         chain = prompt_chain(rs.fingerprint, prompt, config.chunk_tokens)
     policy, busy = state.policy, state.roster.busy_share()
     predicts = policy.predicts_on_route and config.predict_on_route
-    scoring = predicted_ttft.Scoring(policy.work_weight * busy, busy < policy.interleave_below_busy_share, predicts)
+    weight = policy.work_weight * busy
+    scoring = predicted_ttft.Scoring(
+        weight, busy < policy.interleave_below_busy_share, predicts, state.roster.work_s_per_token() if weight else 0.0
+    )
     if policy.needs_all_routes:
         plan = cand.plan(
             request.model,
