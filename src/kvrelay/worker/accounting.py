@@ -1,10 +1,9 @@
-"""What a worker reports of one run (usage and timings) and the speeds it learns from runs, for heartbeats."""
+"""What a worker reports of one run (usage and timings) and the restore rates it learns, for heartbeats."""
 
 from __future__ import annotations
 
 from kvrelay.protocol.messages import Tier, Timings, Usage
 from kvrelay.worker.handlers import RestoreReport, Run
-from kvrelay.worker.runtime.jobs import JobResult
 
 
 def usage_of(run: Run) -> Usage:
@@ -41,17 +40,3 @@ def learn_restore_rates(rates: dict[Tier, float], report: RestoreReport) -> None
         rate = total / report.seconds
         old = rates.get(tier)
         rates[tier] = rate if old is None else 0.8 * old + 0.2 * rate
-
-
-def learned_speeds(run: Run, result: JobResult, prefill_s: float, decode_s: float) -> tuple[float, float]:
-    """The moving averages of prefill and decode seconds per token after one run (a run that replayed
-    delivered tokens as decode steps teaches nothing of prefill)."""
-    uncached = len(run.offer.prompt) - sum(run.cached_tokens.values())
-    replayed = run.handle is not None and run.handle.job.replay > 0
-    if result.first_token_s is not None and result.admitted_s is not None and uncached >= 32 and not replayed:
-        per_token = (result.first_token_s - result.admitted_s) / uncached
-        prefill_s = 0.8 * prefill_s + 0.2 * per_token
-    gaps = [b - a for a, b in zip(run.token_times, run.token_times[1:])]
-    if gaps:
-        decode_s = 0.8 * decode_s + 0.2 * (sum(gaps) / len(gaps))
-    return prefill_s, decode_s

@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, assert_never
 
 from kvrelay.core.worker import machine
+from kvrelay.core.worker.speeds import heartbeat_speeds
 from kvrelay.protocol.chunk_keys import chunk_key, root_key
 from kvrelay.protocol.messages import (
     Assignment,
@@ -50,7 +51,7 @@ from kvrelay.protocol.messages import (
     Tier,
     WireMessage,
 )
-from kvrelay.worker.accounting import learn_restore_rates, learned_speeds, timings_of, usage_of
+from kvrelay.worker.accounting import learn_restore_rates, timings_of, usage_of
 from kvrelay.worker.admission import WorkerIdentity, admit
 from kvrelay.worker.handlers import Reply, RestoreHandler, Run
 from kvrelay.worker.kv_capture import Checkpointer
@@ -78,8 +79,6 @@ class WorkerController:
         restore: RestoreHandler | None = None,
         checkpointer: Checkpointer | None = None,
         publish: Callable[[WireMessage], object] = lambda m: None,
-        prefill_s_per_token: float = 1e-3,
-        decode_s_per_token: float = 0.05,
         restore_bytes_per_s: Mapping[Tier, float] | None = None,
         clock: Callable[[], float] = time.monotonic,
         share_prefill: bool = True,
@@ -97,8 +96,6 @@ class WorkerController:
         self.checkpointer = checkpointer
         self.peer_url = ""
         self.publish = publish
-        self.prefill_s_per_token = prefill_s_per_token
-        self.decode_s_per_token = decode_s_per_token
         self.restore_bytes_per_s = dict(restore_bytes_per_s or {})
         self.clock = clock
         self.share_prefill = share_prefill
@@ -120,8 +117,12 @@ class WorkerController:
     # --- transport-facing host interface ------------------------------------------
 
     def heartbeat(self) -> Heartbeat:
-        """Fresh observations with the next sequence number."""
+        """Fresh observations with the next sequence number; the speeds and the queue delay come from the
+        runtime's forwards (``core.worker.speeds``)."""
         self._seq += 1
+        runtime = self.runtime
+        budget = runtime.policy.token_budget
+        speeds = heartbeat_speeds(runtime.speeds, self.queued_prefill_tokens(), runtime.num_decoding, budget)
         return Heartbeat(
             worker_id=self.worker_id,
             epoch=self.epoch,
@@ -135,17 +136,29 @@ class WorkerController:
             chunk_bytes_by_tier=self._chunk_bytes(),
             page_tokens=self.pool.page_tokens,
             chunk_tokens=self.me.chunk_tokens,
-            queue_delay_s=self._pending_prefill_tokens * self.prefill_s_per_token,
-            active_lanes=self.runtime.num_active,
-            max_lanes=self.runtime.policy.num_lanes,
-            prefill_s_per_token=self.prefill_s_per_token,
-            decode_s_per_token=self.decode_s_per_token,
-            prefill_chunk_tokens=self.runtime.policy.token_budget,
+            queue_delay_s=speeds.queue_delay_s,
+            active_lanes=runtime.num_active,
+            max_lanes=runtime.policy.num_lanes,
+            prefill_s_per_token=speeds.prefill_s_per_token,
+            decode_s_per_token=speeds.decode_s_per_token,
+            prefill_chunk_tokens=budget,
             restore_bytes_per_s=self.restore_bytes_per_s,
             kv_bytes_per_token=self.kv_bytes_per_token,
             context_limit=self.me.context_limit,
             peer_url=self.peer_url,
         )
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens of the accepted runs still to be written: restoring, waiting for a shared chunk, or
+        in the runtime (less what its forwards wrote so far)."""
+        if not self._pending_prefill_tokens:
+            return 0
+        left = 0
+        for run in self.runs.values():
+            if run.queued_tokens:
+                written = run.handle.written if run.handle is not None else 0
+                left += max(0, run.queued_tokens - written)
+        return left
 
     def _chunk_bytes(self) -> dict[Tier, int]:
         """Bytes each local chunk tier holds (ram, ssd), when the worker has a chunk store."""
@@ -439,9 +452,6 @@ class WorkerController:
         self._queue_tokens(run, 0)
         run.kv_end = event.kv_end
         run.finish_reason = event.finish_reason
-        self.prefill_s_per_token, self.decode_s_per_token = learned_speeds(
-            run, event, self.prefill_s_per_token, self.decode_s_per_token
-        )
         if event.finish_reason == FinishReason.CANCELLED and run.fenced:
             self._step(machine.WorkQuiesced(self.clock(), a))
             return

@@ -111,6 +111,8 @@ class JobHandle:
         self._cancelled = threading.Event()
         self._finished = threading.Event()
         self._result: JobResult | None = None
+        self.written = 0
+        """Input tokens written to pages so far (set by the device thread after each forward)."""
 
     @property
     def cancel_requested(self) -> bool:

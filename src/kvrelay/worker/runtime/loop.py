@@ -38,6 +38,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import torch
 
 from kvrelay.core.planning.prefill_order import queue_position
+from kvrelay.core.worker.speeds import DeviceSpeeds, learn
 from kvrelay.models.batch import ForwardBatch, LaneRef
 from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.models.sampling import sample_next
@@ -157,6 +158,9 @@ class PagedRuntime:
         self._ids = itertools.count(1)
         self._tickets = itertools.count()
         self._step = 0
+        self.speeds = DeviceSpeeds()
+        """What a forward costs now, learned from every forward (``core.worker.speeds``); written by the device
+        thread only, read by any (one attribute, replaced whole)."""
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         pool = confine_threads()
         self.threads = pool if threads is None else threads
@@ -225,6 +229,11 @@ class PagedRuntime:
     @property
     def num_active(self) -> int:
         return sum(lane is not None for lane in self._lanes)
+
+    @property
+    def num_decoding(self) -> int:
+        """Lanes whose prompt is written: each takes a row of every forward."""
+        return sum(lane is not None and lane.prompt_done for lane in list(self._lanes))
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop accepting jobs, cancel every job (each gets its ``JobResult``), join the device thread."""
@@ -326,6 +335,8 @@ class PagedRuntime:
             completes = seq.written + chunk.tokens == len(seq.job.tokens)  # never, while tokens are to replay
             rows.append(_Row(seq, tokens, seq.job.start_pos + seq.written, completes and seq.job.max_new_tokens > 0))
         self._step += 1
+        prefill_tokens = sum(len(r.tokens) for r in rows[len(plan.decode_lanes) :])
+        started = time.perf_counter()
         try:
             sampled = self._forward(rows)
         except Exception as exc:  # a bad batch fails its jobs, not the worker
@@ -333,12 +344,14 @@ class PagedRuntime:
             for row in rows:
                 self._finish(row.seq, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
             return
+        self.speeds = learn(self.speeds, prefill_tokens, time.perf_counter() - started)
         for row in rows:
             row.seq.last_step = self._step
             if row.seq.prompt_done:
                 row.seq.fed += 1
             else:
                 row.seq.written += len(row.tokens)
+                row.seq.handle.written = row.seq.written
         sampled_iter = iter(sampled)
         for row in rows:
             if row.sample:

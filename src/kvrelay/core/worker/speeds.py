@@ -1,0 +1,100 @@
+"""The device speeds a worker learns from its own forwards, and the waits they predict. Pure.
+
+The paged runtime runs one forward per iteration (``worker.runtime.iteration``):
+the decoding lanes' one-token rows first, then prompt chunks, at most
+``token_budget`` rows. To first order a forward costs
+
+    seconds = step_s + prefill_tokens * prefill_s_per_token
+
+``step_s`` is what a forward costs whatever it prefills: the weights streamed
+once, the decode rows (their LM-head rows above all), batch building and
+sampling. The Gemma 3 270M calibration (``configs/calibration-gemma3-270m-cpu.toml``:
+77 ms at 1 lane to 106 ms at 16, 81 ms for a forward that only prefills) shows
+it moves little with the lanes, so one figure is learned, as the simulator's
+``CalibratedWorkerSpec.iteration_s`` models it.
+
+``learn`` folds in one forward: one with at least ``MIN_PREFILL_SAMPLE`` prompt
+tokens teaches ``prefill_s_per_token`` (its time less ``step_s``, per token), a
+smaller one teaches ``step_s`` (its time less its prompt tokens' share). Each
+sample moves its estimate by ``1 - exp(-seconds / TAU_S)``: a time-weighted
+average over the last few seconds of device time. The seconds are wall time,
+so they count the time the device thread waited for a core: the speeds are
+what the worker gets now, on a shared machine too. (Learned per finished job
+before, from a 1 ms/token prior: on cold Gemma workers sharing 2 cores the
+router planned a 951-token prefill at 0.95 s that took 5.7 s, and the first
+results came back only after the whole 24-request burst had been routed.)
+
+What the heartbeat reports from them (``heartbeat_speeds``):
+
+- ``queue_delay_s``: ``drain_s``, the seconds until the queued prompt tokens are
+  written: ``ceil(tokens / (budget - decoding))`` forwards, each ``step_s`` plus
+  its tokens (the decoding lanes take their rows of every forward first);
+- ``prefill_s_per_token``: the same per added prompt token, ``step_s`` spread
+  over the prompt tokens a forward holds beside the decoding lanes;
+- ``decode_s_per_token``: one forward, ``step_s``: what a decoding lane waits per
+  token, and what the router adds for the forward that samples the first token.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+TAU_S = 4.0
+"""Seconds of device time over which the learned speeds average."""
+MIN_PREFILL_SAMPLE = 64
+"""A forward with at least this many prompt tokens teaches the prefill speed; a smaller one the step."""
+MIN_PREFILL_S_PER_TOKEN = 1e-7
+"""The prefill speed never learns below this (a forward quicker than the step leaves no time for its tokens)."""
+
+
+class DeviceSpeeds(NamedTuple):
+    """What a forward costs on this worker now (see the module docstring)."""
+
+    prefill_s_per_token: float = 1e-3
+    step_s: float = 0.05
+
+
+class HeartbeatSpeeds(NamedTuple):
+    """The speed and queue figures of a heartbeat (see the module docstring)."""
+
+    queue_delay_s: float
+    prefill_s_per_token: float
+    decode_s_per_token: float
+
+
+def _moved(old: float, sample: float, seconds: float) -> float:
+    weight = 1.0 - math.exp(-seconds / TAU_S)
+    return old + weight * (sample - old)
+
+
+def learn(speeds: DeviceSpeeds, prefill_tokens: int, seconds: float) -> DeviceSpeeds:
+    """The speeds after one forward that wrote ``prefill_tokens`` prompt tokens (and any decode rows) in
+    ``seconds``. A forward of no time teaches nothing."""
+    if seconds <= 0.0:
+        return speeds
+    if prefill_tokens >= MIN_PREFILL_SAMPLE:
+        per_token = max(MIN_PREFILL_S_PER_TOKEN, (seconds - speeds.step_s) / prefill_tokens)
+        return speeds._replace(prefill_s_per_token=_moved(speeds.prefill_s_per_token, per_token, seconds))
+    step = max(0.0, seconds - prefill_tokens * speeds.prefill_s_per_token)
+    return speeds._replace(step_s=_moved(speeds.step_s, step, seconds))
+
+
+def prompt_room(decoding: int, budget: int) -> int:
+    """Prompt tokens a forward holds beside ``decoding`` decoding lanes (they keep one for prefill)."""
+    return max(1, budget - min(decoding, budget - 1))
+
+
+def drain_s(speeds: DeviceSpeeds, prefill_tokens: int, decoding: int, budget: int) -> float:
+    """Seconds until ``prefill_tokens`` queued prompt tokens are written, with ``decoding`` lanes decoding
+    beside them under a ``budget``-token forward; 0 with nothing queued."""
+    if prefill_tokens <= 0:
+        return 0.0
+    forwards = -(-prefill_tokens // prompt_room(decoding, budget))
+    return forwards * speeds.step_s + prefill_tokens * speeds.prefill_s_per_token
+
+
+def heartbeat_speeds(speeds: DeviceSpeeds, queued_tokens: int, decoding: int, budget: int) -> HeartbeatSpeeds:
+    """The heartbeat's queue delay, prefill and decode seconds per token (see the module docstring)."""
+    per_token = speeds.prefill_s_per_token + speeds.step_s / prompt_room(decoding, budget)
+    return HeartbeatSpeeds(drain_s(speeds, queued_tokens, decoding, budget), per_token, speeds.step_s)

@@ -1,0 +1,100 @@
+"""The device speeds a worker learns from its forwards, and the queue delay it reports (``core.worker.speeds``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvrelay.core.worker.speeds import (
+    TAU_S,
+    DeviceSpeeds,
+    drain_s,
+    heartbeat_speeds,
+    learn,
+    prompt_room,
+)
+
+
+def replay(speeds: DeviceSpeeds, forwards: list[tuple[int, float]]) -> DeviceSpeeds:
+    for tokens, seconds in forwards:
+        speeds = learn(speeds, tokens, seconds)
+    return speeds
+
+
+def device(step_s: float, per_token: float, rng: random.Random, n: int) -> list[tuple[int, float]]:
+    """Forwards of a device whose forward costs ``step_s + tokens * per_token``: decode-only and 512-token ones."""
+    out = []
+    for _ in range(n):
+        tokens = rng.choice([0, 0, 3, 512, 497, 200])
+        out.append((tokens, step_s + tokens * per_token))
+    return out
+
+
+def test_learns_a_slow_device_from_its_forwards_within_seconds_of_device_time() -> None:
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    rng = random.Random(seed)
+    # The prior says 1 ms/token and 50 ms a forward; the device (a shared core) does 6 ms/token and 150 ms.
+    forwards = device(0.15, 6e-3, rng, 200)
+    learned = replay(DeviceSpeeds(1e-3, 0.05), forwards)
+    assert learned.prefill_s_per_token == pytest.approx(6e-3, rel=0.02)
+    assert learned.step_s == pytest.approx(0.15, rel=0.05)
+    # Within the first 3 * TAU_S of device time the prefill speed is already most of the way there.
+    spent, speeds = 0.0, DeviceSpeeds(1e-3, 0.05)
+    for tokens, seconds in [(512, 0.15 + 512 * 6e-3)] * 20:
+        speeds, spent = learn(speeds, tokens, seconds), spent + seconds
+        if spent >= 3 * TAU_S:
+            break
+    assert speeds.prefill_s_per_token > 4.5e-3
+
+
+def test_follows_a_device_that_slows_down() -> None:
+    """The CPU a worker gets changes on a shared machine: the speeds follow the last seconds, not the start."""
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    rng = random.Random(seed)
+    fast = replay(DeviceSpeeds(), device(0.08, 1.2e-3, rng, 100))
+    slow = replay(fast, device(0.25, 4e-3, rng, 100))
+    assert slow.prefill_s_per_token == pytest.approx(4e-3, rel=0.05)
+    assert slow.step_s == pytest.approx(0.25, rel=0.1)
+
+
+def test_a_forward_of_no_time_teaches_nothing_and_the_prefill_speed_stays_positive() -> None:
+    speeds = DeviceSpeeds(2e-3, 0.1)
+    assert learn(speeds, 512, 0.0) == speeds
+    quick = learn(speeds, 512, 0.05)  # quicker than the step: no time left for the tokens
+    assert 0.0 < quick.prefill_s_per_token < speeds.prefill_s_per_token
+    assert quick.step_s == speeds.step_s
+
+
+def test_small_prompt_chunks_teach_the_step_not_the_prefill_speed() -> None:
+    speeds = DeviceSpeeds(1e-3, 0.05)
+    after = learn(speeds, 5, 0.2)
+    assert after.prefill_s_per_token == speeds.prefill_s_per_token
+    assert 0.05 < after.step_s < 0.2
+
+
+def test_drain_counts_a_forward_per_budget_less_the_decoding_lanes() -> None:
+    speeds = DeviceSpeeds(1e-3, 0.1)
+    assert drain_s(speeds, 0, 15, 512) == 0.0
+    # 994 tokens beside 15 decoding lanes: 497 a forward, 2 forwards.
+    assert drain_s(speeds, 994, 15, 512) == pytest.approx(2 * 0.1 + 994e-3)
+    assert drain_s(speeds, 995, 15, 512) == pytest.approx(3 * 0.1 + 995e-3)
+    # With no lane decoding a forward holds the whole budget.
+    assert drain_s(speeds, 1024, 0, 512) == pytest.approx(2 * 0.1 + 1024e-3)
+    # The decoding lanes keep one token of the budget for prefill, however many there are.
+    assert prompt_room(600, 512) == 1
+
+
+def test_the_heartbeat_figures_match_what_the_runtime_does() -> None:
+    """Queue delay: the drain; a new prompt's tokens cost their share of the forwards that write them; one
+    forward samples the first token. The old report (queued tokens * the per-token prior) gave 1/6 of it."""
+    speeds = DeviceSpeeds(6e-3, 0.15)
+    hb = heartbeat_speeds(speeds, queued_tokens=2000, decoding=12, budget=512)
+    assert hb.queue_delay_s == pytest.approx(4 * 0.15 + 2000 * 6e-3)
+    assert hb.prefill_s_per_token == pytest.approx(6e-3 + 0.15 / 500)
+    assert hb.decode_s_per_token == 0.15
+    # A prompt of a whole forward's room predicted by the router (its tokens plus one step) is that forward
+    # plus the step that samples its first token.
+    assert 500 * hb.prefill_s_per_token + hb.decode_s_per_token == pytest.approx(drain_s(speeds, 500, 12, 512) + 0.15)
