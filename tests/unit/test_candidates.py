@@ -314,7 +314,7 @@ def test_alternative_routes_stand_for_the_alternatives_also_after_the_load_chang
     lazy = cand.alternative_routes(route, view, len(PROMPT), 4, 0.0)
     assert len(eager) == 4 and [r.best for r in lazy] == eager
     assert lazy[0].best == route.best and [r.predicted_ttft_s for r in lazy] == [c.predicted_ttft_s for c in eager]
-    view.load.outstanding_s = 0.25  # the worker's queue grew since planning: the alternatives are re-scored
+    view.load.unheard_s = 0.25  # the router sent more since the last heartbeat: the alternatives are re-scored
     # 517 tokens need 33 pages of 16; sharing the 192-token gpu prefix, 21: with 25 left, recomputing does not fit
     assert view.heartbeat.page_tokens == 16
     view.load.inflight_pages = view.heartbeat.pages_free + view.heartbeat.pages_evictable - 25

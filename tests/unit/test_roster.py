@@ -17,11 +17,11 @@ PROMPT = tuple(range(1, 64 * 12 + 2))
 CHAIN = prompt_chain(b"m", PROMPT, 64)
 
 
-def view(worker_id: str, outstanding_s: float = 0.0, **overrides: object) -> predicted_ttft.WorkerView:
+def view(worker_id: str, unheard_s: float = 0.0, **overrides: object) -> predicted_ttft.WorkerView:
+    """``unheard_s``: seconds of work the router sent that the heartbeat does not count yet."""
     hb = heartbeat(worker_id, **overrides)
-    return predicted_ttft.WorkerView(
-        hb, predicted_ttft.WorkerLoad(outstanding_s=outstanding_s), predicted_ttft.reported_fingerprints(hb)
-    )
+    load = predicted_ttft.WorkerLoad(outstanding_s=unheard_s, unheard_s=unheard_s)
+    return predicted_ttft.WorkerView(hb, load, predicted_ttft.reported_fingerprints(hb))
 
 
 def orders(roster: Roster) -> list[list[str]]:
@@ -34,10 +34,10 @@ def test_members_are_grouped_by_cost_and_ordered_by_queue() -> None:
     roster.put(view("b", queue_delay_s=0.1))
     roster.put(view("c", queue_delay_s=0.2, prefill_s_per_token=5e-3))  # another rate: another group
     assert orders(roster) == [["b", "a"], ["c"]]
-    b = view("b", outstanding_s=0.5, queue_delay_s=0.1)  # the router's own estimate is larger
+    b = view("b", unheard_s=0.5, queue_delay_s=0.1)  # the router sent more since the heartbeat
     roster.put(b)
     assert orders(roster) == [["a", "b"], ["c"]]
-    b.load.outstanding_s = 0.0
+    b.load.unheard_released(0.5, None)
     roster.requeue(b)
     assert orders(roster) == [["b", "a"], ["c"]]
     roster.put(view("a", queue_delay_s=0.3, prefill_s_per_token=5e-3))  # a's rates changed: it moves group
@@ -55,11 +55,12 @@ def test_busy_share_follows_queues() -> None:
     roster.put(a)
     roster.put(b)
     assert roster.busy_share() == 0.5
-    a.load.outstanding_s = 0.1
+    a.load.offered(0.1)
     roster.requeue(a)
     assert roster.busy_share() == 1.0
     roster.remove("b")
     a.load.release_outstanding(0.1)
+    a.load.unheard_released(0.1, None)
     roster.requeue(a)
     assert roster.busy_share() == 0.0
 
@@ -101,7 +102,7 @@ def random_case(
         views.append(
             view(
                 f"w{i:02d}",
-                outstanding_s=rng.choice([0.0, rng.random()]),
+                unheard_s=rng.choice([0.0, rng.random()]),
                 queue_delay_s=rng.choice([0.0, 0.05, rng.random()]),
                 prefill_s_per_token=rng.choice([1e-3, 2e-3]),
                 active_lanes=rng.choice([0, 3]),
@@ -143,7 +144,7 @@ def test_pruned_planning_finds_the_same_best_candidate(seed: int) -> None:
     for v in views:
         roster.put(v)
     for v in rng.sample(views, len(views) // 2):  # loads move after the views were placed
-        v.load.outstanding_s = rng.random()
+        v.load.unheard_s = rng.random()
         roster.requeue(v)
     price = rng.choice([0.0, roster.work_s_per_token()])
     scoring = predicted_ttft.Scoring(rng.choice([0.0, 0.5]), rng.random() < 0.5, work_s_per_token=price)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvrelay.core.router.events import ConsumerCancelled, Effect, ErrorKind, Request, RequestArrived, Tick
 from kvrelay.core.router.machine import RouterConfig
 from kvrelay.core.router.queue import QUEUE_OFF, Limits
@@ -118,3 +120,28 @@ def test_a_declined_request_comes_back_to_a_full_queue_first_and_is_never_refuse
     assert "first" not in d.results and d.state.queued() == 2
     (again,) = offers(d.message(heartbeat("w0", seq=2)))
     assert again.offer.assignment.request_id == "first" and again.offer.assignment.attempt == 2
+
+
+def test_an_offer_counts_in_the_queue_until_a_heartbeat_made_after_its_acceptance_counts_it() -> None:
+    """The router's queue of a worker is the heartbeat's plus the offers no heartbeat counts yet; once one
+    does, the heartbeat stands for them, so a prefill half done counts half and the next request goes."""
+    d = Driver(RouterConfig(queue=Limits(start_within_s=1.0)))
+    d.message(heartbeat("w0"))
+    long = tuple(range(1, 1601))  # 1.6 s of prefill at the heartbeat's 1 ms a token
+    (first,) = offers(arrive(d, "a", prompt=long))
+    load = d.state.views["w0"].load
+    assert load.unheard_s == load.outstanding_s == pytest.approx(1.6)
+    assert not offers(arrive(d, "b"))  # 1.6 s the heartbeat does not count, over the 1 s bound: b waits
+    # A heartbeat made before the worker took the offer arrives first: the offer still counts.
+    assert not offers(d.message(heartbeat("w0", seq=2, queue_delay_s=0.0)))
+    d.accept(first)
+    assert not offers(d.message(heartbeat("w0", seq=3, queue_delay_s=1.6)))  # it counts the offer now
+    assert load.unheard_s == 0.0 and load.outstanding_s == pytest.approx(1.6)
+    # Half the prompt is written: 0.8 s left, within the bound. The old rule (the larger of the heartbeat
+    # and every offer without a first token) kept b waiting until a's first token.
+    assert offered(d.message(heartbeat("w0", seq=4, queue_delay_s=0.8))) == ["b"]
+    (b,) = [o for o in offers(d.effects) if o.offer.assignment.request_id == "b"]
+    b_estimate = d.state.requests["b"].estimate_s
+    assert load.unheard_s == b_estimate
+    d.delta(b.offer.assignment, "w0", 0, (7,))  # b's first token: nothing of it is left to count
+    assert load.unheard_s == 0.0

@@ -9,9 +9,15 @@ prefix restored tier by tier, the rest recomputed. Its predicted TTFT is
       + one decode step                                                (decode_s)
       [+ one decode step per further prefill chunk, when counted]
 
-The queue delay is the larger of the worker's last reported queue and the
-router's own knowledge: the predicted restore + prefill of the offers it sent
-there whose first token has not come back. The lower-tier load drains like a
+The queue delay is the worker's last reported queue plus what the router sent
+there that the report does not count yet: the predicted restore + prefill of
+the offers not yet answered, and of those accepted after that report was made.
+A worker's messages reach the router in order and it queues an offer's prompt
+when it accepts it, so a heartbeat that arrives after an offer's acceptance
+counts it (``WorkerLoad``). (It was the larger of the report and every offer
+whose first token had not come back: a prefill half done counted whole until its
+first token, so a worker that could start a request within the router queue's
+bound looked as if it could not.) The lower-tier load drains like a
 fluid from the last heartbeat's value plus the restores sent since. The
 restore adds to the queue rather than overlapping it: a worker hands a
 restored route to its device queue only when the copy has completed (docs/design.md
@@ -110,6 +116,13 @@ class WorkerLoad:
     restore_backlog_at: float = 0.0
     outstanding_s: float = 0.0
     """Predicted restore + prefill seconds of offers sent there whose first token has not arrived."""
+    unheard_s: float = 0.0
+    """The part of ``outstanding_s`` the worker's last heartbeat does not count: offers not yet answered, and
+    offers accepted after that heartbeat was made."""
+    accepted_unheard_s: float = 0.0
+    """The part of ``unheard_s`` of offers accepted since the last heartbeat arrived (the next one counts it)."""
+    heartbeats: int = 0
+    """Heartbeats taken from the worker: an acceptance of an earlier count is in the last one."""
     inflight_pages: int = 0
     """Pages demanded by offers sent there and not yet answered."""
     accepted_pages: int = 0
@@ -120,8 +133,39 @@ class WorkerLoad:
     def release_outstanding(self, estimate_s: float) -> None:
         """Take back one offer's estimate; what is left of adding and subtracting the same floats is zero,
         so workers that are alike stay exactly tied (and ties go to the lower worker id)."""
-        left = self.outstanding_s - estimate_s
-        self.outstanding_s = left if left > 1e-9 else 0.0
+        self.outstanding_s = _less(self.outstanding_s, estimate_s)
+
+    def offered(self, estimate_s: float) -> None:
+        """An offer of ``estimate_s`` was sent: outstanding, and not in any heartbeat yet."""
+        self.outstanding_s += estimate_s
+        self.unheard_s += estimate_s
+
+    def accepted(self, estimate_s: float) -> int:
+        """The worker accepted an offer of ``estimate_s``: the next heartbeat counts it. Returns the heartbeat
+        count to hand back to ``unheard_released``."""
+        self.accepted_unheard_s += estimate_s
+        return self.heartbeats
+
+    def heard(self) -> None:
+        """A heartbeat arrived: it counts every offer accepted before it."""
+        self.unheard_s = _less(self.unheard_s, self.accepted_unheard_s)
+        self.accepted_unheard_s = 0.0
+        self.heartbeats += 1
+
+    def unheard_released(self, estimate_s: float, accepted_at: int | None) -> None:
+        """An offer of ``estimate_s`` ended or had its first token; ``accepted_at``: what ``accepted`` returned
+        for it, None if it was not accepted. Takes it out of ``unheard_s`` unless a heartbeat counted it."""
+        if accepted_at is None:
+            self.unheard_s = _less(self.unheard_s, estimate_s)
+        elif accepted_at == self.heartbeats:
+            self.unheard_s = _less(self.unheard_s, estimate_s)
+            self.accepted_unheard_s = _less(self.accepted_unheard_s, estimate_s)
+
+
+def _less(total: float, part: float) -> float:
+    """``total - part``, exactly zero where float residue is all that is left."""
+    left = total - part
+    return left if left > 1e-9 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,8 +244,8 @@ def interleaved_steps(uncached: int, chunk: int) -> int:
 
 
 def queue_of(worker: WorkerView, now: float) -> float:
-    """The device queue a new request would wait behind: the larger of the reported and the router-known one."""
-    return max(worker.heartbeat.queue_delay_s, worker.load.outstanding_s)
+    """The device queue a new request would wait behind: the reported one plus what the report does not count."""
+    return worker.heartbeat.queue_delay_s + worker.load.unheard_s
 
 
 def lower_load_of(worker: WorkerView, now: float) -> float:

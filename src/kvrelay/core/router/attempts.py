@@ -149,11 +149,12 @@ def _offer(
     if predicts:
         deadline = now + config.pending_timeout_s + 2 * chosen.predicted_ttft_s
         state.pending.credit(chosen.worker_id, request.request_id, chain, deadline)
-    rs.estimate_s = chosen.predicted_ttft_s - chosen.terms.queue_s
-    load = view.load
-    load.outstanding_s += rs.estimate_s
-    state.roster.requeue(view)
     restore_s = sum(chosen.terms.restore_s.values())
+    rs.estimate_s = restore_s + chosen.terms.prefill_s  # the forward that samples the first token is in the queue's
+    load = view.load
+    load.offered(rs.estimate_s)
+    rs.accepted_at = None
+    state.roster.requeue(view)
     if restore_s:
         load.restore_backlog_s = predicted_ttft.lower_load_of(view, now) + restore_s
         load.restore_backlog_at = now
@@ -328,7 +329,7 @@ def release(state: RouterState, rs: RequestState) -> None:
     if view is not None:
         load = view.load
         if rs.holds_outstanding:
-            load.release_outstanding(rs.estimate_s)
+            release_estimate(load, rs)
             state.roster.requeue(view)
         if rs.holds_inflight:
             load.inflight_pages = max(0, load.inflight_pages - rs.demand_pages)
@@ -337,6 +338,12 @@ def release(state: RouterState, rs: RequestState) -> None:
     state.by_worker.get(wid, set()).discard(rs.request.request_id)
     state.pending.release(rs.request.request_id)
     rs.worker_id = None
+
+
+def release_estimate(load: predicted_ttft.WorkerLoad, rs: RequestState) -> None:
+    """Take the attempt's estimate out of its worker's outstanding and unheard work (``WorkerLoad``)."""
+    load.release_outstanding(rs.estimate_s)
+    load.unheard_released(rs.estimate_s, rs.accepted_at)
 
 
 def abandon(

@@ -25,6 +25,7 @@ from kvrelay.core.router.attempts import (
     abandon,
     dispatch,
     finish,
+    release_estimate,
     route,
 )
 from kvrelay.core.router.events import (
@@ -306,6 +307,7 @@ def _on_heartbeat(state: RouterState, hb: Heartbeat, now: float, fx: Effects) ->
         fx.append(LoadReplicas(hb.worker_id))  # its durable tiers may hold chunks the index forgot or never saw
     load = view.load if view is not None else predicted_ttft.WorkerLoad()
     load.accepted_pages = 0
+    load.heard()
     load.restore_backlog_s, load.restore_backlog_at = hb.lower_tier_load_s, now
     view = state.views[hb.worker_id] = predicted_ttft.WorkerView(hb, load, fps)
     state.roster.put(view)
@@ -357,6 +359,8 @@ def _on_offer_result(state: RouterState, rs: RequestState, msg: OfferResult, now
         view.load.inflight_pages = max(0, view.load.inflight_pages - rs.demand_pages)
         if msg.accepted:
             view.load.accepted_pages += rs.demand_pages
+    if msg.accepted and rs.holds_outstanding and view is not None:
+        rs.accepted_at = view.load.accepted(rs.estimate_s)
     rs.holds_inflight = False
     if msg.accepted:
         state.count("accepted")
@@ -400,7 +404,7 @@ def _first_progress(state: RouterState, rs: RequestState) -> None:
     if rs.holds_outstanding:
         view = state.views.get(rs.worker_id or "")
         if view is not None:
-            view.load.release_outstanding(rs.estimate_s)
+            release_estimate(view.load, rs)
             state.roster.requeue(view)
         rs.holds_outstanding = False
         state.wake = True

@@ -77,6 +77,8 @@ class RequestState:
     demand_pages: int = 0
     estimate_s: float = 0.0
     holds_outstanding: bool = False
+    accepted_at: int | None = None
+    """The worker's heartbeat count when the current attempt's acceptance arrived (``WorkerLoad.accepted``)."""
     holds_inflight: bool = False
     delivered: list[int] = field(default_factory=list)
     attempt_start: int = 0
