@@ -155,3 +155,17 @@ def test_plan_invariants(num_lanes: int, budget: int, data: st.DataObject, waiti
         assert plan.prefill, "several lanes must keep a lane-token for waiting prefill work"
     if not prefill_pending:
         assert len(plan.decode_lanes) == min(len(busy_decoders), budget)
+
+
+def test_prefilling_lanes_continue_by_their_jobs_place_before_admission_order() -> None:
+    """A request that waited for a shared chunk gets its lane after later requests got theirs; its place (when
+    the worker accepted it) puts its prefill before theirs, so it is not stuck behind a long prompt that came
+    after it (a 23-token follower waited 13 s behind a 1,588-token prompt that arrived 0.4 s later)."""
+    config = PolicyConfig(num_lanes=4, token_budget=64)
+    later_long = LaneState(prompt_left=1588, admitted=0, place=4.12)
+    earlier_short = LaneState(prompt_left=23, admitted=1, place=3.72)
+    plan = plan_iteration(config, [later_long, earlier_short, None, None], [])
+    assert plan.prefill == (PrefillChunk(1, 23), PrefillChunk(0, 41))
+    # Places equal (every job's default): admission order, as before.
+    plan = plan_iteration(config, [prefilling(1588, admitted=0), prefilling(23, admitted=1), None, None], [])
+    assert plan.prefill == (PrefillChunk(0, 64),)

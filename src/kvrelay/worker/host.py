@@ -342,6 +342,9 @@ class WorkerController:
             pages = [run.page_table[first + i * ppc : first + (i + 1) * ppc] for i in range(wanted)]
             run.restoring = True
             run.restore_started_at = self.clock()
+            # Queued from its acceptance, as the router expects (``predicted_ttft.WorkerLoad``): what the
+            # route leaves to prefill; ``_submit`` sets what the restore really left.
+            self._queue_tokens(run, len(offer.prompt) - len(run.admission.chain) * self.me.chunk_tokens)
             if self.share_prefill:
                 self.filling.claim(run, keys)
             asyncio.get_running_loop().create_task(self._restore_then_submit(run, keys, pages))
@@ -394,6 +397,7 @@ class WorkerController:
             max_new_tokens=offer.max_new_tokens,
             sampling=offer.sampling,
             priority=offer.priority,
+            place=run.accepted_at,
             replay=self._replay_of(offer, cached),
         )
         loop = asyncio.get_running_loop()

@@ -9,9 +9,10 @@
 - A single-lane worker finishes its decode before it admits another prompt.
 - Lanes are stable physical slots: a sequence keeps the lane it was admitted to until
   it finishes; a waiting job gets the lowest free lane.
-- Prefill is chunked under the token budget: lanes already prefilling continue in
-  admission order, then waiting jobs are admitted in queue order (never skipping the head) while
-  a lane and budget remain; each takes ``min(prompt_left, budget_left)`` tokens.
+- Prefill is chunked under the token budget: lanes already prefilling continue by
+  their jobs' place (``Job.place``), then in admission order; then waiting jobs are
+  admitted in queue order (never skipping the head) while a lane and budget remain;
+  each takes ``min(prompt_left, budget_left)`` tokens.
 
 Follows the shape of vLLM's and nano-vllm's chunked-prefill schedulers (decode
 first, prefill fills the remaining token budget) but keeps lane slots fixed.
@@ -47,12 +48,14 @@ class LaneState:
 
     ``prompt_left`` tokens of its input are not yet written (0: it is decoding);
     ``admitted`` orders lanes by admission (smaller is older); ``last_step`` is the
-    iteration that last gave it a row (decode fairness when the budget is short).
+    iteration that last gave it a row (decode fairness when the budget is short);
+    prefilling lanes continue by ``place`` (``Job.place``), then admission.
     """
 
     prompt_left: int
     admitted: int
     last_step: int = -1
+    place: float = 0.0
 
     @property
     def decoding(self) -> bool:
@@ -103,7 +106,7 @@ def plan_iteration(config: PolicyConfig, lanes: Sequence[LaneState | None], wait
     decoding = [i for i, lane in enumerate(lanes) if lane is not None and lane.decoding]
     prefilling = sorted(
         (i for i, lane in enumerate(lanes) if lane is not None and not lane.decoding),
-        key=lambda i: lanes[i].admitted,  # type: ignore[union-attr]
+        key=lambda i: (lanes[i].place, lanes[i].admitted),  # type: ignore[union-attr]
     )
     single_lane_busy = config.num_lanes == 1 and bool(decoding)
     admissible = bool(waiting) and bool(free_lanes) and not single_lane_busy

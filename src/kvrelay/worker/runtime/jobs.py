@@ -48,6 +48,10 @@ class Job:
     sampling: Sampling = field(default_factory=Sampling)
     priority: float = 0.0
     """Its place among jobs waiting for a lane (``prefill_order``: lower first, ties in submission order)."""
+    place: float = 0.0
+    """Its place among the lanes' unfinished prefills once it has a lane: lower first, ties in the order the jobs
+    got their lanes (the worker gives the time it accepted the request, so a request that waited for a shared
+    chunk or a restore is not passed by later ones; 0 for everyone: admission order)."""
     replay: int = 0
     """The last ``replay`` input tokens are fed one per step as decode rows instead of prefilled; at most
     ``len(tokens) - 1`` (a one-token prefill chunk is a decode row already)."""

@@ -119,7 +119,10 @@ class _Sequence:
 
     def lane_state(self) -> LaneState:
         return LaneState(
-            prompt_left=max(0, self.job.prefill_len - self.written), admitted=self.ticket, last_step=self.last_step
+            prompt_left=max(0, self.job.prefill_len - self.written),
+            admitted=self.ticket,
+            last_step=self.last_step,
+            place=self.job.place,
         )
 
 
