@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from kvrelay.core.worker.speeds import heartbeat_speeds
 from kvrelay.protocol.messages import OfferResult, Result, RouteSegment
 from kvrelay.testing.tiny_models import make_tiny_model
+from kvrelay.worker.runtime.warmup import measure_speeds
 from tests.support.worker_harness import WorkerHarness
 
 PROMPT = tuple(range(5, 5 + 150))  # 2 full chunks + 22 tokens
@@ -295,3 +297,25 @@ def test_a_follower_cancelled_while_it_waits_releases_its_pages(model_dir: Path)
         assert h.pool.num_reserved == 0 and h.pool.num_referenced == 0
 
     run(model_dir, body, num_pages=512)
+
+
+def test_a_worker_measures_its_speeds_before_it_serves_and_its_heartbeat_reports_them(model_dir: Path) -> None:
+    """The start-up measurement replaces the runtime's prior with what a forward costs here, leaves the pool
+    as it was, and the heartbeat derives its figures from it (``core.worker.speeds``)."""
+
+    async def body(h: WorkerHarness) -> None:
+        free = h.pool.num_free
+        speeds = await asyncio.to_thread(measure_speeds, h.runtime, h.artifacts.config.vocab_size, 512)
+        assert speeds.prefill_measured and speeds.step_measured and speeds == h.runtime.speeds
+        assert speeds.prefill_s_per_token > 0 and speeds.step_s > 0
+        assert h.pool.num_free == free and h.pool.num_reserved == 0
+        h.pool.check()
+        hb = h.controller.heartbeat()
+        assert hb.queue_delay_s == 0.0 and hb.decode_s_per_token == speeds.step_s
+        assert hb.prefill_s_per_token == heartbeat_speeds(speeds, 0, 0, 256).prefill_s_per_token
+        expected = h.reference(PROMPT, 6)  # pages the measurement wrote hold nothing anyone reads
+        _, replies = h.offer("r1", PROMPT, 6)
+        assert list((await replies.wait_for(Result)).tokens) == expected
+        assert h.runtime.speeds != speeds  # it goes on learning from every forward
+
+    run(model_dir, body)

@@ -98,3 +98,16 @@ def test_the_heartbeat_figures_match_what_the_runtime_does() -> None:
     # A prompt of a whole forward's room predicted by the router (its tokens plus one step) is that forward
     # plus the step that samples its first token.
     assert 500 * hb.prefill_s_per_token + hb.decode_s_per_token == pytest.approx(drain_s(speeds, 500, 12, 512) + 0.15)
+
+
+def test_the_first_measurement_replaces_the_prior() -> None:
+    """A cold worker's prior (1 ms a token, 50 ms a forward) is a placeholder: its first forward of each kind
+    sets the figure outright, later ones average."""
+    prior = DeviceSpeeds()
+    first = learn(prior, 512, 0.05 + 512 * 4e-3)
+    assert first.prefill_s_per_token == pytest.approx(4e-3) and first.prefill_measured
+    assert first.step_s == prior.step_s and not first.step_measured
+    stepped = learn(first, 1, 0.2 + 4e-3)
+    assert stepped.step_s == pytest.approx(0.2) and stepped.step_measured
+    later = learn(stepped, 512, 0.2 + 512 * 8e-3)
+    assert 4e-3 < later.prefill_s_per_token < 8e-3

@@ -41,6 +41,7 @@ from kvrelay.worker.restore import StoreRestore
 from kvrelay.worker.runtime.engine import Engine, EngineOptions, parse_dtype
 from kvrelay.worker.runtime.loop import PagedRuntime
 from kvrelay.worker.runtime.torch_threads import confine_threads
+from kvrelay.worker.runtime.warmup import measure_speeds
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +138,7 @@ async def build_worker(settings: WorkerSettings) -> WorkerParts:
     engine = Engine.from_artifacts(artifacts, dtype, settings.engine_options())
     runtime, pool, kv = engine.runtime, engine.pool, engine.runtime.kv
     context_limit = min(config.max_position_embeddings, settings.kv_tokens)
+    await asyncio.to_thread(measure_speeds, runtime, config.vocab_size, context_limit)
     identity = WorkerIdentity(
         settings.worker_id, new_epoch(), artifacts.name, artifacts.fingerprint, context_limit, settings.chunk_tokens
     )

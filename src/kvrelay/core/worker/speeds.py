@@ -15,9 +15,10 @@ it moves little with the lanes, so one figure is learned, as the simulator's
 
 ``learn`` folds in one forward: one with at least ``MIN_PREFILL_SAMPLE`` prompt
 tokens teaches ``prefill_s_per_token`` (its time less ``step_s``, per token), a
-smaller one teaches ``step_s`` (its time less its prompt tokens' share). Each
-sample moves its estimate by ``1 - exp(-seconds / TAU_S)``: a time-weighted
-average over the last few seconds of device time. The seconds are wall time,
+smaller one teaches ``step_s`` (its time less its prompt tokens' share). The
+first sample of each replaces the prior; each later one moves the estimate by
+``1 - exp(-seconds / TAU_S)``: a time-weighted average over the last few seconds
+of device time. A worker measures both at start (``calibrate``), before it serves. The seconds are wall time,
 so they count the time the device thread waited for a core: the speeds are
 what the worker gets now, on a shared machine too. (Learned per finished job
 before, from a 1 ms/token prior: on cold Gemma workers sharing 2 cores the
@@ -49,10 +50,13 @@ MIN_PREFILL_S_PER_TOKEN = 1e-7
 
 
 class DeviceSpeeds(NamedTuple):
-    """What a forward costs on this worker now (see the module docstring)."""
+    """What a forward costs on this worker now (see the module docstring); ``*_measured``: False while the
+    figure is still the prior."""
 
     prefill_s_per_token: float = 1e-3
     step_s: float = 0.05
+    prefill_measured: bool = False
+    step_measured: bool = False
 
 
 class HeartbeatSpeeds(NamedTuple):
@@ -63,7 +67,9 @@ class HeartbeatSpeeds(NamedTuple):
     decode_s_per_token: float
 
 
-def _moved(old: float, sample: float, seconds: float) -> float:
+def _moved(old: float, sample: float, seconds: float, measured: bool) -> float:
+    if not measured:
+        return sample
     weight = 1.0 - math.exp(-seconds / TAU_S)
     return old + weight * (sample - old)
 
@@ -75,9 +81,10 @@ def learn(speeds: DeviceSpeeds, prefill_tokens: int, seconds: float) -> DeviceSp
         return speeds
     if prefill_tokens >= MIN_PREFILL_SAMPLE:
         per_token = max(MIN_PREFILL_S_PER_TOKEN, (seconds - speeds.step_s) / prefill_tokens)
-        return speeds._replace(prefill_s_per_token=_moved(speeds.prefill_s_per_token, per_token, seconds))
+        learned = _moved(speeds.prefill_s_per_token, per_token, seconds, speeds.prefill_measured)
+        return speeds._replace(prefill_s_per_token=learned, prefill_measured=True)
     step = max(0.0, seconds - prefill_tokens * speeds.prefill_s_per_token)
-    return speeds._replace(step_s=_moved(speeds.step_s, step, seconds))
+    return speeds._replace(step_s=_moved(speeds.step_s, step, seconds, speeds.step_measured), step_measured=True)
 
 
 def prompt_room(decoding: int, budget: int) -> int:
