@@ -19,6 +19,9 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+# anyio imports its asyncio backend when the first task group opens, which starlette does for the first
+# streamed response: 0.33 s of the router's CPU on that request's path (bench/vllm_path.py --profile). Now:
+import anyio._backends._asyncio  # noqa: F401
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
