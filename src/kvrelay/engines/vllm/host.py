@@ -29,6 +29,11 @@ router drop everything it believed about the old one, so its index never
 credits KV that is gone. A stream that breaks ends its assignment with an
 error; the router continues the request elsewhere with the tokens delivered.
 
+Speeds: the heartbeat's prefill and decode speeds come from the engine's own
+``/metrics`` (``speeds.PrefillFit``: prefill time against computed tokens, without
+vLLM's queueing or a short prompt's fixed cost), its queue from the uncached
+prompt tokens of this worker's requests that have no first token yet.
+
 Sampling: the attempt's vLLM ``seed`` is derived from the request's seed and
 ``generated_before`` (``attempt_seed``), so an attempt is reproducible; a
 continuation does not redraw what the first attempt would have drawn, as a
@@ -51,6 +56,7 @@ from kvrelay.engines.vllm import kv_events
 from kvrelay.engines.vllm.admission import EngineCapacity, EngineIdentity, admit_offer
 from kvrelay.engines.vllm.client import EngineClient, EngineError
 from kvrelay.engines.vllm.metrics import EngineFigures
+from kvrelay.engines.vllm.speeds import PrefillFit, queue_delay
 from kvrelay.protocol.chunk_keys import root_key
 from kvrelay.protocol.messages import (
     Assignment,
@@ -119,8 +125,7 @@ class VllmWorker:
         self.clock = clock
         self.peer_url = ""
         self.engine_up = True
-        self.prefill_s_per_token = 1e-3
-        self.decode_s_per_token = 0.05
+        self.speeds = PrefillFit().observe(figures.totals)
         self.state = machine.new_worker(identity.worker_id, identity.epoch, (identity.model,), identity.context_limit)
         self.mirror = kv_events.BlockMirror(root_key(identity.fingerprint), identity.block_tokens)
         self.runs: dict[Assignment, EngineRun] = {}
@@ -146,6 +151,7 @@ class VllmWorker:
         pending = sum(
             len(r.offer.prompt) - r.prefix_chunks * self.me.block_tokens for r in self.runs.values() if not r.generated
         )
+        prefill_s_per_token = self.speeds.prefill_s_per_token
         return Heartbeat(
             worker_id=self.worker_id,
             epoch=self.epoch,
@@ -157,11 +163,11 @@ class VllmWorker:
             pages_reserved=capacity.promised_blocks,
             page_tokens=self.me.block_tokens,
             chunk_tokens=self.me.block_tokens,
-            queue_delay_s=max(0, pending) * self.prefill_s_per_token,
+            queue_delay_s=queue_delay(pending, prefill_s_per_token),
             active_lanes=max(self.figures.running, len(self.runs)),
             max_lanes=self.max_lanes,
-            prefill_s_per_token=self.prefill_s_per_token,
-            decode_s_per_token=self.decode_s_per_token,
+            prefill_s_per_token=prefill_s_per_token,
+            decode_s_per_token=self.speeds.decode_s_per_token,
             kv_bytes_per_token=self.kv_bytes_per_token,
             context_limit=self.me.context_limit,
         )
@@ -264,6 +270,7 @@ class VllmWorker:
             self._last_frame = None
             self.begin_epoch(f"the vLLM engine at {self.engine.url} is back")
         self.figures = figures
+        self.speeds = self.speeds.observe(figures.totals)
 
     async def monitor(self, every_s: float) -> None:
         """Poll the engine's ``/metrics`` every ``every_s`` seconds until cancelled."""
@@ -358,7 +365,6 @@ class VllmWorker:
             return
         if finish is FinishReason.ERROR and error is None:
             error = f"the vLLM engine at {self.engine.url} ended the request with an error"
-        self._learn_speeds(run)
         self._step(machine.WorkFinished(self.clock(), a, finish, self._usage(run), self._timings(run), error))
 
     # --- accounting ------------------------------------------------------------------
@@ -380,13 +386,3 @@ class VllmWorker:
             ttft_s=(times[0] - run.accepted_at) if times else 0.0,
             inter_token_s=tuple(b - a for a, b in zip(times, times[1:])),
         )
-
-    def _learn_speeds(self, run: EngineRun) -> None:
-        """Moving averages of the prefill and decode speeds measured on this worker's streams, for heartbeats."""
-        uncached = len(run.offer.prompt) - run.cached_tokens
-        if run.token_times and uncached >= 32:
-            per_token = (run.token_times[0] - run.submitted_at) / uncached
-            self.prefill_s_per_token = 0.8 * self.prefill_s_per_token + 0.2 * per_token
-        gaps = [b - a for a, b in zip(run.token_times, run.token_times[1:]) if b > a]
-        if gaps:
-            self.decode_s_per_token = 0.8 * self.decode_s_per_token + 0.2 * (sum(gaps) / len(gaps))

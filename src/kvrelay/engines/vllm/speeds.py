@@ -1,0 +1,142 @@
+"""A vLLM engine's prefill and decode speeds and its queue, learned from the engine's own ``/metrics`` (pure).
+
+What a vLLM worker's heartbeat reports (``Heartbeat.prefill_s_per_token``, ``decode_s_per_token``,
+``queue_delay_s``) comes from here. The engine measures what the router needs without the noise of the
+worker's own view (which starts before vLLM's queue and includes the HTTP hops):
+
+- **prefill**: ``vllm:request_prefill_time_seconds`` (scheduled to first token: no time in vLLM's
+  waiting queue) against ``vllm:request_prefill_kv_computed_tokens`` (prompt tokens computed, the cached
+  ones left out), both observed once per finished request (``vllm/v1/metrics/loggers.py``). Between two
+  polls the requests that finished give one point, their mean computed tokens ``x`` and mean prefill
+  seconds ``y``, weighted by their number (a mean of ``fixed + rate * x`` is ``fixed + rate * mean x``, so
+  points of several requests fit the same line). ``PrefillFit`` keeps an exponentially weighted least
+  squares fit of ``y = fixed_s + s_per_token * x`` over those points (``DECAY`` per request): a short
+  prompt's fixed cost (one engine step, the scheduler) no longer reads as a high cost per token, which made
+  the worker predict 1.1-1.4 s for 0.4-0.8 s TTFTs. While the points' prompt lengths are too alike to
+  tell the fixed cost from the rate (``MIN_SPREAD``), or the fit is unphysical (a negative fixed cost or
+  rate), the rate is the fit through the origin (an upper bound when there is a fixed cost). The first
+  totals a worker reads (the engine's history before it started) count as one point of at most
+  ``HISTORY_WEIGHT`` requests, so a restarted worker starts from the engine's speed, not from a guess.
+- **decode**: ``vllm:inter_token_latency_seconds`` (sum over count) between polls, an exponential
+  average with the same decay per token.
+- **queue**: the uncached prompt tokens of the requests this worker sent that have no first token yet,
+  times the prefill rate; none pending is an empty queue whatever vLLM's figures lag behind, so an idle
+  engine never makes the router hold a request (``queue_delay``).
+
+Counters that go back (the engine restarted) start the fit's window over without a point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+DECAY = 0.9
+"""Weight kept by the fit per request observed since (about the last 10-20 requests count)."""
+MIN_SPREAD = 0.05
+"""Least weighted variance of the points' prompt lengths, relative to their mean squared, to fit a fixed cost."""
+HISTORY_WEIGHT = 4.0
+"""Requests the engine's history before the worker started counts as, at most."""
+DEFAULT_PREFILL_S_PER_TOKEN = 1e-3
+DEFAULT_DECODE_S_PER_TOKEN = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTotals:
+    """Cumulative figures of one ``/metrics`` exposition (sums over the engine's indexes)."""
+
+    prefill_requests: float = 0.0
+    """``vllm:request_prefill_time_seconds_count``."""
+    prefill_seconds: float = 0.0
+    """``vllm:request_prefill_time_seconds_sum``."""
+    prefill_tokens: float = 0.0
+    """``vllm:request_prefill_kv_computed_tokens_sum``."""
+    token_gaps: float = 0.0
+    """``vllm:inter_token_latency_seconds_count``."""
+    gap_seconds: float = 0.0
+    """``vllm:inter_token_latency_seconds_sum``."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillFit:
+    """Weighted sums of the points ``(x, y)`` of the fit (see the module docstring); ``last``: the totals
+    the next window starts from."""
+
+    w: float = 0.0
+    wx: float = 0.0
+    wxx: float = 0.0
+    wy: float = 0.0
+    wxy: float = 0.0
+    gap_w: float = 0.0
+    gap_mean_s: float = 0.0
+    last: EngineTotals | None = None
+
+    def observe(self, totals: EngineTotals) -> PrefillFit:
+        """The fit with the window from ``last`` to ``totals`` added (the first totals: the history point)."""
+        last = self.last
+        if last is None:
+            fit = self._add(totals.prefill_requests, totals.prefill_tokens, totals.prefill_seconds, HISTORY_WEIGHT)
+            fit = fit._add_gaps(totals.token_gaps, totals.gap_seconds, HISTORY_WEIGHT)
+            return replace(fit, last=totals)
+        if totals.prefill_requests < last.prefill_requests or totals.token_gaps < last.token_gaps:
+            return replace(self, last=totals)  # the engine restarted: its counters began again
+        fit = self._add(
+            totals.prefill_requests - last.prefill_requests,
+            totals.prefill_tokens - last.prefill_tokens,
+            totals.prefill_seconds - last.prefill_seconds,
+            None,
+        )
+        fit = fit._add_gaps(totals.token_gaps - last.token_gaps, totals.gap_seconds - last.gap_seconds, None)
+        return replace(fit, last=totals)
+
+    def _add(self, n: float, tokens: float, seconds: float, cap: float | None) -> PrefillFit:
+        if n < 1 or tokens < 0 or seconds < 0:
+            return self
+        x, y = tokens / n, seconds / n
+        weight = n if cap is None else min(n, cap)
+        keep = DECAY**weight
+        return replace(
+            self,
+            w=self.w * keep + weight,
+            wx=self.wx * keep + weight * x,
+            wxx=self.wxx * keep + weight * x * x,
+            wy=self.wy * keep + weight * y,
+            wxy=self.wxy * keep + weight * x * y,
+        )
+
+    def _add_gaps(self, n: float, seconds: float, cap: float | None) -> PrefillFit:
+        if n < 1 or seconds < 0:
+            return self
+        weight = n if cap is None else min(n, cap)
+        keep = DECAY**weight
+        total = self.gap_w * keep + weight
+        mean = (self.gap_mean_s * self.gap_w * keep + seconds / n * weight) / total
+        return replace(self, gap_w=total, gap_mean_s=mean)
+
+    def line(self) -> tuple[float, float] | None:
+        """``(fixed_s, s_per_token)`` of the fit; None before a point with computed tokens."""
+        if self.w <= 0 or self.wxx <= 0:
+            return None
+        mean_x = self.wx / self.w
+        variance = self.wxx / self.w - mean_x * mean_x
+        if variance > MIN_SPREAD * mean_x * mean_x:
+            rate = (self.wxy / self.w - mean_x * (self.wy / self.w)) / variance
+            fixed = self.wy / self.w - rate * mean_x
+            if rate > 0 and fixed >= 0:
+                return fixed, rate
+        rate = self.wxy / self.wxx
+        return (0.0, rate) if rate > 0 else None
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        found = self.line()
+        return found[1] if found is not None else DEFAULT_PREFILL_S_PER_TOKEN
+
+    @property
+    def decode_s_per_token(self) -> float:
+        return self.gap_mean_s if self.gap_w > 0 and self.gap_mean_s > 0 else DEFAULT_DECODE_S_PER_TOKEN
+
+
+def queue_delay(pending_tokens: int, s_per_token: float) -> float:
+    """Seconds a new request waits behind ``pending_tokens`` uncached prompt tokens not yet prefilled; 0 when none
+    are pending (an idle engine)."""
+    return max(0, pending_tokens) * s_per_token

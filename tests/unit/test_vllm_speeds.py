@@ -1,0 +1,91 @@
+"""A vLLM engine's speeds learned from its /metrics totals (``engines.vllm.speeds``), without an engine."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvrelay.engines.vllm.speeds import (
+    DEFAULT_DECODE_S_PER_TOKEN,
+    DEFAULT_PREFILL_S_PER_TOKEN,
+    EngineTotals,
+    PrefillFit,
+    queue_delay,
+)
+
+
+def run(points: list[tuple[int, float]], start: EngineTotals | None = None) -> PrefillFit:
+    """The fit after one poll per request ``(computed tokens, prefill seconds)``, from ``start`` (or empty)."""
+    totals = start or EngineTotals()
+    fit = PrefillFit().observe(totals)
+    for tokens, seconds in points:
+        totals = EngineTotals(
+            totals.prefill_requests + 1,
+            totals.prefill_seconds + seconds,
+            totals.prefill_tokens + tokens,
+            totals.token_gaps + 15,
+            totals.gap_seconds + 15 * 0.01,
+        )
+        fit = fit.observe(totals)
+    return fit
+
+
+def test_a_fixed_cost_per_request_is_not_read_as_a_cost_per_token() -> None:
+    # 20 ms of every prefill is fixed (one engine step), 30 us per computed token: the old per-token average
+    # over short prompts (first token / uncached tokens) read 64 tokens as 0.34 ms a token, 11x too much.
+    seed = 20261202
+    rng = random.Random(seed)
+    points = [(n, 0.02 + 3e-5 * n) for n in (rng.choice((64, 128, 960, 1500, 2000)) for _ in range(30))]
+    fit = run(points)
+    line = fit.line()
+    assert line is not None, f"seed {seed}"
+    fixed, rate = line
+    assert fixed == pytest.approx(0.02, rel=1e-6) and rate == pytest.approx(3e-5, rel=1e-6), f"seed {seed}"
+    assert fit.prefill_s_per_token == pytest.approx(3e-5, rel=1e-6)
+    assert fit.decode_s_per_token == pytest.approx(0.01)
+
+
+def test_a_poll_window_of_several_requests_is_one_point_of_their_means() -> None:
+    fit = PrefillFit().observe(EngineTotals())
+    fit = fit.observe(EngineTotals(2, (0.01 + 1e-4 * 100) + (0.01 + 1e-4 * 900), 1000))
+    fit = fit.observe(EngineTotals(3, 0.01 + 0.01 + 0.1 + 0.01 + 1e-4 * 2000, 3000))
+    assert fit.line() == pytest.approx((0.01, 1e-4))
+
+
+def test_alike_prompts_fall_back_to_the_rate_through_the_origin() -> None:
+    fit = run([(1000, 0.05)] * 5)
+    assert fit.line() == pytest.approx((0.0, 5e-5))
+
+
+def test_an_unphysical_fit_falls_back_to_the_rate_through_the_origin() -> None:
+    # longer prompts finishing sooner (noise, or a prefix the metric did not see): a negative rate
+    fit = run([(100, 0.2), (2000, 0.1)])
+    fixed, rate = fit.line() or (None, None)
+    assert fixed == 0.0 and rate is not None and rate > 0
+
+
+def test_no_data_keeps_the_defaults_and_the_history_counts_as_one_point() -> None:
+    empty = PrefillFit().observe(EngineTotals())
+    assert empty.prefill_s_per_token == DEFAULT_PREFILL_S_PER_TOKEN
+    assert empty.decode_s_per_token == DEFAULT_DECODE_S_PER_TOKEN
+    history = PrefillFit().observe(EngineTotals(500, 500 * 0.04, 500 * 1000, 5000, 5000 * 0.008))
+    assert history.prefill_s_per_token == pytest.approx(4e-5)
+    assert history.decode_s_per_token == pytest.approx(0.008)
+    # the history weighs as a few requests: ten requests at another speed outweigh it
+    fit = run([(n, 2e-5 * n) for n in (500, 1500) * 5], start=history.last)
+    assert fit.prefill_s_per_token == pytest.approx(2e-5, rel=0.15)
+
+
+def test_counters_that_go_back_start_a_new_window_without_a_point() -> None:
+    fit = run([(1000, 0.03), (200, 0.014)])
+    before = fit.line()
+    restarted = fit.observe(EngineTotals(1, 0.5, 10))  # a restarted engine's first request
+    assert restarted.line() == before
+    assert restarted.last == EngineTotals(1, 0.5, 10)
+
+
+def test_an_idle_engine_has_no_queue() -> None:
+    assert queue_delay(0, 1.0) == 0.0
+    assert queue_delay(-5, 1.0) == 0.0
+    assert queue_delay(2000, 3e-5) == pytest.approx(0.06)
