@@ -45,7 +45,11 @@ class VllmSettings:
     """The dtype the engine runs (it counts in the fingerprint and the KV bytes per token)."""
     max_lanes: int = 256
     """Concurrent requests the engine runs at most (its ``--max-num-seqs``)."""
-    poll_s: float = 0.25
+    poll_s: float = 1.0
+    """Seconds between ``/metrics`` polls. vLLM 0.32 renders its whole exposition (about 54 kB) for each, which
+    took its API server, the process that streams every token, about 5 ms of its event loop on the 2-core
+    machine; the figures only bound admission (promised blocks cover the lag), show when the engine is gone,
+    and feed the speed estimate, none of which needs more than a second's freshness."""
     engine_wait_s: float = 600.0
 
 

@@ -129,13 +129,16 @@ class EngineClient:
     ) -> AsyncIterator[StreamEvent]:
         body = request_body(model, prompt, max_tokens, sampling, seed)
         finish: FinishReason | None = None
+        final: StreamEvent | None = None
         try:
             async with self._http.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")[:300]
                     raise EngineError(f"vLLM engine at {self.url} refused the request ({response.status_code}): {text}")
+                # read to the end of the stream (its "[DONE]"), so the connection goes back to the pool: one
+                # left unread is closed, and every request would open a new one
                 async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                    if final is not None or not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     event = parse_chunk(json.loads(line[len("data: ") :]))
                     if event is None:
@@ -145,8 +148,9 @@ class EngineClient:
                         if event.tokens:
                             yield StreamEvent(event.tokens)
                     else:
-                        yield StreamEvent(finish_reason=finish or FinishReason.ERROR, cached_tokens=event.cached_tokens)
-                        return
+                        final = StreamEvent((), finish or FinishReason.ERROR, event.cached_tokens)
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             raise EngineError(f"the stream from the vLLM engine at {self.url} broke ({exc!r})") from None
-        raise EngineError(f"the stream from the vLLM engine at {self.url} ended without its usage")
+        if final is None:
+            raise EngineError(f"the stream from the vLLM engine at {self.url} ended without its usage")
+        yield final
