@@ -130,14 +130,12 @@ def test_metrics_read_the_speed_histograms_summed_over_engines() -> None:
         for name, value in (
             ("vllm:request_prefill_time_seconds", (1.5, 3.0)),
             ("vllm:request_prefill_kv_computed_tokens", (4000.0, 3.0)),
-            ("vllm:inter_token_latency_seconds", (0.4, 40.0)),
         ):
             text += f"# HELP {name} h\n# TYPE {name} histogram\n"
             text += f'{name}_bucket{{engine="{engine}",le="+Inf",model_name="m"}} {value[1]}\n'
             text += f"{name}_sum{labels} {value[0]}\n{name}_count{labels} {value[1]}\n"
     totals = parse_metrics(text).totals
     assert (totals.prefill_requests, totals.prefill_seconds, totals.prefill_tokens) == (6.0, 3.0, 8000.0)
-    assert (totals.token_gaps, totals.gap_seconds) == (80.0, 0.8)
 
 
 ME = EngineIdentity("v1", 5, "m", FP, context_limit=64, block_tokens=BS)

@@ -6,13 +6,7 @@ import random
 
 import pytest
 
-from kvrelay.engines.vllm.speeds import (
-    DEFAULT_DECODE_S_PER_TOKEN,
-    DEFAULT_PREFILL_S_PER_TOKEN,
-    EngineTotals,
-    PrefillFit,
-    queue_delay,
-)
+from kvrelay.engines.vllm.speeds import DEFAULT_PREFILL_S_PER_TOKEN, EngineTotals, PrefillFit, queue_delay
 
 
 def run(points: list[tuple[int, float]], start: EngineTotals | None = None) -> PrefillFit:
@@ -20,13 +14,8 @@ def run(points: list[tuple[int, float]], start: EngineTotals | None = None) -> P
     totals = start or EngineTotals()
     fit = PrefillFit().observe(totals)
     for tokens, seconds in points:
-        totals = EngineTotals(
-            totals.prefill_requests + 1,
-            totals.prefill_seconds + seconds,
-            totals.prefill_tokens + tokens,
-            totals.token_gaps + 15,
-            totals.gap_seconds + 15 * 0.01,
-        )
+        n, total_s, total_tokens = totals.prefill_requests, totals.prefill_seconds, totals.prefill_tokens
+        totals = EngineTotals(n + 1, total_s + seconds, total_tokens + tokens)
         fit = fit.observe(totals)
     return fit
 
@@ -42,8 +31,7 @@ def test_a_fixed_cost_per_request_is_not_read_as_a_cost_per_token() -> None:
     assert line is not None, f"seed {seed}"
     fixed, rate = line
     assert fixed == pytest.approx(0.02, rel=1e-6) and rate == pytest.approx(3e-5, rel=1e-6), f"seed {seed}"
-    assert fit.prefill_s_per_token == pytest.approx(3e-5, rel=1e-6)
-    assert fit.decode_s_per_token == pytest.approx(0.01)
+    assert (fit.fixed_s, fit.prefill_s_per_token) == pytest.approx((0.02, 3e-5), rel=1e-6)
 
 
 def test_a_poll_window_of_several_requests_is_one_point_of_their_means() -> None:
@@ -56,6 +44,18 @@ def test_a_poll_window_of_several_requests_is_one_point_of_their_means() -> None
 def test_alike_prompts_fall_back_to_the_rate_through_the_origin() -> None:
     fit = run([(1000, 0.05)] * 5)
     assert fit.line() == pytest.approx((0.0, 5e-5))
+    assert (fit.fixed_s, fit.prefill_s_per_token) == pytest.approx((0.0, 5e-5))
+
+
+def test_the_engine_holding_a_prefix_is_predicted_sooner_than_one_that_decoded_more() -> None:
+    # The routing test's case: one engine finished a single prefill of 385 tokens (behind the router's back),
+    # the other many requests. The first token's term must not hide the 384 cached tokens.
+    holder = run([(385, 0.02)])
+    busy = run([(n, 0.015 + 3e-5 * n) for n in (100, 400, 800, 1600) * 3])
+    prompt, cached = 387, 384
+    on_holder = holder.fixed_s + (prompt - cached) * holder.prefill_s_per_token
+    on_busy = busy.fixed_s + prompt * busy.prefill_s_per_token
+    assert on_holder < on_busy
 
 
 def test_an_unphysical_fit_falls_back_to_the_rate_through_the_origin() -> None:
@@ -67,11 +67,9 @@ def test_an_unphysical_fit_falls_back_to_the_rate_through_the_origin() -> None:
 
 def test_no_data_keeps_the_defaults_and_the_history_counts_as_one_point() -> None:
     empty = PrefillFit().observe(EngineTotals())
-    assert empty.prefill_s_per_token == DEFAULT_PREFILL_S_PER_TOKEN
-    assert empty.decode_s_per_token == DEFAULT_DECODE_S_PER_TOKEN
-    history = PrefillFit().observe(EngineTotals(500, 500 * 0.04, 500 * 1000, 5000, 5000 * 0.008))
-    assert history.prefill_s_per_token == pytest.approx(4e-5)
-    assert history.decode_s_per_token == pytest.approx(0.008)
+    assert (empty.fixed_s, empty.prefill_s_per_token) == (0.0, DEFAULT_PREFILL_S_PER_TOKEN)
+    history = PrefillFit().observe(EngineTotals(500, 500 * 0.04, 500 * 1000))
+    assert (history.fixed_s, history.prefill_s_per_token) == pytest.approx((0.0, 4e-5))
     # the history weighs as a few requests: ten requests at another speed outweigh it
     fit = run([(n, 2e-5 * n) for n in (500, 1500) * 5], start=history.last)
     assert fit.prefill_s_per_token == pytest.approx(2e-5, rel=0.15)

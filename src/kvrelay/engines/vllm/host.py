@@ -29,10 +29,11 @@ router drop everything it believed about the old one, so its index never
 credits KV that is gone. A stream that breaks ends its assignment with an
 error; the router continues the request elsewhere with the tokens delivered.
 
-Speeds: the heartbeat's prefill and decode speeds come from the engine's own
-``/metrics`` (``speeds.PrefillFit``: prefill time against computed tokens, without
-vLLM's queueing or a short prompt's fixed cost), its queue from the uncached
-prompt tokens of this worker's requests that have no first token yet.
+Speeds: the heartbeat's prefill rate and its decode step (the fixed part of a
+prefill, which ends with the first token) come from the engine's own ``/metrics``
+(``speeds.PrefillFit``: prefill time against computed tokens, without vLLM's
+queueing); its queue from the uncached prompt tokens of this worker's requests
+that have no first token yet.
 
 Sampling: the attempt's vLLM ``seed`` is derived from the request's seed and
 ``generated_before`` (``attempt_seed``), so an attempt is reproducible; a
@@ -167,7 +168,7 @@ class VllmWorker:
             active_lanes=max(self.figures.running, len(self.runs)),
             max_lanes=self.max_lanes,
             prefill_s_per_token=prefill_s_per_token,
-            decode_s_per_token=self.speeds.decode_s_per_token,
+            decode_s_per_token=self.speeds.fixed_s,
             kv_bytes_per_token=self.kv_bytes_per_token,
             context_limit=self.me.context_limit,
         )

@@ -7,7 +7,7 @@ cached blocks no request holds count as free), ``vllm:cache_config_info``
 (labels ``num_gpu_blocks`` and ``block_size``), ``vllm:prefix_cache_hits_total``
 and ``vllm:prefix_cache_queries_total``, and the sums and counts of the
 histograms ``engines.vllm.speeds`` learns from (``vllm:request_prefill_time_seconds``,
-``vllm:request_prefill_kv_computed_tokens``, ``vllm:inter_token_latency_seconds``).
+``vllm:request_prefill_kv_computed_tokens``).
 Counts of every engine index are summed; the KV usage is the highest of them.
 (An aborted request is counted nowhere: ``vllm:request_success_total`` counts
 only requests that finished.) ``NAMES`` are the sample names read, and
@@ -78,8 +78,6 @@ def parse_metrics(text: str) -> EngineFigures:
             prefill_requests=values.get("vllm:request_prefill_time_seconds_count", 0.0),
             prefill_seconds=values.get("vllm:request_prefill_time_seconds_sum", 0.0),
             prefill_tokens=values.get("vllm:request_prefill_kv_computed_tokens_sum", 0.0),
-            token_gaps=values.get("vllm:inter_token_latency_seconds_count", 0.0),
-            gap_seconds=values.get("vllm:inter_token_latency_seconds_sum", 0.0),
         ),
     )
 
@@ -93,8 +91,6 @@ _SUMMED = frozenset(
         "vllm:request_prefill_time_seconds_sum",
         "vllm:request_prefill_time_seconds_count",
         "vllm:request_prefill_kv_computed_tokens_sum",
-        "vllm:inter_token_latency_seconds_sum",
-        "vllm:inter_token_latency_seconds_count",
     }
 )
 NAMES = ("vllm:cache_config_info", "vllm:kv_cache_usage_perc", *sorted(_SUMMED))

@@ -1,4 +1,4 @@
-"""A vLLM engine's prefill and decode speeds and its queue, learned from the engine's own ``/metrics`` (pure).
+"""A vLLM engine's prefill speed and its queue, learned from the engine's own ``/metrics`` (pure).
 
 What a vLLM worker's heartbeat reports (``Heartbeat.prefill_s_per_token``, ``decode_s_per_token``,
 ``queue_delay_s``) comes from here. The engine measures what the router needs without the noise of the
@@ -17,8 +17,12 @@ worker's own view (which starts before vLLM's queue and includes the HTTP hops):
   rate), the rate is the fit through the origin (an upper bound when there is a fixed cost). The first
   totals a worker reads (the engine's history before it started) count as one point of at most
   ``HISTORY_WEIGHT`` requests, so a restarted worker starts from the engine's speed, not from a guess.
-- **decode**: ``vllm:inter_token_latency_seconds`` (sum over count) between polls, an exponential
-  average with the same decay per token.
+- **the first token**: vLLM samples it at the end of the prefill's last step, so the time a request
+  takes once scheduled is the fit itself, ``fixed_s + s_per_token * computed tokens``. The heartbeat's
+  decode step, which the router adds once to every prediction, is therefore the fit's ``fixed_s`` (0 when
+  the rate is the one through the origin, which holds the fixed cost), not a decode step's time: with a
+  decode step added (the old default, 50 ms, on an engine that had decoded nothing yet), the engine
+  holding a prompt's prefix lost to one that held none but had decoded before.
 - **queue**: the uncached prompt tokens of the requests this worker sent that have no first token yet,
   times the prefill rate; none pending is an empty queue whatever vLLM's figures lag behind, so an idle
   engine never makes the router hold a request (``queue_delay``).
@@ -37,7 +41,8 @@ MIN_SPREAD = 0.05
 HISTORY_WEIGHT = 4.0
 """Requests the engine's history before the worker started counts as, at most."""
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-3
-DEFAULT_DECODE_S_PER_TOKEN = 0.05
+"""Before the engine has finished a request: a CPU's order of magnitude for a model of a few hundred million
+parameters; the first request replaces it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +55,6 @@ class EngineTotals:
     """``vllm:request_prefill_time_seconds_sum``."""
     prefill_tokens: float = 0.0
     """``vllm:request_prefill_kv_computed_tokens_sum``."""
-    token_gaps: float = 0.0
-    """``vllm:inter_token_latency_seconds_count``."""
-    gap_seconds: float = 0.0
-    """``vllm:inter_token_latency_seconds_sum``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +67,6 @@ class PrefillFit:
     wxx: float = 0.0
     wy: float = 0.0
     wxy: float = 0.0
-    gap_w: float = 0.0
-    gap_mean_s: float = 0.0
     last: EngineTotals | None = None
 
     def observe(self, totals: EngineTotals) -> PrefillFit:
@@ -75,9 +74,8 @@ class PrefillFit:
         last = self.last
         if last is None:
             fit = self._add(totals.prefill_requests, totals.prefill_tokens, totals.prefill_seconds, HISTORY_WEIGHT)
-            fit = fit._add_gaps(totals.token_gaps, totals.gap_seconds, HISTORY_WEIGHT)
             return replace(fit, last=totals)
-        if totals.prefill_requests < last.prefill_requests or totals.token_gaps < last.token_gaps:
+        if totals.prefill_requests < last.prefill_requests:
             return replace(self, last=totals)  # the engine restarted: its counters began again
         fit = self._add(
             totals.prefill_requests - last.prefill_requests,
@@ -85,7 +83,6 @@ class PrefillFit:
             totals.prefill_seconds - last.prefill_seconds,
             None,
         )
-        fit = fit._add_gaps(totals.token_gaps - last.token_gaps, totals.gap_seconds - last.gap_seconds, None)
         return replace(fit, last=totals)
 
     def _add(self, n: float, tokens: float, seconds: float, cap: float | None) -> PrefillFit:
@@ -102,15 +99,6 @@ class PrefillFit:
             wy=self.wy * keep + weight * y,
             wxy=self.wxy * keep + weight * x * y,
         )
-
-    def _add_gaps(self, n: float, seconds: float, cap: float | None) -> PrefillFit:
-        if n < 1 or seconds < 0:
-            return self
-        weight = n if cap is None else min(n, cap)
-        keep = DECAY**weight
-        total = self.gap_w * keep + weight
-        mean = (self.gap_mean_s * self.gap_w * keep + seconds / n * weight) / total
-        return replace(self, gap_w=total, gap_mean_s=mean)
 
     def line(self) -> tuple[float, float] | None:
         """``(fixed_s, s_per_token)`` of the fit; None before a point with computed tokens."""
@@ -132,8 +120,10 @@ class PrefillFit:
         return found[1] if found is not None else DEFAULT_PREFILL_S_PER_TOKEN
 
     @property
-    def decode_s_per_token(self) -> float:
-        return self.gap_mean_s if self.gap_w > 0 and self.gap_mean_s > 0 else DEFAULT_DECODE_S_PER_TOKEN
+    def fixed_s(self) -> float:
+        """What a scheduled request takes beyond its computed tokens (the first token's term; module docstring)."""
+        found = self.line()
+        return found[0] if found is not None else 0.0
 
 
 def queue_delay(pending_tokens: int, s_per_token: float) -> float:
