@@ -12,6 +12,12 @@ bfloat16 numbers fastest as float32, and a bfloat16 GEMM accumulates in float32 
 time: on a shared machine the wall clock also counts the time the OS gives other processes, and the peak is
 what the cores deliver while they run. The limit in tokens per second is ``peak / flops_per_token``; a
 decode's share of it is its rate over that.
+
+One stream is bound by memory, not compute: ``bytes_per_token(config, context, head_bytes)`` counts what one
+token's step must read (every projection weight in bfloat16, the LM head at ``head_bytes`` per row, and the keys
+and values the attention sees at ``context``), and ``read_rate(threads)`` is the best rate at which ``threads``
+torch threads sum a tensor larger than the last-level cache. Their quotient is the fastest one stream can decode
+on this machine without reading fewer bytes (the bandwidth floor).
 """
 
 from __future__ import annotations
@@ -49,6 +55,36 @@ def peak_flops(threads: int, size: int = 1024, repeats: int = 5) -> tuple[float,
         torch.set_num_threads(previous)
     dtype = min(best, key=lambda k: best[k])
     return threads * 2.0 * size**3 / best[dtype], str(dtype).removeprefix("torch.")
+
+
+def bytes_per_token(config: ModelConfig, context: float, head_bytes: float) -> float:
+    """Bytes one stream's decode step reads at ``context`` positions, the head at ``head_bytes`` per vocabulary
+    row (see the module docstring)."""
+    hidden, inner, d = config.hidden_size, config.intermediate_size, config.head_dim
+    per_layer = hidden * (config.num_heads + 2 * config.num_kv_heads) * d + config.num_heads * d * hidden
+    per_layer += 3 * hidden * inner
+    window = config.sliding_window or 0
+    kv = 0.0
+    for kind in config.layer_types:
+        seen = min(context, window) if kind == "sliding_attention" and window else context
+        kv += 2 * config.num_kv_heads * d * seen * 2
+    return config.num_layers * per_layer * 2.0 + config.vocab_size * head_bytes + kv
+
+
+def read_rate(threads: int, mib: int = 1024, repeats: int = 5) -> float:
+    """The best rate, in bytes per second, at which ``threads`` torch threads sum ``mib`` MiB of float32."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        data = torch.ones(mib * 2**18)
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            data.sum()
+            best = min(best, time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(previous)
+    return data.numel() * 4 / best
 
 
 _DTYPES = (torch.bfloat16, torch.float32)
