@@ -316,6 +316,8 @@ def test_a_worker_measures_its_speeds_before_it_serves_and_its_heartbeat_reports
         expected = h.reference(PROMPT, 6)  # pages the measurement wrote hold nothing anyone reads
         _, replies = h.offer("r1", PROMPT, 6)
         assert list((await replies.wait_for(Result)).tokens) == expected
+        # Its prefill left the queue with its first token: a heartbeat went out then, showing the queue empty.
+        assert len(h.heartbeats) == 1 and h.heartbeats[0].queue_delay_s == 0.0 and h.heartbeats[0].seq > hb.seq
         assert h.runtime.speeds != speeds  # it goes on learning from every forward
 
     run(model_dir, body)

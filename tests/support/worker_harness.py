@@ -14,6 +14,7 @@ from kvrelay.protocol.messages import (
     Assignment,
     Cancel,
     Delta,
+    Heartbeat,
     Offer,
     OfferResult,
     Result,
@@ -97,17 +98,26 @@ class WorkerHarness:
         self.fingerprint = self.artifacts.fingerprint
         self.identity = WorkerIdentity("w0", epoch, "tiny", self.fingerprint, context_limit)
         self.published: list[WireMessage] = []
+        """Residency messages the worker published, in order."""
+        self.heartbeats: list[Heartbeat] = []
+        """Heartbeats it published between the periodic ones (after a prefill ended)."""
         self.controller = WorkerController(
             self.identity,
             engine.pool,
             self.runtime,
             config.kv_bytes_per_token(4),
             restore=restore,
-            publish=self.published.append,
+            publish=self._published,
             share_prefill=share_prefill,
         )
         self.controller.pool.on_residency = self.controller.publish_residency
         self.pool = self.controller.pool
+
+    def _published(self, message: WireMessage) -> None:
+        if isinstance(message, Heartbeat):
+            self.heartbeats.append(message)
+        else:
+            self.published.append(message)
 
     def offer(
         self,

@@ -169,3 +169,19 @@ def test_prefilling_lanes_continue_by_their_jobs_place_before_admission_order() 
     # Places equal (every job's default): admission order, as before.
     plan = plan_iteration(config, [prefilling(1588, admitted=0), prefilling(23, admitted=1), None, None], [])
     assert plan.prefill == (PrefillChunk(0, 64),)
+
+
+def test_a_waiting_job_with_an_earlier_place_is_admitted_before_a_prefilling_lane_continues() -> None:
+    """A follower that waited for its shared prefix is queued again after a later long prompt got its lane;
+    with the budget taken by that prompt it never got a lane of its own, so it waited for the whole prompt
+    (a 23-token follower finished with the 1,588-token prompt admitted after it, 5.7 s, in the loaded replays)."""
+    config = PolicyConfig(num_lanes=4, token_budget=64)
+    later_long = LaneState(prompt_left=1588, admitted=0, place=4.12)
+    plan = plan_iteration(config, [later_long, None, None, None], [23, 30], [3.72, 5.0])
+    assert plan.admit == (1,) and plan.prefill == (PrefillChunk(1, 23), PrefillChunk(0, 41))
+    # Never past the queue's head: a later job with an early place waits behind a head with a late one.
+    plan = plan_iteration(config, [later_long, None, None, None], [23, 30], [5.0, 3.72])
+    assert plan.admit == () and plan.prefill == (PrefillChunk(0, 64),)
+    # Without places (every job's default), as before: the prefilling lane first, then the queue.
+    plan = plan_iteration(config, [prefilling(10, admitted=0), None, None, None], [23, 30])
+    assert plan.admit == (1, 2) and plan.prefill == (PrefillChunk(0, 10), PrefillChunk(1, 23), PrefillChunk(2, 30))

@@ -447,9 +447,14 @@ class WorkerController:
             self._queue_tokens(run, 0)
             self._register_through(run, len(run.offer.prompt) // self.me.chunk_tokens, run.offer.prompt)
             self._resubmit(self.filling.filled(run))
+        first = not run.generated
         run.token_times.append(now)
         run.generated.append(event.token)
         self._step(machine.TokensProduced(now, run.offer.assignment, (event.token,)))
+        if first:
+            # Its prefill left the queue: tell the routers now, after its first delta, not at the next periodic
+            # heartbeat (a router holding requests while the queue looked long sent them up to 0.5 s late).
+            self.publish(self.heartbeat())
 
     def _on_job_result(self, run: Run, event: JobResult) -> None:
         a = run.offer.assignment

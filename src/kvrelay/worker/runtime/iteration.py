@@ -10,9 +10,10 @@
 - Lanes are stable physical slots: a sequence keeps the lane it was admitted to until
   it finishes; a waiting job gets the lowest free lane.
 - Prefill is chunked under the token budget: lanes already prefilling continue by
-  their jobs' place (``Job.place``), then in admission order; then waiting jobs are
-  admitted in queue order (never skipping the head) while a lane and budget remain;
-  each takes ``min(prompt_left, budget_left)`` tokens.
+  their jobs' place (``Job.place``), then in admission order; waiting jobs are
+  admitted in queue order (never skipping the head) while a lane and budget remain,
+  after the prefilling lanes, except that one whose place is lower than a prefilling
+  lane's goes before it; each takes ``min(prompt_left, budget_left)`` tokens.
 
 Follows the shape of vLLM's and nano-vllm's chunked-prefill schedulers (decode
 first, prefill fills the remaining token budget) but keeps lane slots fixed.
@@ -20,6 +21,7 @@ first, prefill fills the remaining token budget) but keeps lane slots fixed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -91,17 +93,27 @@ class IterationPlan:
         return self.num_tokens == 0
 
 
-def plan_iteration(config: PolicyConfig, lanes: Sequence[LaneState | None], waiting: Sequence[int]) -> IterationPlan:
+def plan_iteration(
+    config: PolicyConfig,
+    lanes: Sequence[LaneState | None],
+    waiting: Sequence[int],
+    waiting_places: Sequence[float] = (),
+) -> IterationPlan:
     """Plan one iteration.
 
     ``lanes[i]`` is lane i's sequence or ``None`` (free); ``len(lanes) == config.num_lanes``.
-    ``waiting`` lists the input lengths (each >= 1) of queued jobs in queue order (``prefill_order``).
+    ``waiting`` lists the input lengths (each >= 1) of queued jobs in queue order (``prefill_order``),
+    ``waiting_places`` their places (``Job.place``; empty: all 0). A waiting job whose place is lower than a
+    prefilling lane's is admitted before that lane continues (never past the queue's head).
     The plan never exceeds ``config.token_budget`` tokens and never gives a lane two roles.
     """
     if len(lanes) != config.num_lanes:
         raise ValueError(f"expected {config.num_lanes} lanes, got {len(lanes)}")
     if any(n < 1 for n in waiting):
         raise ValueError("every waiting job must have at least one input token")
+    places = list(waiting_places) if waiting_places else [0.0] * len(waiting)
+    if len(places) != len(waiting):
+        raise ValueError(f"expected {len(waiting)} waiting places, got {len(places)}")
     free_lanes = [i for i, lane in enumerate(lanes) if lane is None]
     decoding = [i for i, lane in enumerate(lanes) if lane is not None and lane.decoding]
     prefilling = sorted(
@@ -121,20 +133,19 @@ def plan_iteration(config: PolicyConfig, lanes: Sequence[LaneState | None], wait
     budget = config.token_budget - len(decoding)
 
     chunks: list[PrefillChunk] = []
-    for lane in prefilling:
-        if budget == 0:
-            break
-        take = min(lanes[lane].prompt_left, budget)  # type: ignore[union-attr]
+    admit: list[int] = []
+    admissible_jobs = min(len(waiting), len(free_lanes)) if admissible else 0
+    p = w = 0
+    while budget > 0 and (p < len(prefilling) or w < admissible_jobs):
+        lane_place = lanes[prefilling[p]].place if p < len(prefilling) else math.inf  # type: ignore[union-attr]
+        if w < admissible_jobs and places[w] < lane_place:
+            lane, take = free_lanes[w], min(waiting[w], budget)
+            admit.append(lane)
+            w += 1
+        else:
+            lane = prefilling[p]
+            take = min(lanes[lane].prompt_left, budget)  # type: ignore[union-attr]
+            p += 1
         chunks.append(PrefillChunk(lane, take))
         budget -= take
-
-    admit: list[int] = []
-    if admissible:
-        for lane, prompt_len in zip(free_lanes, waiting):
-            if budget == 0:
-                break
-            take = min(prompt_len, budget)
-            admit.append(lane)
-            chunks.append(PrefillChunk(lane, take))
-            budget -= take
     return IterationPlan(tuple(decoding), tuple(chunks), tuple(admit))

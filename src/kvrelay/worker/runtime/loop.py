@@ -309,7 +309,7 @@ class PagedRuntime:
 
     def _iterate(self, waiting: list[_Sequence]) -> None:
         lanes = [None if s is None else s.lane_state() for s in self._lanes]
-        plan = plan_iteration(self.policy, lanes, [s.job.prefill_len for s in waiting])
+        plan = plan_iteration(self.policy, lanes, [s.job.prefill_len for s in waiting], [s.job.place for s in waiting])
         if plan.admit:
             with self._cond:
                 for _ in plan.admit:
