@@ -38,6 +38,7 @@ from kvrelay.models.kernels.huge_pages import huge_page_empty
 from kvrelay.models.kernels.kept_gathers import KeptGathers, KeptGroup
 from kvrelay.models.kernels.kv_pages import gather_pages
 from kvrelay.models.kernels.native.attention import decode_attention_native
+from kvrelay.models.kernels.prefill_attention import PrefillSpan, prefill_attention
 
 GROUP_COST_TOKENS = 1024
 """Padding, in key tokens per layer, worth one more decode group (one more gather and attention call per layer)."""
@@ -66,6 +67,8 @@ class AttentionGroup:
     causal mask (which lets the attention kernel skip the masked blocks).
     ``kept`` identifies a full-attention decode group of a batch whose decode rows all have
     lanes, so its gathered window can be kept between steps (``kept_gathers``); else ``None``.
+    ``span`` places the queries and gathered keys of a prefill group (one sequence, ``Q > 1``),
+    which attends through ``prefill_attention`` on CPU; else ``None``.
     ``visible`` (``[G]``, on the CPU) counts the leading keys each sequence sees when that
     is all its mask says (decode groups without a window); else ``None``. ``page_run`` is
     the first page when the group is one sequence whose ``n`` pages are consecutive in the
@@ -79,6 +82,7 @@ class AttentionGroup:
     kept: KeptGroup | None = None
     visible: torch.Tensor | None = None
     page_run: int | None = None
+    span: PrefillSpan | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,9 +249,12 @@ def _group(
     pages = tables.gather(1, page_idx.clamp(min=0, max=tables.shape[1] - 1))
     run = _page_run(pages)
     queries = q_pos.shape[1]
+    span = None
+    if q_pos.shape[0] == 1 and queries > 1:
+        span = PrefillSpan(int(q_pos[0, 0]), int(page_idx[0, 0]) * page_tokens, window)
     if q_pos.shape[0] == 1 and int(q_pos[0, 0]) == 0 and queries > 1 and (window is None or queries <= window):
         rows = None if query_rows is None else query_rows.to(device)
-        return AttentionGroup(rows, pages.to(device), mask=None, queries_per_seq=queries, page_run=run)
+        return AttentionGroup(rows, pages.to(device), mask=None, queries_per_seq=queries, page_run=run, span=span)
     offsets = torch.arange(page_tokens)
     kv_pos = (page_idx.unsqueeze(2) * page_tokens + offsets).flatten(1)
     visible = (kv_pos >= 0).unsqueeze(1) & (kv_pos.unsqueeze(1) <= q_pos.unsqueeze(2))
@@ -261,6 +268,7 @@ def _group(
         queries_per_seq=queries,
         visible=q_pos[:, 0] + 1 if window is None and queries == 1 else None,
         page_run=run,
+        span=span,
     )
 
 
@@ -330,6 +338,8 @@ def _attend(
         return _attend_decode(q, k_pool, v_pool, group, scale, buffers)
     heads, head_dim = q.shape[1], q.shape[2]
     k, v = _gather(k_pool, v_pool, group, buffers, q.dtype)
+    if group.span is not None and q.device.type == "cpu":
+        return prefill_attention(q, k[0], v[0], group.span, scale)
     queries = q.view(group.pages.shape[0], group.queries_per_seq, heads, head_dim).transpose(1, 2)
     gqa = k.shape[1] != heads
     if group.mask is None:

@@ -1,0 +1,99 @@
+"""Cold prefill TTFT of one engine: block-wise prefill attention against the fused, masked kernel it replaced.
+
+One ``Engine`` (default Gemma 3 270M, bfloat16, ``--threads`` torch threads as
+``kvrelay serve`` gives its device thread) prefills a cold prompt of
+``--tokens`` (4096) random tokens, in chunks of its token budget (512), and
+samples one token; the figure is the time to that token. Per round the two
+prefill attentions run alternating on fresh prompts: ``blockwise`` (the code as it
+is: ``models.kernels.prefill_attention``) and ``masked`` (the previous path:
+``scaled_dot_product_attention`` over the whole gathered window with an explicit
+mask, or ``is_causal`` for a fresh chunk the window does not bind). Medians over
+``--rounds`` rounds, and the spread (min..max) of the ratio per round.
+
+Run: ``.venv/bin/python bench/prefill_attention.py --json bench/results/prefill_attention.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvrelay.bench.report import Figure, report
+from kvrelay.models.kernels import attention
+from kvrelay.models.kernels.prefill_attention import PrefillSpan, prefill_attention
+from kvrelay.protocol.messages import Sampling
+from kvrelay.worker.runtime.engine import Engine, EngineOptions
+
+
+def masked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:
+    """The prefill attention before block-wise: one fused call over every gathered key."""
+    queries, heads, head_dim = q.shape
+    qs = q.transpose(0, 1).unsqueeze(0)
+    fresh = span.first_query == 0 and (span.window is None or queries <= span.window)
+    if fresh:
+        out = F.scaled_dot_product_attention(
+            qs, k[None, :, :queries], v[None, :, :queries], is_causal=True, scale=scale, enable_gqa=True
+        )
+    else:
+        q_pos = torch.arange(span.first_query, span.first_query + queries).unsqueeze(1)
+        k_pos = torch.arange(span.first_key, span.first_key + k.shape[1]).unsqueeze(0)
+        visible = k_pos <= q_pos
+        if span.window is not None:
+            visible &= k_pos > q_pos - span.window
+        mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+        out = F.scaled_dot_product_attention(qs, k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(queries, heads, head_dim)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--model", default=None, help="model directory or GGUF (default: Gemma 3 270M)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    engine = Engine.open(args.model, dtype="bfloat16", options=EngineOptions(kv_tokens=2 * args.tokens + 1024))
+    kernels = {"blockwise": prefill_attention, "masked": masked_prefill}
+    ttft: dict[str, list[float]] = {name: [] for name in kernels}
+    try:
+        for rnd in range(args.rounds + 1):
+            for i, (name, kernel) in enumerate(kernels.items()):
+                attention.prefill_attention = kernel  # type: ignore[assignment]
+                salt = 2 * rnd + i
+                prompt = [2] + [1000 + salt * 11 + (t * 37) % 20000 for t in range(args.tokens - 1)]
+                seconds = _ttft(engine, prompt, Sampling())
+                if rnd > 0:  # round 0 warms both paths up
+                    ttft[name].append(seconds)
+                print(f"round {rnd} {name}: {seconds:.3f} s", flush=True)
+    finally:
+        attention.prefill_attention = prefill_attention
+        engine.close()
+    ratios = [m / b for m, b in zip(ttft["masked"], ttft["blockwise"], strict=True)]
+    new, old = statistics.median(ttft["blockwise"]), statistics.median(ttft["masked"])
+    figures = [
+        Figure("cold_ttft_s", new, "s", "masked prefill attention", old),
+        Figure("speedup", old / new, "x", None, None),
+        Figure("speedup_min", min(ratios), "x", None, None),
+        Figure("speedup_max", max(ratios), "x", None, None),
+    ]
+    title = f"{engine.artifacts.name}, {args.tokens}-token cold prefill, {args.threads} threads, bfloat16"
+    report(title, figures, args.json)
+    return 0
+
+
+def _ttft(engine: Engine, prompt: list[int], sampling: Sampling) -> float:
+    """Seconds from submitting ``prompt`` to its first token's event."""
+    first: list[float] = []
+    start = time.perf_counter()
+    engine.generate(prompt, 1, sampling, on_event=lambda _: first.append(time.perf_counter()))
+    return first[0] - start
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

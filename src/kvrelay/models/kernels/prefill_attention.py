@@ -1,0 +1,108 @@
+"""Prefill attention on CPU: query blocks over only the keys they can see, as plain matmuls.
+
+One prefilling sequence's ``Q`` new queries attend over a gathered window of its
+keys. ``torch``'s fused CPU attention (``scaled_dot_product_attention``) with an
+explicit mask scores every (query, key) pair of that window, and its GEMMs run
+far below what the machine's matmuls reach (about 70 GFLOP/s against 400 for a
+bfloat16 ``torch.mm`` through oneDNN on two AVX-512 cores; figures in
+docs/performance.md, "Prefill attention").
+
+``prefill_attention`` instead splits the queries into blocks of ``QUERY_BLOCK``
+and, per block and KV head, attends over the keys the block can see: from the
+first key the window lets its first query see, to its last query. The query
+heads sharing a KV head are folded into the rows of one matrix, so a block is
+two 2-D matmuls (scores, then probabilities times values) and a softmax. Only
+the ragged edges of the block's key range (the causal diagonal; in sliding
+layers, the window's start) get an additive mask; keys every query of the
+block sees get none. Keys outside every query's view are never touched, so a
+sliding layer costs ``O(window)`` keys per query, a full one ``O(position)``.
+
+Numerics follow the fused kernel's: scores are ``(q * scale) k^T`` with float32
+products and sums (bfloat16 inputs are widened first), softmaxed in float32;
+the probabilities are rounded to the values' dtype for the second matmul (the
+fused kernel rounds them too), which accumulates in float32. Only the order of
+float summation differs.
+
+vLLM's CPU backend (vllm/v1/attention/backends/cpu_attn.py) attends a fresh
+prompt with one fused ``scaled_dot_product_attention`` per sequence, and every
+other prefill through its own kernel (``cpu_attention_with_kv_cache``,
+csrc/cpu/cpu_attn_impl.hpp), which gathers the query heads of a KV head into
+one tile of queries and bounds each tile's key range by the causal and
+sliding-window limits; this module does the same with plain ``torch`` ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QUERY_BLOCK = 128
+"""Queries per block: each block attends over its own key range, so smaller blocks skip more
+masked keys (a sliding block sees ``window - 1 + QUERY_BLOCK`` keys at most) but make smaller
+matmuls (figures: docs/performance.md, "Prefill attention")."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpan:
+    """Where one prefilling sequence's queries and gathered keys sit.
+
+    Query ``j`` is at position ``first_query + j``; gathered key ``i`` at ``first_key + i``.
+    A query at ``p`` sees the key at ``k`` iff ``k <= p`` and, with a ``window``,
+    ``k > p - window``.
+    """
+
+    first_query: int
+    first_key: int
+    window: int | None
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan, scale: float, block: int = QUERY_BLOCK
+) -> torch.Tensor:
+    """Attention output ``[Q, heads, D]`` of queries ``q`` (``[Q, heads, D]``) over ``k``, ``v`` (``[kv_heads, S, D]``).
+
+    The keys must cover every position a query sees: from
+    ``max(0, first_query - window + 1)`` (``0`` without a window) to ``first_query + Q - 1``.
+    """
+    queries, heads, head_dim = q.shape
+    kv_heads = k.shape[0]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    keys = k.float()
+    for h in range(kv_heads):
+        rows_of_head = q[:, h * group : (h + 1) * group]
+        for start in range(0, queries, block):
+            stop = min(queries, start + block)
+            first, last = span.first_query + start, span.first_query + stop - 1
+            lo = max(span.first_key, 0 if span.window is None else first - span.window + 1)
+            hi = last + 1
+            rows = rows_of_head[start:stop].reshape(-1, head_dim).float() * scale
+            scores = torch.mm(rows, keys[h, lo - span.first_key : hi - span.first_key].t())
+            _mask_edges(scores.view(stop - start, group, hi - lo), first, last, lo, span.window)
+            probs = torch.softmax(scores, dim=-1).to(v.dtype)
+            attended = torch.mm(probs, v[h, lo - span.first_key : hi - span.first_key])
+            out[start:stop, h * group : (h + 1) * group] = attended.view(stop - start, group, head_dim)
+    return out
+
+
+def _mask_edges(scores: torch.Tensor, first: int, last: int, lo: int, window: int | None) -> None:
+    """Add ``-inf`` to ``scores`` (``[B, group, keys]``, key ``i`` at position ``lo + i``, queries at
+    ``first..last``) where a query does not see a key, touching only the columns some query does not see."""
+    hi = lo + scores.shape[-1]
+    seen_by_all_from = lo if window is None else max(lo, last - window + 1)
+    seen_by_all_to = first + 1
+    if seen_by_all_from >= seen_by_all_to:
+        ragged = [(lo, hi)]
+    else:
+        ragged = [(lo, seen_by_all_from), (seen_by_all_to, hi)]
+    q_pos = torch.arange(first, last + 1).unsqueeze(1)
+    for a, b in ragged:
+        if a >= b:
+            continue
+        k_pos = torch.arange(a, b).unsqueeze(0)
+        hidden = k_pos > q_pos
+        if window is not None:
+            hidden |= k_pos <= q_pos - window
+        mask = torch.zeros(hidden.shape, dtype=scores.dtype).masked_fill_(hidden, float("-inf"))
+        scores[:, :, a - lo : b - lo] += mask.unsqueeze(1)

@@ -1,0 +1,73 @@
+"""Block-wise prefill attention equals the fused, masked attention it replaces.
+
+Random queries, keys and values; every combination of full and sliding layers,
+chunks with and without keys before them, GQA and not, and query blocks that
+split the chunk unevenly (so block edges fall on the diagonal and the window's
+start). The reference is ``scaled_dot_product_attention`` with the explicit
+mask ``plan_attention`` builds.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvrelay.models.kernels.prefill_attention import PrefillSpan, prefill_attention
+from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
+
+SCALE = 0.2
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+    """The fused kernel with an additive mask over every gathered key (the path before block-wise attention)."""
+    queries, heads, _ = q.shape
+    q_pos = torch.arange(span.first_query, span.first_query + queries).unsqueeze(1)
+    k_pos = torch.arange(span.first_key, span.first_key + k.shape[1]).unsqueeze(0)
+    visible = k_pos <= q_pos
+    if span.window is not None:
+        visible &= k_pos > q_pos - span.window
+    mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=SCALE, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 1), (4, 2), (3, 3)])
+@pytest.mark.parametrize("window", [None, 6, 23])
+@pytest.mark.parametrize(("first_query", "first_key"), [(0, 0), (13, 0), (40, 16), (41, 40)])
+@pytest.mark.parametrize("block", [1, 5, 8, 64])
+def test_blockwise_prefill_equals_masked_attention(
+    dtype: torch.dtype, heads: int, kv_heads: int, window: int | None, first_query: int, first_key: int, block: int
+) -> None:
+    queries = 19
+    seed = zlib.crc32(repr((dtype, heads, kv_heads, window, first_query, first_key, block)).encode())
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    first_key = min(first_key, 0 if window is None else max(0, first_query - window + 1))
+    keys = first_query + queries - first_key
+    q = torch.randn(queries, heads, 8, generator=gen).to(dtype)
+    k = torch.randn(kv_heads, keys, 8, generator=gen).to(dtype)
+    v = torch.randn(kv_heads, keys, 8, generator=gen).to(dtype)
+    span = PrefillSpan(first_query, first_key, window)
+    got = prefill_attention(q, k, v, span, SCALE, block)
+    want = masked_attention(q, k, v, span)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_keys_outside_every_querys_view_are_never_read() -> None:
+    """Keys before a sliding window's reach and past the last query may hold anything, even NaN."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(10, 2, 8, generator=gen)
+    k = torch.randn(1, 40, 8, generator=gen)
+    v = torch.randn(1, 40, 8, generator=gen)
+    span = PrefillSpan(first_query=20, first_key=0, window=5)
+    want = prefill_attention(q, k[:, :30], v[:, :30], span, SCALE, block=3)
+    k[:, :16], v[:, :16] = float("nan"), float("nan")
+    k[:, 30:], v[:, 30:] = float("nan"), float("nan")
+    assert torch.equal(prefill_attention(q, k, v, span, SCALE, block=3), want)
