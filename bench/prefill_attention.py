@@ -7,8 +7,11 @@ samples one token; the figure is the time to that token. Per round the two
 prefill attentions run alternating on fresh prompts: ``blockwise`` (the code as it
 is: ``models.kernels.prefill_attention``) and ``masked`` (the previous path:
 ``scaled_dot_product_attention`` over the whole gathered window with an explicit
-mask, or ``is_causal`` for a fresh chunk the window does not bind). Medians over
-``--rounds`` rounds, and the spread (min..max) of the ratio per round.
+mask, or ``is_causal`` for a fresh chunk the window does not bind). With
+``--bf16-scores`` a third path runs too, not taken: block-wise with the scores of a
+bfloat16 ``q k^T`` rounded to bfloat16 (as in transformers' eager attention and
+``decode_attention``), whose matmul runs through oneDNN's bfloat16 kernels. Medians
+over ``--rounds`` rounds, and the spread (min..max) of the ratio per round.
 
 Run: ``.venv/bin/python bench/prefill_attention.py --json bench/results/prefill_attention.json``.
 """
@@ -24,7 +27,7 @@ import torch.nn.functional as F
 
 from kvrelay.bench.report import Figure, report
 from kvrelay.models.kernels import attention
-from kvrelay.models.kernels.prefill_attention import PrefillSpan, prefill_attention
+from kvrelay.models.kernels.prefill_attention import PrefillSpan, _mask_edges, prefill_attention
 from kvrelay.protocol.messages import Sampling
 from kvrelay.worker.runtime.engine import Engine, EngineOptions
 
@@ -49,6 +52,28 @@ def masked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: Pref
     return out[0].transpose(0, 1).reshape(queries, heads, head_dim)
 
 
+def bf16_scores_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan, scale: float, block: int = 128
+) -> torch.Tensor:
+    """``prefill_attention`` with the scores' matmul in the inputs' dtype (rounded scores), then float32."""
+    queries, heads, head_dim = q.shape
+    kv_heads = k.shape[0]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    for h in range(kv_heads):
+        for start in range(0, queries, block):
+            stop = min(queries, start + block)
+            first, last = span.first_query + start, span.first_query + stop - 1
+            lo = max(span.first_key, 0 if span.window is None else first - span.window + 1)
+            keys = slice(lo - span.first_key, last + 1 - span.first_key)
+            rows = q[start:stop, h * group : (h + 1) * group].reshape(-1, head_dim)
+            scores = torch.mm(rows, k[h, keys].t()).float().mul_(scale)
+            _mask_edges(scores.view(stop - start, group, -1), first, last, lo, span.window)
+            probs = torch.softmax(scores, dim=-1).to(v.dtype)
+            out[start:stop, h * group : (h + 1) * group] = torch.mm(probs, v[h, keys]).view(-1, group, head_dim)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the figures here")
@@ -56,10 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--bf16-scores", action="store_true", help="also time bfloat16-rounded scores")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     engine = Engine.open(args.model, dtype="bfloat16", options=EngineOptions(kv_tokens=2 * args.tokens + 1024))
     kernels = {"blockwise": prefill_attention, "masked": masked_prefill}
+    if args.bf16_scores:
+        kernels["bf16_scores"] = bf16_scores_prefill
     ttft: dict[str, list[float]] = {name: [] for name in kernels}
     try:
         for rnd in range(args.rounds + 1):
@@ -82,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         Figure("speedup_min", min(ratios), "x", None, None),
         Figure("speedup_max", max(ratios), "x", None, None),
     ]
+    if args.bf16_scores:
+        rounded = statistics.median(ttft["bf16_scores"])
+        figures.append(Figure("bf16_scores_cold_ttft_s", rounded, "s", "masked prefill attention", old))
     title = f"{engine.artifacts.name}, {args.tokens}-token cold prefill, {args.threads} threads, bfloat16"
     report(title, figures, args.json)
     return 0
