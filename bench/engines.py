@@ -81,6 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--vllm-env", action="append", default=[], metavar="KEY=VALUE", help="more environment for vLLM (repeatable)"
     )
+    parser.add_argument(
+        "--omp-spincount",
+        type=int,
+        default=None,
+        help="GOMP_SPINCOUNT of both servers (default unset: passive OpenMP threads sleep at once); for a machine "
+        "dedicated to the server, e.g. 20000",
+    )
     parser.add_argument("--ready-timeout", type=float, default=1200.0, help="seconds a server may take to start")
     parser.add_argument("--work-dir", type=Path, default=None, help="logs and kvrelay's data (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here (and the PNG next to it)")
@@ -120,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         vllm_force_omp_threads=args.vllm_force_omp_threads,
         vllm_extra=("--enforce-eager",) if args.vllm_eager else (),
         vllm_env=env_pairs(parser, args.vllm_env),
+        omp_spincount=args.omp_spincount,
     )
     servers: dict[str, EngineServer] = {}
     try:
@@ -186,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         f"bf16 peak: torch {peak_way} GEMM on {args.threads} threads; compute limit at a mean decode context of "
         f"{context:g} tokens; load average (1, 5, 15 min) before {load_before}, after {load_after}"
     )
-    title = f"kvrelay serve vs {peer}: {name}, bfloat16, {args.threads} threads, {args.rounds} rounds"
+    spin = "" if args.omp_spincount is None else f", GOMP_SPINCOUNT {args.omp_spincount}"
+    title = f"kvrelay serve vs {peer}: {name}, bfloat16, {args.threads} threads, {args.rounds} rounds{spin}"
     report(title, out, str(args.json) if args.json else None)
     if args.json:
         title = (

@@ -7,8 +7,9 @@ serve the same model directory under the same name, with the same torch thread c
 - kvrelay: ``python -m kvrelay.cli.main serve --model DIR --dtype bfloat16 --lanes N --kv-tokens K``, with
   ``OMP_NUM_THREADS`` set to the thread count (its device thread owns the torch pool).
 - both: ``OMP_WAIT_POLICY=PASSIVE`` (kvrelay's own default; on a shared machine a spinning OpenMP thread holds
-  a core its partner thread needs, docs/performance.md "OpenMP wait policy"), unless ``vllm_env`` says
-  otherwise for vLLM.
+  a core its partner thread needs, docs/performance.md "OpenMP wait policy"), and ``GOMP_SPINCOUNT`` where
+  ``omp_spincount`` sets it (a machine dedicated to the server: threads spin that many turns before they
+  sleep), unless ``vllm_env`` says otherwise for vLLM.
 - vLLM (its CPU build, in its own venv): ``-m vllm.entrypoints.openai.api_server --model DIR --dtype bfloat16
   --block-size 64`` with its CPU settings at their best for this work, after vLLM's CPU docs and
   ``vllm/platforms/cpu.py`` / ``vllm/utils/ompmultiprocessing.py``: the model runner's OpenMP threads are
@@ -46,6 +47,12 @@ WAIT_POLICY = "PASSIVE"
 """Both servers' ``OMP_WAIT_POLICY`` (see the module docstring)."""
 
 
+def omp_settings(spec: ServerSpec) -> dict[str, str]:
+    """The OpenMP environment both servers get: the wait policy, and the spin count where ``spec`` sets one."""
+    spin = {} if spec.omp_spincount is None else {"GOMP_SPINCOUNT": str(spec.omp_spincount)}
+    return {"OMP_WAIT_POLICY": WAIT_POLICY, **spin}
+
+
 @dataclass(frozen=True, slots=True)
 class ServerSpec:
     """What both servers share: the model (its directory, the name it is served under), the torch threads,
@@ -69,6 +76,8 @@ class ServerSpec:
     vllm_extra: tuple[str, ...] = ()
     """More vLLM flags (e.g. ``--enforce-eager`` for a smoke run)."""
     vllm_env: tuple[tuple[str, str], ...] = ()
+    omp_spincount: int | None = None
+    """Both servers' ``GOMP_SPINCOUNT`` (``None``: unset, so passive threads sleep at once)."""
     """More environment for vLLM (e.g. ``OMP_WAIT_POLICY``), set last."""
 
 
@@ -141,7 +150,7 @@ def start_kvrelay(spec: ServerSpec) -> EngineServer:
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS=str(spec.threads),
-        OMP_WAIT_POLICY=WAIT_POLICY,
+        **omp_settings(spec),
         KVRELAY_DATA_DIR=str(spec.work_dir / "kvrelay-data"),
         PYTHONUNBUFFERED="1",
     )
@@ -163,7 +172,7 @@ def start_vllm(spec: ServerSpec) -> EngineServer:
     env.pop("PYTHONPATH", None)
     gib = math.ceil(spec.kv_tokens * spec.kv_bytes_per_token / 2**30)
     env.update(VLLM_CPU_KVCACHE_SPACE=str(max(1, gib)), PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1")
-    env["OMP_WAIT_POLICY"] = WAIT_POLICY
+    env.update(omp_settings(spec))
     env.update(HF_HUB_OFFLINE="1", DO_NOT_TRACK="1")
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= spec.threads:
