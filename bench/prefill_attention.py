@@ -11,7 +11,8 @@ mask, or ``is_causal`` for a fresh chunk the window does not bind). With
 ``--bf16-scores`` a third path runs too, not taken: block-wise with the scores of a
 bfloat16 ``q k^T`` rounded to bfloat16 (as in transformers' eager attention and
 ``decode_attention``), whose matmul runs through oneDNN's bfloat16 kernels. Medians
-over ``--rounds`` rounds, and the spread (min..max) of the ratio per round.
+over ``--rounds`` rounds, and the spread (min..max) of the ratio per round;
+``attention_s`` is the time inside the prefill attention calls of one prompt.
 
 Run: ``.venv/bin/python bench/prefill_attention.py --json bench/results/prefill_attention.json``.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -89,16 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.bf16_scores:
         kernels["bf16_scores"] = bf16_scores_prefill
     ttft: dict[str, list[float]] = {name: [] for name in kernels}
+    inside: dict[str, list[float]] = {name: [] for name in kernels}
     try:
         for rnd in range(args.rounds + 1):
             for i, (name, kernel) in enumerate(kernels.items()):
-                attention.prefill_attention = kernel  # type: ignore[assignment]
-                salt = 2 * rnd + i
+                spent = [0.0]
+                attention.prefill_attention = _timed(kernel, spent)
+                salt = len(kernels) * rnd + i
                 prompt = [2] + [1000 + salt * 11 + (t * 37) % 20000 for t in range(args.tokens - 1)]
                 seconds = _ttft(engine, prompt, Sampling())
                 if rnd > 0:  # round 0 warms both paths up
                     ttft[name].append(seconds)
-                print(f"round {rnd} {name}: {seconds:.3f} s", flush=True)
+                    inside[name].append(spent[0])
+                print(f"round {rnd} {name}: {seconds:.3f} s, {spent[0]:.3f} s in prefill attention", flush=True)
     finally:
         attention.prefill_attention = prefill_attention
         engine.close()
@@ -109,6 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         Figure("speedup", old / new, "x", None, None),
         Figure("speedup_min", min(ratios), "x", None, None),
         Figure("speedup_max", max(ratios), "x", None, None),
+        Figure(
+            "attention_s",
+            statistics.median(inside["blockwise"]),
+            "s",
+            "masked prefill attention",
+            statistics.median(inside["masked"]),
+        ),
     ]
     if args.bf16_scores:
         rounded = statistics.median(ttft["bf16_scores"])
@@ -116,6 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     title = f"{engine.artifacts.name}, {args.tokens}-token cold prefill, {args.threads} threads, bfloat16"
     report(title, figures, args.json)
     return 0
+
+
+def _timed(kernel: Callable[..., torch.Tensor], spent: list[float]) -> Callable[..., torch.Tensor]:
+    """``kernel``, adding the seconds each call takes to ``spent[0]``."""
+
+    def timed(*args: object) -> torch.Tensor:
+        start = time.perf_counter()
+        out = kernel(*args)
+        spent[0] += time.perf_counter() - start
+        return out
+
+    return timed
 
 
 def _ttft(engine: Engine, prompt: list[int], sampling: Sampling) -> float:
