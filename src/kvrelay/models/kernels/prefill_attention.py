@@ -78,12 +78,33 @@ def prefill_attention(
             lo = max(span.first_key, 0 if span.window is None else first - span.window + 1)
             hi = last + 1
             rows = rows_of_head[start:stop].reshape(-1, head_dim).float() * scale
-            scores = torch.mm(rows, keys[h, lo - span.first_key : hi - span.first_key].t())
+            scores = _scores(rows, keys[h, lo - span.first_key : hi - span.first_key])
             _mask_edges(scores.view(stop - start, group, hi - lo), first, last, lo, span.window)
             probs = torch.softmax(scores, dim=-1).to(v.dtype)
             attended = torch.mm(probs, v[h, lo - span.first_key : hi - span.first_key])
             out[start:stop, h * group : (h + 1) * group] = attended.view(stop - start, group, head_dim)
     return out
+
+
+def _scores(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``rows keys^T`` in float32: through oneDNN on CPU, else ``torch.mm``.
+
+    ``torch.mm`` in float32 calls MKL, whose thread count does not follow the
+    device thread's own pool (``worker.runtime.torch_threads.own_pool``), so inside
+    the runtime it ran at a fraction of the speed it has on the main thread;
+    oneDNN's linear uses the calling thread's OpenMP pool (figures:
+    docs/performance.md, "Prefill attention").
+    """
+    if rows.device.type == "cpu" and _ONEDNN_LINEAR is not None:
+        return _ONEDNN_LINEAR(rows, keys, None, "none", [], "")
+    return torch.mm(rows, keys.t())
+
+
+_ONEDNN_LINEAR = (
+    getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+    if torch.backends.mkldnn.is_available()
+    else None
+)
 
 
 def _mask_edges(scores: torch.Tensor, first: int, last: int, lo: int, window: int | None) -> None:
