@@ -37,17 +37,15 @@ from typing import TYPE_CHECKING, assert_never
 
 from kvrelay.core.worker import machine
 from kvrelay.core.worker.speeds import heartbeat_speeds
+from kvrelay.engines.machine_host import MachineHost
 from kvrelay.protocol.chunk_keys import chunk_key, root_key
 from kvrelay.protocol.messages import (
     Assignment,
-    Cancel,
     Fenced,
     FinishReason,
     Heartbeat,
     Offer,
-    OfferResult,
     Residency,
-    Result,
     Tier,
     WireMessage,
 )
@@ -69,7 +67,7 @@ SNAPSHOT_KEYS = 8192
 """Chunk keys per part of a residency snapshot (about 150 KB on the wire)."""
 
 
-class WorkerController:
+class WorkerController(MachineHost):
     def __init__(
         self,
         identity: WorkerIdentity,
@@ -87,8 +85,8 @@ class WorkerController:
         """``share_prefill``: re-match a prefix before its prefill and wait for a run filling it (False: match
         at admission only, to compare). ``exact_continuations``: a continuation replays its delivered tokens
         as decode rows (False: prefills them with the prompt, faster to its first token but not bit-exact)."""
+        super().__init__(identity.worker_id, identity.epoch, identity.model, identity.context_limit, clock)
         self.me = identity
-        self.worker_id, self.epoch = identity.worker_id, identity.epoch
         self.pool = pool
         self.runtime = runtime
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -97,18 +95,14 @@ class WorkerController:
         self.peer_url = ""
         self.publish = publish
         self.restore_bytes_per_s = dict(restore_bytes_per_s or {})
-        self.clock = clock
         self.share_prefill = share_prefill
         self.exact_continuations = exact_continuations
         self.filling = FillingChunks()
-        self.state = machine.new_worker(identity.worker_id, identity.epoch, (identity.model,), identity.context_limit)
         self.runs: dict[Assignment, Run] = {}
-        self._replies: dict[Assignment, Reply] = {}
         self._seq = 0
         self._residency_seq = 0
         self._pending_prefill_tokens = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.quiesced = asyncio.Event()
         self.pool_callback_errors = 0
         self._handing_over = False
         self.spans: WorkerSpans | None = None
@@ -169,15 +163,7 @@ class WorkerController:
 
     def on_offer(self, offer: Offer, reply: Reply) -> None:
         self._loop = self._loop or asyncio.get_running_loop()
-        self._replies[offer.assignment] = reply
-        self._step(machine.OfferReceived(self.clock(), offer))
-
-    def on_cancel(self, cancel: Cancel) -> None:
-        self._step(machine.CancelReceived(self.clock(), cancel))
-
-    def shut_down(self) -> None:
-        """Decline every later offer (``shutting_down``); running work continues."""
-        self._step(machine.ShutdownRequested(self.clock()))
+        super().on_offer(offer, reply)
 
     def on_disconnect(self, router_url: str) -> None:
         """A router connection ended, so that router fenced this epoch: move to a newer one (``_next_epoch``)."""
@@ -271,40 +257,6 @@ class WorkerController:
         )
 
     # --- the machine and its effects ------------------------------------------------
-
-    def _step(self, event: machine.WorkerEvent) -> None:
-        self.state, effects = machine.step(self.state, event)
-        for effect in effects:
-            match effect:
-                case machine.SendMessage(message=msg):
-                    reply = self._replies.get(msg.assignment)
-                    if reply is not None:
-                        reply(msg)
-                    if isinstance(msg, Result) or (isinstance(msg, OfferResult) and not msg.accepted):
-                        self._replies.pop(msg.assignment, None)
-                case machine.RequestAdmission(offer=offer):
-                    self._admit(offer)
-                case machine.StartWork(offer=offer):
-                    self._start(offer)
-                case machine.FenceWork(assignment=a):
-                    self._fence(a)
-                case machine.ReleaseReservation(assignment=a):
-                    self._release(a)
-                case _:
-                    assert_never(effect)
-        if not machine.holds_reservations(self.state):
-            if not self.quiesced.is_set():
-                counters = self.state.counters
-                log.info(
-                    "worker %s holds no reservations (epoch %d; assignments finished %d, cancelled %d)",
-                    self.worker_id,
-                    self.epoch,
-                    counters.get("finished", 0),
-                    counters.get("cancelled", 0),
-                )
-            self.quiesced.set()
-        else:
-            self.quiesced.clear()
 
     def _admit(self, offer: Offer) -> None:
         offered_at = self.clock()

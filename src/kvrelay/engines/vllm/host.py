@@ -50,9 +50,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import assert_never
 
 from kvrelay.core.worker import machine
+from kvrelay.engines.machine_host import MachineHost
 from kvrelay.engines.vllm import kv_events
 from kvrelay.engines.vllm.admission import EngineCapacity, EngineIdentity, admit_offer
 from kvrelay.engines.vllm.client import EngineClient, EngineError
@@ -66,17 +66,13 @@ from kvrelay.protocol.messages import (
     FinishReason,
     Heartbeat,
     Offer,
-    OfferResult,
     Residency,
-    Result,
     Timings,
     Usage,
     WireMessage,
 )
 
 log = logging.getLogger(__name__)
-
-Reply = Callable[[WireMessage], object]
 
 
 def attempt_seed(seed: int, generated_before: int) -> int:
@@ -101,7 +97,7 @@ class EngineRun:
     cached_tokens: int = 0
 
 
-class VllmWorker:
+class VllmWorker(MachineHost):
     """A worker host whose runtime side is one vLLM engine (see the module docstring)."""
 
     def __init__(
@@ -115,25 +111,20 @@ class VllmWorker:
         publish: Callable[[WireMessage], object] = lambda m: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__(identity.worker_id, identity.epoch, identity.model, identity.context_limit, clock)
         self.me = identity
-        self.worker_id, self.epoch = identity.worker_id, identity.epoch
         self.engine = engine
         self.engine_model = engine_model
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_lanes = max_lanes
         self.figures = figures
         self.publish = publish
-        self.clock = clock
         self.peer_url = ""
         self.engine_up = True
         self.speeds = PrefillFit().observe(figures.totals)
-        self.state = machine.new_worker(identity.worker_id, identity.epoch, (identity.model,), identity.context_limit)
         self.mirror = kv_events.BlockMirror(root_key(identity.fingerprint), identity.block_tokens)
         self.runs: dict[Assignment, EngineRun] = {}
         self.counters: dict[str, int] = {}
-        self.quiesced = asyncio.Event()
-        self.quiesced.set()
-        self._replies: dict[Assignment, Reply] = {}
         self._seq = 0
         self._residency_seq = 0
         self._last_frame: int | None = None
@@ -176,17 +167,6 @@ class VllmWorker:
     def capacity(self) -> EngineCapacity:
         promised = sum(r.demand_blocks for r in self.runs.values())
         return EngineCapacity(self.figures.num_blocks, self.figures.used_blocks, promised)
-
-    def on_offer(self, offer: Offer, reply: Reply) -> None:
-        self._replies[offer.assignment] = reply
-        self._step(machine.OfferReceived(self.clock(), offer))
-
-    def on_cancel(self, cancel: Cancel) -> None:
-        self._step(machine.CancelReceived(self.clock(), cancel))
-
-    def shut_down(self) -> None:
-        """Decline every later offer (``shutting_down``); running work continues."""
-        self._step(machine.ShutdownRequested(self.clock()))
 
     def on_disconnect(self, router_url: str) -> None:
         """A router connection ended, so that router fenced this epoch: move to a newer one."""
@@ -289,31 +269,9 @@ class VllmWorker:
     def _count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
 
-    def _step(self, event: machine.WorkerEvent) -> None:
-        self.state, effects = machine.step(self.state, event)
-        for effect in effects:
-            match effect:
-                case machine.SendMessage(message=msg):
-                    reply = self._replies.get(msg.assignment)
-                    if reply is not None:
-                        reply(msg)
-                    if isinstance(msg, Result) or (isinstance(msg, OfferResult) and not msg.accepted):
-                        self._replies.pop(msg.assignment, None)
-                case machine.RequestAdmission(offer=offer):
-                    self._admit(offer)
-                case machine.StartWork(offer=offer):
-                    self._start(offer)
-                case machine.FenceWork(assignment=a):
-                    self._fence(a)
-                case machine.ReleaseReservation(assignment=a):
-                    self.runs.pop(a, None)
-                    self._replies.pop(a, None)
-                case _:
-                    assert_never(effect)
-        if machine.holds_reservations(self.state):
-            self.quiesced.clear()
-        else:
-            self.quiesced.set()
+    def _release(self, assignment: Assignment) -> None:
+        self.runs.pop(assignment, None)
+        self._replies.pop(assignment, None)
 
     def _admit(self, offer: Offer) -> None:
         result = admit_offer(
