@@ -203,24 +203,27 @@ def test_directed_partition_offer_times_out_and_the_worker_releases_on_cancel(cl
     """Worker -> router bytes held; see the module docstring for what happens when."""
     twin = "twinllama"
     proxy = TcpProxy(cluster.router.worker_port).start()
+    prompt = PROMPT * 16
     try:
         cluster.start("pa", model=cluster.home / twin, url=f"ws://127.0.0.1:{proxy.port}/workers")
+        complete(cluster.router.http_url, twin, prompt, 1)  # pa alone: its pages now hold the prompt
         cluster.start("pb", model=cluster.home / twin)
         pa = cluster.workers["pa"]
         epoch = cluster.router.live_workers()["pa"]["epoch"]
         timeouts = cluster.counters().get("offer_timeouts", 0)
         mark = pa.mark()
         proxy.block("upstream")
-        request = StreamingRequest(cluster.router.http_url, twin, PROMPT, LONG_BUDGET)
-        # pa (the lower id, equally fresh) gets the offer and starts decoding; its acceptance is held by the proxy
-        pa.wait_for(r"worker pa holds no reservations \(epoch \d+; assignments finished 0, cancelled 1\)", 30, mark)
+        request = StreamingRequest(cluster.router.http_url, twin, prompt, LONG_BUDGET)
+        # pa holds the prompt, so the router offers it there by residency (the workers' measured speeds differ
+        # a little, so a tie between two cold workers is not a rule); pa starts decoding, its acceptance held
+        pa.wait_for(r"worker pa holds no reservations \(epoch \d+; assignments finished 1, cancelled 1\)", 30, mark)
         assert cluster.counters()["offer_timeouts"] == timeouts + 1
         assert proxy.forwarded["downstream"] > 0
         proxy.heal()
         text = request.result(90)
         assert request.usage is not None and request.usage["completion_tokens"] == LONG_BUDGET
         wait_until(lambda: cluster.counters().get("stale_dropped", 0) > 0, 10, "pa's held messages dropped as stale")
-        uninterrupted = complete(cluster.router.http_url, twin, PROMPT, LONG_BUDGET)
+        uninterrupted = complete(cluster.router.http_url, twin, prompt, LONG_BUDGET)
         assert text == uninterrupted["choices"][0]["text"]
         assert cluster.router.live_workers()["pa"]["epoch"] == epoch
         wait_until(lambda: holds_nothing(cluster, "pa"), 10, "a heartbeat of pa with every page free or cached")
