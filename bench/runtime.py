@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from kvrelay.bench.engines.compute import read_rate
 from kvrelay.models.loading.loader import load_artifacts
 from kvrelay.protocol.messages import Sampling
 from kvrelay.worker.runtime.engine import Engine, EngineOptions, parse_dtype
@@ -253,15 +254,9 @@ def runtime_ttft(engine: Engine, prompt: list[int], resident: int) -> float:
     return result.first_token_s
 
 
-def stream_read_gbs(mib: int = 1024, repeats: int = 5) -> float:
-    """The best rate, in GB/s, at which torch sums a ``mib`` MiB float32 tensor (a memory read bound)."""
-    data = torch.ones(mib * 2**18)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - t0)
-    return data.numel() * 4 / best / 1e9
+def stream_read_gbs() -> float:
+    """The best rate, in GB/s, at which this thread's torch threads sum 1 GiB of float32 (a memory read bound)."""
+    return read_rate(torch.get_num_threads()) / 1e9
 
 
 def decode_bytes_per_step(config: Any, prompts: list[list[int]], new_tokens: int, dtype: torch.dtype) -> float:
