@@ -20,18 +20,15 @@ from typing import assert_never
 
 from kvrelay.core.planning import predicted_ttft
 from kvrelay.core.planning.registry import HeartbeatReason, accept_heartbeat, expire, fence
-from kvrelay.core.router import reuse
+from kvrelay.core.router.assignment_messages import on_assignment_message
 from kvrelay.core.router.attempts import (
     abandon,
     dispatch,
     finish,
-    release_estimate,
     route,
 )
 from kvrelay.core.router.events import (
-    CancelTimer,
     ConsumerCancelled,
-    DeliverDelta,
     DeliverResult,
     DrainDeadline,
     DrainStarted,
@@ -68,7 +65,6 @@ from kvrelay.protocol.chunk_keys import prompt_chain
 from kvrelay.protocol.messages import (
     Assignment,
     Cancel,
-    DeclineReason,
     Delta,
     Fenced,
     FinishReason,
@@ -255,33 +251,9 @@ def _on_message(state: RouterState, msg: WireMessage, now: float, fx: Effects) -
         case Residency():
             _on_residency(state, msg, now, fx)
         case OfferResult() | Delta() | Result():
-            _on_assignment_message(state, msg, now, fx)
+            on_assignment_message(state, msg, now, fx)
         case Offer() | Cancel() | Fenced():
             state.count("unexpected_message")
-        case _:
-            assert_never(msg)
-
-
-def _on_assignment_message(state: RouterState, msg: OfferResult | Delta | Result, now: float, fx: Effects) -> None:
-    """A message about one attempt: handled if it is the request's current one, else dropped as stale."""
-    rs = state.requests.get(msg.assignment.request_id)
-    if rs is None or rs.attempt != msg.assignment.attempt or rs.worker_id != msg.worker_id:
-        state.count("stale_dropped")
-        if isinstance(msg, OfferResult) and msg.accepted:
-            state.count("stale_accept_cancelled")
-            fx.append(
-                SendCancel(
-                    msg.worker_id, Cancel(assignment=msg.assignment, worker_id=msg.worker_id, reason="stale assignment")
-                )
-            )
-        return
-    match msg:
-        case OfferResult():
-            _on_offer_result(state, rs, msg, now, fx)
-        case Delta():
-            _on_delta(state, rs, msg, now, fx)
-        case Result():
-            _on_result(state, rs, msg, now, fx)
         case _:
             assert_never(msg)
 
@@ -348,114 +320,3 @@ def _on_residency(state: RouterState, msg: Residency, now: float, fx: Effects) -
                 {"worker_id": msg.worker_id, "tier": msg.tier, "stored": stored, "removed": removed},
             )
         )
-
-
-def _on_offer_result(state: RouterState, rs: RequestState, msg: OfferResult, now: float, fx: Effects) -> None:
-    if rs.phase != Phase.OFFERED:
-        state.count("duplicate_offer_result")
-        return
-    view = state.views.get(msg.worker_id)
-    if rs.holds_inflight and view is not None:
-        view.load.inflight_pages = max(0, view.load.inflight_pages - rs.demand_pages)
-        if msg.accepted:
-            view.load.accepted_pages += rs.demand_pages
-    if msg.accepted and rs.holds_outstanding and view is not None:
-        rs.accepted_at = view.load.accepted(rs.estimate_s)
-    rs.holds_inflight = False
-    if msg.accepted:
-        state.count("accepted")
-        rs.phase = Phase.RUNNING
-        fx.append(CancelTimer((TimerKind.OFFER, rs.request.request_id, rs.attempt)))
-        fx.append(
-            StartTimer((TimerKind.OFFER, rs.request.request_id, rs.attempt), now + state.config.progress_timeout_s)
-        )
-        fx.append(
-            Record(
-                RecordKind.OFFER_OUTCOME,
-                rs.request.request_id,
-                rs.attempt,
-                now,
-                {"worker_id": msg.worker_id, "outcome": OfferOutcome.ACCEPTED, "reason": None},
-            )
-        )
-        return
-    state.count("declines")
-    state.count(f"declined_{msg.reason}")
-    route_tiers = rs.candidate.tiers if rs.candidate is not None else frozenset()
-    exclude = None
-    if msg.reason in (DeclineReason.STALE_ROUTE, DeclineReason.NO_CAPACITY) and "gpu" in route_tiers:
-        exclude = (msg.worker_id, "gpu")
-    reason = f"declined: {msg.reason}" + (f" ({msg.detail})" if msg.detail else "")
-    abandon(state, rs, now, fx, OfferOutcome.DECLINED, reason, send_cancel=False, exclude=exclude)
-
-
-def _deliver(state: RouterState, rs: RequestState, tokens: tuple[int, ...], now: float, fx: Effects) -> None:
-    room = rs.request.max_new_tokens - len(rs.delivered)
-    tokens = tokens[:room]
-    if not tokens:
-        return
-    if rs.first_token_at is None:
-        rs.first_token_at = now
-    fx.append(DeliverDelta(rs.request.request_id, len(rs.delivered), tokens))
-    rs.delivered.extend(tokens)
-
-
-def _first_progress(state: RouterState, rs: RequestState) -> None:
-    if rs.holds_outstanding:
-        view = state.views.get(rs.worker_id or "")
-        if view is not None:
-            release_estimate(view.load, rs)
-            state.roster.requeue(view)
-        rs.holds_outstanding = False
-        state.wake = True
-
-
-def _on_delta(state: RouterState, rs: RequestState, msg: Delta, now: float, fx: Effects) -> None:
-    if rs.phase == Phase.OFFERED:  # the acceptance was lost or overtaken; the delta proves it
-        rs.phase = Phase.RUNNING
-        _mark_accepted_implicitly(state, rs, msg.worker_id, now, fx)
-    rs.last_progress = now
-    _first_progress(state, rs)
-    if msg.seq < rs.next_seq or msg.seq in rs.pending:
-        state.count("duplicate_dropped")
-        return
-    rs.pending[msg.seq] = msg.tokens
-    while rs.next_seq in rs.pending:
-        _deliver(state, rs, rs.pending.pop(rs.next_seq), now, fx)
-        rs.next_seq += 1
-
-
-def _mark_accepted_implicitly(state: RouterState, rs: RequestState, wid: str, now: float, fx: Effects) -> None:
-    view = state.views.get(wid)
-    if rs.holds_inflight and view is not None:
-        view.load.inflight_pages = max(0, view.load.inflight_pages - rs.demand_pages)
-    rs.holds_inflight = False
-    fx.append(CancelTimer((TimerKind.OFFER, rs.request.request_id, rs.attempt)))
-    fx.append(StartTimer((TimerKind.OFFER, rs.request.request_id, rs.attempt), now + state.config.progress_timeout_s))
-
-
-def _on_result(state: RouterState, rs: RequestState, msg: Result, now: float, fx: Effects) -> None:
-    if rs.phase == Phase.OFFERED:
-        _mark_accepted_implicitly(state, rs, msg.worker_id, now, fx)
-    _first_progress(state, rs)
-    already = len(rs.delivered) - rs.attempt_start
-    if tuple(rs.delivered[rs.attempt_start :]) != tuple(msg.tokens[:already]):
-        state.count("result_mismatch")
-    _deliver(state, rs, tuple(msg.tokens[already:]), now, fx)
-    for tier, n in msg.usage.cached_tokens.items():
-        rs.cached_tokens[tier] = rs.cached_tokens.get(tier, 0) + n
-    state.count(reuse.DELIVERED, sum(msg.usage.cached_tokens.values()))
-    rs.recomputed_tokens += msg.usage.recomputed_tokens
-    if msg.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-        finish(state, rs, msg.finish_reason, now, fx)
-        return
-    state.count(f"worker_{msg.finish_reason}")
-    abandon(
-        state,
-        rs,
-        now,
-        fx,
-        OfferOutcome.WORKER_LOST,
-        f"worker ended the attempt: {msg.finish_reason} {msg.error or ''}",
-        send_cancel=False,
-    )
