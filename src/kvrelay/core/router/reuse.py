@@ -6,8 +6,8 @@ Three cumulative figures in tokens, counted by the pure router in ``RouterState.
   residency index holds anywhere (any tier of any live worker, a chunk a routed request is computing there,
   or the object tier), i.e. what an ideal route could reuse;
 - captured (same place): the cached tokens of the chosen candidate's route;
-- delivered (``assignment_messages._on_result``, per result of a current attempt): the cached tokens, all tiers, that the
-  worker's usage reports it restored or found.
+- delivered (``assignment_messages._on_result``, per result of a current attempt): the cached tokens, all
+  tiers, that the worker's usage reports it restored or found.
 
 ``captured <= available`` always: a route walks only chunks the index holds. ``delivered`` sums exactly what
 the outcomes' ``usage.cached_tokens`` sum; it falls short of ``captured`` when an offer is declined or a
