@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import assert_never
 
 from kvrelay.core.worker import machine
-from kvrelay.protocol.messages import Assignment, Cancel, Offer, OfferResult, Result, WireMessage
+from kvrelay.protocol.messages import Assignment, Cancel, Offer, OfferResult, Residency, Result, Tier, WireMessage
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +34,20 @@ class MachineHost(ABC):
     """A worker's machine and the effects every host carries out alike (see the module docstring)."""
 
     def __init__(
-        self, worker_id: str, epoch: int, model: str, context_limit: int, clock: Callable[[], float] = time.monotonic
+        self,
+        worker_id: str,
+        epoch: int,
+        model: str,
+        context_limit: int,
+        publish: Callable[[WireMessage], object],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.worker_id, self.epoch = worker_id, epoch
+        self.model = model
+        self.publish = publish
+        """Sends a message to every linked router (residency changes, heartbeats)."""
         self.clock = clock
+        self._residency_seq = 0
         self.state = machine.new_worker(worker_id, epoch, (model,), context_limit)
         self.quiesced = asyncio.Event()
         self.quiesced.set()
@@ -53,6 +63,27 @@ class MachineHost(ABC):
     def shut_down(self) -> None:
         """Decline every later offer (``shutting_down``); running work continues."""
         self._step(machine.ShutdownRequested(self.clock()))
+
+    def residency(
+        self, tier: Tier, stored: tuple[bytes, ...], removed: tuple[bytes, ...] = (), replace: bool = False
+    ) -> Residency:
+        """The epoch's next residency message for ``tier`` (its sequence number counted here; a new epoch starts
+        the count again by setting ``_residency_seq`` to 0)."""
+        self._residency_seq += 1
+        return Residency(
+            worker_id=self.worker_id,
+            epoch=self.epoch,
+            seq=self._residency_seq,
+            tier=tier,
+            model=self.model,
+            stored=stored,
+            removed=removed,
+            replace=replace,
+        )
+
+    def publish_residency(self, stored: tuple[bytes, ...], removed: tuple[bytes, ...], tier: Tier = "gpu") -> None:
+        """One Residency message per change of a tier."""
+        self.publish(self.residency(tier, stored, removed))
 
     @abstractmethod
     def _admit(self, offer: Offer) -> None:

@@ -85,7 +85,7 @@ class WorkerController(MachineHost):
         """``share_prefill``: re-match a prefix before its prefill and wait for a run filling it (False: match
         at admission only, to compare). ``exact_continuations``: a continuation replays its delivered tokens
         as decode rows (False: prefills them with the prompt, faster to its first token but not bit-exact)."""
-        super().__init__(identity.worker_id, identity.epoch, identity.model, identity.context_limit, clock)
+        super().__init__(identity.worker_id, identity.epoch, identity.model, identity.context_limit, publish, clock)
         self.me = identity
         self.pool = pool
         self.runtime = runtime
@@ -93,14 +93,12 @@ class WorkerController(MachineHost):
         self.restorer = restore
         self.checkpointer = checkpointer
         self.peer_url = ""
-        self.publish = publish
         self.restore_bytes_per_s = dict(restore_bytes_per_s or {})
         self.share_prefill = share_prefill
         self.exact_continuations = exact_continuations
         self.filling = FillingChunks()
         self.runs: dict[Assignment, Run] = {}
         self._seq = 0
-        self._residency_seq = 0
         self._pending_prefill_tokens = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self.pool_callback_errors = 0
@@ -226,35 +224,8 @@ class WorkerController(MachineHost):
         out = []
         for tier_name, keys in tiers:
             for start in range(0, max(len(keys), 1), SNAPSHOT_KEYS):
-                self._residency_seq += 1
-                part = tuple(keys[start : start + SNAPSHOT_KEYS])
-                out.append(
-                    Residency(
-                        worker_id=self.worker_id,
-                        epoch=self.epoch,
-                        seq=self._residency_seq,
-                        tier=tier_name,
-                        model=self.me.model,
-                        stored=part,
-                        replace=start == 0,
-                    )
-                )
+                out.append(self.residency(tier_name, tuple(keys[start : start + SNAPSHOT_KEYS]), replace=start == 0))
         return out
-
-    def publish_residency(self, stored: tuple[bytes, ...], removed: tuple[bytes, ...], tier: Tier = "gpu") -> None:
-        """One Residency message per change of a tier (the pool's gpu callback; lower tiers via the loop)."""
-        self._residency_seq += 1
-        self.publish(
-            Residency(
-                worker_id=self.worker_id,
-                epoch=self.epoch,
-                seq=self._residency_seq,
-                tier=tier,
-                model=self.me.model,
-                stored=stored,
-                removed=removed,
-            )
-        )
 
     # --- the machine and its effects ------------------------------------------------
 

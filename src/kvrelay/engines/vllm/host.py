@@ -66,7 +66,6 @@ from kvrelay.protocol.messages import (
     FinishReason,
     Heartbeat,
     Offer,
-    Residency,
     Timings,
     Usage,
     WireMessage,
@@ -111,14 +110,13 @@ class VllmWorker(MachineHost):
         publish: Callable[[WireMessage], object] = lambda m: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(identity.worker_id, identity.epoch, identity.model, identity.context_limit, clock)
+        super().__init__(identity.worker_id, identity.epoch, identity.model, identity.context_limit, publish, clock)
         self.me = identity
         self.engine = engine
         self.engine_model = engine_model
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_lanes = max_lanes
         self.figures = figures
-        self.publish = publish
         self.peer_url = ""
         self.engine_up = True
         self.speeds = PrefillFit().observe(figures.totals)
@@ -126,7 +124,6 @@ class VllmWorker(MachineHost):
         self.runs: dict[Assignment, EngineRun] = {}
         self.counters: dict[str, int] = {}
         self._seq = 0
-        self._residency_seq = 0
         self._last_frame: int | None = None
         self._handing_over = False
         self._republish = False
@@ -138,7 +135,7 @@ class VllmWorker(MachineHost):
         self._seq += 1
         if self._republish and self.mirror.keys:
             self._republish = False
-            asyncio.get_running_loop().call_soon(self._publish_residency, tuple(self.mirror.keys), ())
+            asyncio.get_running_loop().call_soon(self.publish_residency, tuple(self.mirror.keys), ())
         capacity = self.capacity()
         pending = sum(
             len(r.offer.prompt) - r.prefix_chunks * self.me.block_tokens for r in self.runs.values() if not r.generated
@@ -219,21 +216,7 @@ class VllmWorker(MachineHost):
             self.begin_epoch("the engine cleared its KV cache", clear_mirror=False)
             change = kv_events.MirrorChange(stored=change.stored)
         if change.stored or change.removed:
-            self._publish_residency(change.stored, change.removed)
-
-    def _publish_residency(self, stored: tuple[bytes, ...], removed: tuple[bytes, ...]) -> None:
-        self._residency_seq += 1
-        self.publish(
-            Residency(
-                worker_id=self.worker_id,
-                epoch=self.epoch,
-                seq=self._residency_seq,
-                tier="gpu",
-                model=self.me.model,
-                stored=stored,
-                removed=removed,
-            )
-        )
+            self.publish_residency(change.stored, change.removed)
 
     def on_kv_reconnect(self) -> None:
         self._last_frame = None
