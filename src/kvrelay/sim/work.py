@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
-from kvrelay.protocol.messages import Offer
+from kvrelay.protocol.messages import Offer, Tier, Timings, Usage
 from kvrelay.sim.admission import AdmissionPlan
 from kvrelay.sim.calibration import CalibratedWorkerSpec
 from kvrelay.sim.cluster_config import WorkerSpec
@@ -53,3 +54,32 @@ def iteration_s(spec: WorkerSpec, decode_lanes: int, prefill_tokens: int) -> flo
     if isinstance(spec, CalibratedWorkerSpec):
         return spec.iteration_s(decode_lanes, prefill_tokens)
     return (spec.decode_step(decode_lanes) if decode_lanes else 0.0) + prefill_tokens * spec.prefill_s_per_token
+
+
+def usage_of(work: Work, chunk_tokens: int) -> Usage:
+    """What ``work``'s result reports it used: its plan's cached tokens by tier, the chunks it re-matched on the
+    device at its prefill's start counted as gpu hits, the rest recomputed."""
+    plan = work.plan
+    cached = dict(plan.cached_tokens)
+    shared = work.rematched * chunk_tokens
+    if shared:
+        cached["gpu"] = cached.get("gpu", 0) + shared
+    return Usage(
+        prompt_tokens=len(work.offer.prompt),
+        cached_tokens=cast(dict[Tier, int], cached),
+        recomputed_tokens=plan.uncached_tokens - shared,
+        generated_tokens=work.generated,
+    )
+
+
+def timings_of(work: Work, chunk_tokens: int, prefill_s_per_token: float) -> Timings:
+    """``work``'s timings: its wait for the device after acceptance and restore, its restore, the prefill of
+    what it computed, and accepted to first token."""
+    start = work.prefill_started_at if work.prefill_started_at is not None else work.accepted_at
+    first = work.first_token_at if work.first_token_at is not None else start
+    return Timings(
+        queue_s=max(0.0, start - max(work.accepted_at, work.restore_done_at)),
+        restore_s=work.plan.restore_s,
+        prefill_s=(work.plan.uncached_tokens - work.rematched * chunk_tokens) * prefill_s_per_token,
+        ttft_s=first - work.accepted_at,
+    )

@@ -33,7 +33,7 @@ Execution model (declared costs, logical time):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import assert_never, cast
+from typing import assert_never
 
 from kvrelay.core.planning.prefill_order import queue_position
 from kvrelay.core.worker import machine
@@ -45,7 +45,6 @@ from kvrelay.protocol.messages import (
     Heartbeat,
     Offer,
     Residency,
-    Tier,
     Timings,
     Usage,
     WireMessage,
@@ -60,7 +59,7 @@ from kvrelay.sim.chunk_origins import ChunkOrigins
 from kvrelay.sim.cluster_config import ClusterConfig, WorkerSpec
 from kvrelay.sim.events import AdmissionDue, IterationDone, RestoreDone, WorkerDue
 from kvrelay.sim.tokens import token_value
-from kvrelay.sim.work import Work, WorkerStats, iteration_s
+from kvrelay.sim.work import Work, WorkerStats, iteration_s, timings_of, usage_of
 
 Schedule = Callable[[float, str, int, WorkerDue], None]
 """``schedule(at, worker_id, incarnation, event)``: hand ``event`` to ``SimWorker.on_due`` at ``at`` if that
@@ -496,25 +495,8 @@ class SimWorker:
 
     def _usage(self, work: Work) -> Usage:
         plan = work.plan
-        cached = dict(plan.cached_tokens)
-        shared = work.rematched * self.cluster.chunk_tokens
         self.origins.reported([*plan.gpu_keys, *(k for k, _ in plan.restore)], work.offer.assignment.request_id)
-        if shared:
-            cached["gpu"] = cached.get("gpu", 0) + shared
-        return Usage(
-            prompt_tokens=len(work.offer.prompt),
-            cached_tokens=cast(dict[Tier, int], cached),
-            recomputed_tokens=plan.uncached_tokens - shared,
-            generated_tokens=work.generated,
-        )
+        return usage_of(work, self.cluster.chunk_tokens)
 
     def _timings(self, work: Work) -> Timings:
-        start = work.prefill_started_at if work.prefill_started_at is not None else work.accepted_at
-        first = work.first_token_at if work.first_token_at is not None else start
-        return Timings(
-            queue_s=max(0.0, start - max(work.accepted_at, work.restore_done_at)),
-            restore_s=work.plan.restore_s,
-            prefill_s=(work.plan.uncached_tokens - work.rematched * self.cluster.chunk_tokens)
-            * self.spec.prefill_s_per_token,
-            ttft_s=first - work.accepted_at,
-        )
+        return timings_of(work, self.cluster.chunk_tokens, self.spec.prefill_s_per_token)
