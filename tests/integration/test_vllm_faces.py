@@ -1,4 +1,5 @@
-"""vLLM workers behind kvrelay's faces: a mixed cluster (native and vLLM workers, one router) and
+"""vLLM workers behind kvrelay's faces: a mixed cluster (native and vLLM workers, one router),
+``kvrelay router --vllm-engine`` (the router drives the engines from its own process), and
 ``kvrelay cluster --workers 2 --engine vllm``, which starts its own vLLM servers, streaming to the official
 ``openai`` client."""
 
@@ -13,7 +14,9 @@ import pytest
 
 from kvrelay.launch.vllm_server import VllmServer
 from tests.support.processes import CLUSTER_READY, Router, child_env, kvrelay, start_worker, stop_all, wait_until
-from tests.support.vllm_cluster import engine_counts, routed_completion, vllm_worker
+from tests.support.vllm_cluster import direct_completion, engine_counts, routed_completion, settle, vllm_worker
+
+BLOCK = 64
 
 
 def test_a_mixed_cluster_serves_through_both_runtimes(
@@ -38,6 +41,42 @@ def test_a_mixed_cluster_serves_through_both_runtimes(
         assert router.cluster()["router_counters"].get("declines", 0) == 0
     finally:
         stop_all([native, vllm, router.child])
+
+
+def test_a_router_drives_vllm_engines_from_its_own_process(
+    vllm_engines: list[VllmServer], vllm_model: Path, tmp_path: Path
+) -> None:
+    """No worker process: the router's in-process workers v1 and v2 learn residency from the engines' KV events,
+    so a prefix warmed on the second engine behind the router's back draws the requests there, and the official
+    client streams them with the cached tokens the engine reports."""
+    flags = [arg for e in vllm_engines for arg in ("--vllm-engine", f"{e.spec.url},{e.spec.events_url}")]
+    router = Router(tmp_path, vllm_model, *flags, "--vllm-dtype", "float32")
+    try:
+        wait_until(lambda: sorted(router.live_workers()) == ["v1", "v2"] or None, 30, "both attached workers live")
+        prefix = [19 + (i * 7) % 280 for i in range(6 * BLOCK)]
+        direct_completion(vllm_engines[1], [*prefix, 3], 1)
+        settle(router, "v2")
+        before = [engine_counts(e)["done"] for e in vllm_engines]
+        client = openai.OpenAI(base_url=router.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for k in range(2):
+            wait_until(lambda: not router.cluster()["requests"] or None, 30, "no request in flight")
+            stream = client.completions.create(
+                model=vllm_model.name,
+                prompt=[*prefix, 40 + k],
+                max_tokens=5,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            usage = list(stream)[-1].usage
+            assert usage is not None and usage.completion_tokens == 5, usage
+            assert usage.prompt_tokens_details is not None
+            assert (usage.prompt_tokens_details.cached_tokens or 0) >= 5 * BLOCK, usage
+        after = [engine_counts(e)["done"] for e in vllm_engines]
+        assert (after[0] - before[0], after[1] - before[1]) == (0, 2), (before, after)
+        assert router.cluster()["router_counters"].get("declines", 0) == 0
+    finally:
+        stop_all([router.child])
 
 
 @pytest.mark.timeout(900)

@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from typing import TYPE_CHECKING
 
 from kvrelay.core.router.queue import Limits
 from kvrelay.core.router.state import RouterConfig
 from kvrelay.launch import defaults
 from kvrelay.launch.config import ConfigError, Option, add_options, parse_bool, resolve
 from kvrelay.transport.auth import SECRET_ENV_VAR
+
+if TYPE_CHECKING:
+    from kvrelay.launch.vllm_worker import VllmSettings
 
 COMMAND = "router"
 ROUTER_DEFAULTS = RouterConfig()
@@ -27,6 +31,16 @@ OPTIONS = (
         "several; none: the default Gemma 3 270M",
         repeated=True,
     ),
+    Option(
+        "vllm_engine",
+        str,
+        [],
+        "a vLLM OpenAI server this router drives from its own process, as worker vN (the N-th given): URL or "
+        "URL,KV_EVENTS (e.g. http://127.0.0.1:8100,tcp://127.0.0.1:5557); repeat for several; remote workers may "
+        "still connect",
+        repeated=True,
+    ),
+    Option("vllm_dtype", str, defaults.DTYPE, "the dtype the --vllm-engine servers run (it is in the KV fingerprint)"),
     Option("status_host", str, defaults.STATUS_HOST, "address of the read-only status listener (GET /status)"),
     Option("status_port", int, 0, "port of the read-only status listener (0: any free port; named in the ready line)"),
     Option("db", str, None, "fact store URL (none: SQLite under the data directory)"),
@@ -104,6 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvrelay.engines.vllm.client import EngineError
+    from kvrelay.engines.vllm.identity import EngineModelError
     from kvrelay.launch.router import RouterOptions, run_router
     from kvrelay.models.loading.weight_layout import ModelLoadError
     from kvrelay.transport.auth import SecretError, load_secret
@@ -127,7 +143,13 @@ def run(args: argparse.Namespace) -> int:
         predict_on_route=values["predict_on_route"],
         queue=queue,
     )
+    try:
+        engines = vllm_engines(values["vllm_engine"], values["vllm_dtype"], values["model"])
+    except ValueError as exc:
+        print(f"kvrelay router: {exc}", file=sys.stderr)
+        return 2
     options = RouterOptions(
+        engines=engines,
         secret=secret,
         host=values["host"],
         port=values["port"],
@@ -148,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(run_router(options, ready))
+    except (EngineError, EngineModelError) as exc:
+        print(f"kvrelay router: {exc}", file=sys.stderr)
+        return 2
     except ModelLoadError as exc:
         print(f"kvrelay router: {exc}", file=sys.stderr)
         return 2
@@ -159,3 +184,20 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     return 0
+
+
+def vllm_engines(specs: list[str], dtype: str, models: list[str]) -> tuple[VllmSettings, ...]:
+    """``--vllm-engine`` values as worker settings ``v1``, ``v2``, ...; the model directory is the one ``--model``
+    given (when exactly one is), else the one each engine reports. Raises ValueError naming a malformed value."""
+    from kvrelay.launch.vllm_worker import VllmSettings
+
+    out = []
+    for i, spec in enumerate(specs, start=1):
+        url, _, events = spec.partition(",")
+        if not url.startswith(("http://", "https://")) or (events and not events.startswith("tcp://")):
+            raise ValueError(
+                f"--vllm-engine {spec!r} is not URL or URL,KV_EVENTS; e.g. http://127.0.0.1:8100,tcp://127.0.0.1:5557"
+            )
+        model = models[0] if len(models) == 1 else None
+        out.append(VllmSettings(f"v{i}", url.rstrip("/"), events or None, model, dtype))
+    return tuple(out)

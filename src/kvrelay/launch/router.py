@@ -12,6 +12,9 @@ Contract:
   the requests in flight and queued, and the counters (``router_status``).
 - The models the ingress offers are learned from heartbeats (``ModelCatalog``);
   the router loads only the tokenizers of ``model_sources``.
+- ``engines``: vLLM servers the router drives from its own process (``launch.attached_engines``), each a
+  worker of the cluster beside those that connect; with no ``model_sources`` given, the router loads the
+  tokenizers of the directories they serve.
 - On SIGINT/SIGTERM the HTTP face drains within ``drain_s`` (``launch.drain``:
   no new request; running ones go on while the workers stay linked; what is
   still running at the bound ends with an error event that says so), then the
@@ -32,11 +35,13 @@ from typing import Any
 from kvrelay.core.router.machine import RouterConfig
 from kvrelay.core.router.reuse import reuse_figures
 from kvrelay.launch import defaults
+from kvrelay.launch.attached_engines import AttachedEngines, attach_engines
 from kvrelay.launch.catalog import ModelCatalog, load_served_model
 from kvrelay.launch.drain import listen, serve_until_stopped
 from kvrelay.launch.router_stack import build_router_stack
 from kvrelay.launch.status import StatusServer
 from kvrelay.launch.tracing import start_tracing
+from kvrelay.launch.vllm_worker import VllmSettings
 from kvrelay.protocol.messages import Heartbeat, WireMessage
 from kvrelay.router.cluster_router import ClusterRouter
 from kvrelay.transport.router_endpoint import RouterEndpoint, registry_liveness
@@ -64,6 +69,10 @@ class RouterOptions:
     """Export request traces over OTLP/HTTP to this collector (``telemetry.tracing``); None: no tracing."""
     status_host: str = defaults.STATUS_HOST
     status_port: int = 0
+    engines: tuple[VllmSettings, ...] = ()
+    """vLLM servers this process drives as workers (module contract)."""
+    heartbeat_s: float = defaults.HEARTBEAT_S
+    """Seconds between the heartbeats of the attached engines' workers."""
 
 
 class _HeartbeatTap:
@@ -133,8 +142,21 @@ def router_status(router: ClusterRouter) -> dict[str, Any]:
 
 async def run_router(options: RouterOptions, on_ready: Callable[[str, str, str], None] = lambda h, w, s: None) -> None:
     """Serve until SIGINT/SIGTERM, then drain and stop (see the module contract)."""
+    attached = await attach_engines(options.engines, options.heartbeat_s)
+    try:
+        await _run_router(options, attached, on_ready)
+    finally:
+        await attached.close()
+
+
+async def _run_router(
+    options: RouterOptions, attached: AttachedEngines, on_ready: Callable[[str, str, str], None]
+) -> None:
+    sources = options.model_sources
+    if attached.parts and sources == (None,):
+        sources = tuple(str(d) for d in attached.model_dirs)
     loaded = {}
-    for source in options.model_sources:
+    for source in sources:
         served = await asyncio.to_thread(load_served_model, source)
         loaded[served.name] = served
     catalog = ModelCatalog(loaded)
@@ -144,7 +166,7 @@ async def run_router(options: RouterOptions, on_ready: Callable[[str, str, str],
         config=options.config,
         policy=options.policy,
         db_url=options.db_url,
-        send=endpoint.send,
+        send=attached.send(endpoint.send),
         models=catalog.served,
         max_body_bytes=options.max_body_bytes,
         tracing=tracing,
@@ -168,12 +190,15 @@ async def run_router(options: RouterOptions, on_ready: Callable[[str, str, str],
 
     try:
         await status.start()
-        await endpoint.start(_HeartbeatTap(router, catalog), registry_liveness(router))
+        tap = _HeartbeatTap(router, catalog)
+        await endpoint.start(tap, registry_liveness(router))
+        attached.start(tap)
         sock = listen(options.host, options.port)
         await serve_until_stopped(app, sock, router, options.drain_s, ready)
     finally:
         await status.close()
         await endpoint.close()
+        await attached.close()
         await stack.close()
         if sock is not None:
             sock.close()

@@ -14,7 +14,9 @@ routes without residency); ``aclose()`` stops both and closes the client.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +29,14 @@ from kvrelay.engines.vllm.identity import engine_fingerprint, kv_bytes_per_token
 from kvrelay.engines.vllm.subscriber import follow_kv_events
 from kvrelay.launch import defaults
 from kvrelay.launch.worker_assembly import new_epoch
+from kvrelay.models.config import ModelConfig
+from kvrelay.protocol.messages import Sampling
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per /metrics poll
+
+PROBE_TOKENS = (32, 512)
+"""Prompt lengths of the start-up probes: far enough apart to tell a step's fixed cost from the cost per token."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +58,8 @@ class VllmSettings:
     machine; the figures only bound admission (promised blocks cover the lag), show when the engine is gone,
     and feed the speed estimate, none of which needs more than a second's freshness."""
     engine_wait_s: float = 600.0
+    probe: bool = True
+    """Measure the engine's prefill speed at start (``probe_speeds``)."""
 
 
 @dataclass
@@ -58,6 +67,8 @@ class VllmParts:
     controller: VllmWorker
     client: EngineClient
     settings: VllmSettings
+    model_dir: Path
+    """The directory the engine serves (``settings.model``, else the one it reports)."""
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @property
@@ -110,6 +121,9 @@ async def build_vllm_worker(settings: VllmSettings) -> VllmParts:
         settings.max_lanes,
         figures,
     )
+    if settings.probe:
+        vocab = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text())).vocab_size
+        await probe_speeds(host, served.name, vocab, served.context_limit)
     log.info(
         "vLLM worker %s: engine %s (vllm %s) serves %s as '%s'; %d blocks of %d tokens, context %d",
         settings.worker_id,
@@ -121,4 +135,25 @@ async def build_vllm_worker(settings: VllmSettings) -> VllmParts:
         figures.block_size,
         served.context_limit,
     )
-    return VllmParts(host, client, settings)
+    return VllmParts(host, client, settings, model_dir)
+
+
+async def probe_speeds(host: VllmWorker, engine_model: str, vocab_size: int, context_limit: int) -> None:
+    """One-token greedy completions of random prompts of ``PROBE_TOKENS`` tokens, each followed by a ``/metrics``
+    read, so the worker's prefill fit starts from two points of this engine's own speed.
+
+    Without them a fresh worker's fit held only what the engine had served before, which on a fresh engine is a
+    health check's few tokens: their fixed cost read as a cost per token of milliseconds, 50 times the tiny test
+    model's, and the router held or spread the first requests of a replay on that (predicted 1.7-4.3 s for
+    0.05-0.9 s). The prompts are random token ids (no one else's prefix); a probe that fails is logged and
+    skipped, as the fit then learns from the first requests."""
+    rng = random.Random(host.epoch)
+    low = min(1000, vocab_size // 2)
+    for length in PROBE_TOKENS:
+        prompt = tuple(rng.randrange(low, vocab_size) for _ in range(min(length, context_limit - 2)))
+        try:
+            async for _ in host.engine.stream(engine_model, prompt, 1, Sampling(), 0):
+                pass
+            host.on_figures(await host.engine.figures())
+        except EngineError as exc:
+            log.warning("vLLM worker %s: speed probe of %d tokens failed: %s", host.worker_id, len(prompt), exc)

@@ -11,9 +11,10 @@ Contract:
   cold as the native setups do, without the minutes of a vLLM start; then sends each a one-token completion,
   so the engine steps and publishes the cache's ``AllBlocksCleared`` KV event before the next setup's
   workers subscribe (a kvrelay worker that saw it later would start a new epoch under its first request).
-- ``kvrelay_over_vllm(name, policy, engines, model_dir, home)``: a ``Face`` of ``kvrelay router --policy
-  policy`` and one ``kvrelay worker --engine vllm`` per engine (the workers learn residency from the engine's
-  KV events); ``peer_face(name, engines, home)``: an empty ``Face`` to start a peer router on, with the
+- ``kvrelay_over_vllm(name, policy, engines, model_dir, home, attached)``: a ``Face`` of ``kvrelay router
+  --policy policy`` driving every engine from its own process (``--vllm-engine``), or (``attached`` False) with
+  one ``kvrelay worker --engine vllm`` process per engine (either way the workers learn residency from the
+  engine's KV events); ``peer_face(name, engines, home)``: an empty ``Face`` to start a peer router on, with the
   engines' URLs. Both count the engines' processes as the face's workers (``Face.engine_pids``).
 """
 
@@ -73,15 +74,25 @@ def _engine_pids(engines: Sequence[VllmServer]) -> tuple[int, ...]:
     return tuple(e.process.pid for e in engines if e.process is not None)
 
 
-def kvrelay_over_vllm(name: str, policy: str, engines: Sequence[VllmServer], model_dir: Path, home: Path) -> Face:
-    """kvrelay's router with ``policy`` and one vLLM worker per engine; ready once a completion answers."""
+def kvrelay_over_vllm(
+    name: str, policy: str, engines: Sequence[VllmServer], model_dir: Path, home: Path, attached: bool = True
+) -> Face:
+    """kvrelay's router with ``policy`` driving the engines from its own process (``attached``: ``kvrelay router
+    --vllm-engine``), else through one ``kvrelay worker --engine vllm`` process per engine; ready once a
+    completion answers."""
     home.mkdir(parents=True, exist_ok=True)
     port, worker_port = free_port(), free_port()
     face = Face(name, f"http://127.0.0.1:{port}", home, engine_pids=_engine_pids(engines))
     secret = {SECRET_ENV_VAR: secrets.token_hex(16)}
     router = ["--host", "127.0.0.1", "--port", str(port), "--worker-port", str(worker_port)]
     router += ["--model", str(model_dir), "--policy", policy]
+    if attached:
+        for engine in engines:
+            router += ["--vllm-engine", f"{engine.spec.url},{engine.spec.events_url}"]
+        router += ["--vllm-dtype", engines[0].spec.dtype] if engines else []
     spawn(face, "router", kvrelay_argv("router", *router), process_env(home, 1, **secret))
+    if attached:
+        return face
     for i, engine in enumerate(engines, start=1):
         worker = ["--worker-id", f"w{i}", "--router", f"ws://127.0.0.1:{worker_port}/workers", "--engine", "vllm"]
         worker += ["--engine-url", engine.spec.url, "--kv-events", engine.spec.events_url, "--model", str(model_dir)]
