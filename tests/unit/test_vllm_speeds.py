@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from kvrelay.engines.vllm.speeds import DEFAULT_PREFILL_S_PER_TOKEN, EngineTotals, PrefillFit, queue_delay
+from kvrelay.engines.vllm.speeds import (
+    DEFAULT_PREFILL_S_PER_TOKEN,
+    MIN_SERVED,
+    EngineTotals,
+    PrefillFit,
+    ServedSpeeds,
+    queue_delay,
+)
 
 
 def run(points: list[tuple[int, float]], start: EngineTotals | None = None) -> PrefillFit:
@@ -87,3 +94,18 @@ def test_an_idle_engine_has_no_queue() -> None:
     assert queue_delay(0, 1.0) == 0.0
     assert queue_delay(-5, 1.0) == 0.0
     assert queue_delay(2000, 3e-5) == pytest.approx(0.06)
+
+
+def test_served_first_tokens_replace_the_engines_fit_once_there_are_enough() -> None:
+    # The engine alone: 10 ms fixed, 10 us a token. Served under a burst: 30 ms fixed, 150 us a token of what
+    # each request waited for (its own and the unprefilled tokens ahead of it).
+    engine = run([(64, 0.01 + 64e-5), (1024, 0.01 + 1024e-5), (512, 0.01 + 512e-5)])
+    speeds = ServedSpeeds(engine)
+    waited = [800, 2400, 3100, 900, 1700, 4000]
+    for k, tokens in enumerate(waited):
+        before = speeds.prefill_s_per_token
+        speeds = ServedSpeeds(engine, speeds.served.point(tokens, 0.03 + 150e-6 * tokens))
+        if k + 1 < MIN_SERVED:
+            assert speeds.prefill_s_per_token == before == pytest.approx(1e-5)
+    assert speeds.prefill_s_per_token == pytest.approx(150e-6)
+    assert speeds.fixed_s == pytest.approx(0.03)

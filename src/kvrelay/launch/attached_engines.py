@@ -11,9 +11,9 @@ Contract:
 - ``start(sink)`` links every host to ``sink`` (the router, or the catalog's tap in front of it) and starts
   its heartbeats, ``/metrics`` polls and KV event subscription; ``close()`` stops them and closes the clients.
 
-Why: a vLLM worker holds no model; as a process of its own it only adds a WebSocket hop each way and a Python
-process waiting for a core to every request (on the 2-core development machine, 50 ms of a 0.1 s TTFT;
-README → Results, "The real peer routers"). The peer routers talk to the engines from their one process too.
+One process to deploy, as a peer router is, without a WebSocket hop between the router and an engine; but
+the hosts' work then shares the router's event loop, and on the 2-core development machine a worker process
+per engine was faster (docs/design.md section 13).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def _engine_pids(engines: Sequence[VllmServer]) -> tuple[int, ...]:
 
 
 def kvrelay_over_vllm(
-    name: str, policy: str, engines: Sequence[VllmServer], model_dir: Path, home: Path, attached: bool = True
+    name: str, policy: str, engines: Sequence[VllmServer], model_dir: Path, home: Path, attached: bool = False
 ) -> Face:
     """kvrelay's router with ``policy`` driving the engines from its own process (``attached``: ``kvrelay router
     --vllm-engine``), else through one ``kvrelay worker --engine vllm`` process per engine; ready once a

@@ -29,11 +29,12 @@ router drop everything it believed about the old one, so its index never
 credits KV that is gone. A stream that breaks ends its assignment with an
 error; the router continues the request elsewhere with the tokens delivered.
 
-Speeds: the heartbeat's prefill rate and its decode step (the fixed part of a
-prefill, which ends with the first token) come from the engine's own ``/metrics``
-(``speeds.PrefillFit``: prefill time against computed tokens, without vLLM's
-queueing); its queue from the uncached prompt tokens of this worker's requests
-that have no first token yet.
+Speeds: the heartbeat's prefill rate and its decode step (the fixed part of the time to a first token,
+which the router adds once) come from ``speeds.ServedSpeeds``: the engine's own ``/metrics`` fit
+(``speeds.PrefillFit``: prefill time against computed tokens, without vLLM's queueing) until this worker
+has measured a few first tokens of its own, then the fit of those against the uncached tokens each waited
+for (``EngineRun.waited_tokens``); its queue from the uncached prompt tokens of this worker's requests that
+have no first token yet.
 
 Sampling: the attempt's vLLM ``seed`` is derived from the request's seed and
 ``generated_before`` (``attempt_seed``), so an attempt is reproducible; a
@@ -49,7 +50,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvrelay.core.worker import machine
 from kvrelay.engines.machine_host import MachineHost
@@ -57,7 +58,7 @@ from kvrelay.engines.vllm import kv_events
 from kvrelay.engines.vllm.admission import EngineCapacity, EngineIdentity, admit_offer
 from kvrelay.engines.vllm.client import EngineClient, EngineError
 from kvrelay.engines.vllm.metrics import EngineFigures
-from kvrelay.engines.vllm.speeds import PrefillFit, queue_delay
+from kvrelay.engines.vllm.speeds import PrefillFit, ServedSpeeds, queue_delay
 from kvrelay.protocol.chunk_keys import root_key
 from kvrelay.protocol.messages import (
     Assignment,
@@ -94,6 +95,9 @@ class EngineRun:
     token_times: list[float] = field(default_factory=list)
     submitted_at: float = 0.0
     cached_tokens: int = 0
+    waited_tokens: int = 0
+    """Uncached prompt tokens this run's first token waits for: its own and those of the runs admitted before
+    it that had no first token yet (``speeds.ServedSpeeds``)."""
 
 
 class VllmWorker(MachineHost):
@@ -119,7 +123,7 @@ class VllmWorker(MachineHost):
         self.figures = figures
         self.peer_url = ""
         self.engine_up = True
-        self.speeds = PrefillFit().observe(figures.totals)
+        self.speeds = ServedSpeeds(PrefillFit().observe(figures.totals))
         self.mirror = kv_events.BlockMirror(root_key(identity.fingerprint), identity.block_tokens)
         self.runs: dict[Assignment, EngineRun] = {}
         self.counters: dict[str, int] = {}
@@ -137,9 +141,7 @@ class VllmWorker(MachineHost):
             self._republish = False
             asyncio.get_running_loop().call_soon(self.publish_residency, tuple(self.mirror.keys), ())
         capacity = self.capacity()
-        pending = sum(
-            len(r.offer.prompt) - r.prefix_chunks * self.me.block_tokens for r in self.runs.values() if not r.generated
-        )
+        pending = self._pending_tokens()
         prefill_s_per_token = self.speeds.prefill_s_per_token
         return Heartbeat(
             worker_id=self.worker_id,
@@ -160,6 +162,13 @@ class VllmWorker(MachineHost):
             kv_bytes_per_token=self.kv_bytes_per_token,
             context_limit=self.me.context_limit,
         )
+
+    def _uncached(self, run: EngineRun) -> int:
+        return max(0, len(run.offer.prompt) - run.prefix_chunks * self.me.block_tokens)
+
+    def _pending_tokens(self) -> int:
+        """Uncached prompt tokens of the runs without a first token yet."""
+        return sum(self._uncached(r) for r in self.runs.values() if not r.generated)
 
     def capacity(self) -> EngineCapacity:
         promised = sum(r.demand_blocks for r in self.runs.values())
@@ -234,7 +243,7 @@ class VllmWorker(MachineHost):
             self._last_frame = None
             self.begin_epoch(f"the vLLM engine at {self.engine.url} is back")
         self.figures = figures
-        self.speeds = self.speeds.observe(figures.totals)
+        self.speeds = replace(self.speeds, engine=self.speeds.engine.observe(figures.totals))
 
     async def monitor(self, every_s: float) -> None:
         """Poll the engine's ``/metrics`` every ``every_s`` seconds until cancelled."""
@@ -261,7 +270,9 @@ class VllmWorker(MachineHost):
             self.me, offer, self.capacity(), self.mirror.keys, self.engine_up, self.state.shutting_down
         )
         if result.accepted:
-            self.runs[offer.assignment] = EngineRun(offer, result.demand_blocks, result.prefix_chunks, self.clock())
+            run = EngineRun(offer, result.demand_blocks, result.prefix_chunks, self.clock())
+            run.waited_tokens = self._pending_tokens() + self._uncached(run)
+            self.runs[offer.assignment] = run
         self._step(
             machine.AdmissionDecided(self.clock(), offer.assignment, result.accepted, result.reason, result.detail)
         )
@@ -292,6 +303,9 @@ class VllmWorker(MachineHost):
             async for event in stream:
                 if event.tokens:
                     now = self.clock()
+                    if not run.generated:
+                        served = self.speeds.served.point(run.waited_tokens, now - run.accepted_at)
+                        self.speeds = replace(self.speeds, served=served)
                     run.generated.extend(event.tokens)
                     run.token_times.extend([now] * len(event.tokens))
                     self._step(machine.TokensProduced(now, a, event.tokens))

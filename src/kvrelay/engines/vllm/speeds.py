@@ -28,6 +28,10 @@ worker's own view (which starts before vLLM's queue and includes the HTTP hops):
   engine never makes the router hold a request (``queue_delay``).
 
 Counters that go back (the engine restarted) start the fit's window over without a point.
+
+Once the worker has measured its own first tokens, the heartbeat reports their fit instead
+(``ServedSpeeds``): the engine's fit is of a request alone in its step, and a burst on a shared CPU took
+20 to 50 times longer than it said.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ MIN_SPREAD = 0.05
 """Least weighted variance of the points' prompt lengths, relative to their mean squared, to fit a fixed cost."""
 HISTORY_WEIGHT = 4.0
 """Requests the engine's history before the worker started counts as, at most."""
+MIN_SERVED = 4.0
+"""Weight of served first tokens from which their fit replaces the engine's (``ServedSpeeds``)."""
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-3
 """Before the engine has finished a request: a CPU's order of magnitude for a model of a few hundred million
 parameters; the first request replaces it."""
@@ -85,6 +91,10 @@ class PrefillFit:
         )
         return replace(fit, last=totals)
 
+    def point(self, tokens: float, seconds: float) -> PrefillFit:
+        """The fit with one request's point added: ``tokens`` against ``seconds``."""
+        return self._add(1, tokens, seconds, None)
+
     def _add(self, n: float, tokens: float, seconds: float, cap: float | None) -> PrefillFit:
         if n < 1 or tokens < 0 or seconds < 0:
             return self
@@ -122,6 +132,34 @@ class PrefillFit:
     @property
     def fixed_s(self) -> float:
         """What a scheduled request takes beyond its computed tokens (the first token's term; module docstring)."""
+        found = self.line()
+        return found[0] if found is not None else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServedSpeeds:
+    """What the heartbeat reports: the engine's own fit (``engine``) until this worker has measured
+    ``MIN_SERVED`` first tokens of its own, then the fit of those (``served``): each request's time from
+    acceptance to its first token against the uncached prompt tokens it waited for, its own and those of the
+    requests admitted before it that had no first token yet. The engine's fit measures a request once
+    scheduled, alone in its step on a quiet machine: beside a burst on a shared CPU it predicted 0.02-0.05 s
+    for first tokens that took 1 s, so the router sent the whole burst to one engine. The served fit holds
+    vLLM's queueing, its batching of prefills, the HTTP hop and the machine's load as they are."""
+
+    engine: PrefillFit = PrefillFit()
+    served: PrefillFit = PrefillFit()
+
+    def line(self) -> tuple[float, float] | None:
+        chosen = self.served if self.served.w >= MIN_SERVED else self.engine
+        return chosen.line()
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        found = self.line()
+        return found[1] if found is not None else DEFAULT_PREFILL_S_PER_TOKEN
+
+    @property
+    def fixed_s(self) -> float:
         found = self.line()
         return found[0] if found is not None else 0.0
 
