@@ -38,6 +38,7 @@ from kvrelay.launch import defaults
 from kvrelay.launch.attached_engines import AttachedEngines, attach_engines
 from kvrelay.launch.catalog import ModelCatalog, load_served_model
 from kvrelay.launch.drain import listen, serve_until_stopped
+from kvrelay.launch.heap import freeze_startup_objects
 from kvrelay.launch.router_stack import build_router_stack
 from kvrelay.launch.status import StatusServer
 from kvrelay.launch.tracing import start_tracing
@@ -185,6 +186,7 @@ async def _run_router(
     status = StatusServer(lambda: router_status(router), options.status_host, options.status_port)
 
     def ready(port: int) -> None:
+        freeze_startup_objects()
         on_ready(f"http://{options.host}:{port}", endpoint.url, status.url)
         log.info("router: HTTP on http://%s:%d, workers on %s", options.host, port, endpoint.url)
 

@@ -33,6 +33,7 @@ from kvrelay.core.router.machine import RouterConfig
 from kvrelay.facts.store import FactStore
 from kvrelay.launch import defaults
 from kvrelay.launch.drain import listen, serve_until_stopped
+from kvrelay.launch.heap import freeze_startup_objects
 from kvrelay.launch.router_stack import RouterStack, build_router_stack
 from kvrelay.launch.tracing import start_tracing
 from kvrelay.launch.worker_assembly import StoreSpec, WorkerParts, WorkerSettings, build_worker
@@ -190,6 +191,7 @@ async def serve(options: ServeOptions, on_ready: Callable[[str], None] = lambda 
         sock = listen(options.host, options.port)
 
         def ready(port: int) -> None:
+            freeze_startup_objects()
             url = f"http://{options.host}:{port}"
             log.info("serving %s on %s", parts.served.name, url)
             on_ready(url)

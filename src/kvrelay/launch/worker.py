@@ -34,6 +34,7 @@ from typing import Any, Protocol
 from kvrelay.core.worker.machine import WorkerState
 from kvrelay.engines.vllm.host import VllmWorker
 from kvrelay.launch import defaults
+from kvrelay.launch.heap import freeze_startup_objects
 from kvrelay.launch.status import StatusServer
 from kvrelay.launch.tracing import start_tracing
 from kvrelay.launch.vllm_worker import VllmSettings, build_vllm_worker
@@ -141,6 +142,7 @@ async def run_worker(
     status = StatusServer(lambda: worker_status(host, endpoint), options.status_host, options.status_port)
     await status.start()
     await endpoint.start()
+    freeze_startup_objects()
     on_ready(host.worker_id, host.epoch, name, status.url)
     log.info(
         "worker %s (epoch %d) serves %s; routers: %s", host.worker_id, host.epoch, name, ", ".join(options.router_urls)
