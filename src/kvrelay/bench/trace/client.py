@@ -13,6 +13,7 @@ TTFT; ``replay`` itself never raises for one request.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -104,17 +105,28 @@ async def _one(
 
 
 async def replay(url: str, model: str, prompts: Sequence[TracePrompt], timeout_s: float = 300.0) -> list[Measured]:
-    """Send every prompt at its arrival time (see the module contract); the measurements in prompt order."""
+    """Send every prompt at its arrival time (see the module contract); the measurements in prompt order.
+
+    The harness's own collector is off for the replay (what it holds is frozen first): a full collection of
+    the harness's heap stopped this client's loop for 0.1-1 s, which counted in the TTFT of whatever setup
+    was being measured."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
-        started = time.perf_counter()
-        tasks: list[asyncio.Task[Measured]] = []
-        for p in sorted(prompts, key=lambda q: q.arrival_s):
-            delay = started + p.arrival_s - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(_one(client, url, model, p, started, timeout_s)))
-        results = await asyncio.gather(*tasks)
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+            started = time.perf_counter()
+            tasks: list[asyncio.Task[Measured]] = []
+            for p in sorted(prompts, key=lambda q: q.arrival_s):
+                delay = started + p.arrival_s - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(_one(client, url, model, p, started, timeout_s)))
+            results = await asyncio.gather(*tasks)
+    finally:
+        gc.enable()
+        gc.unfreeze()
     return sorted(results, key=lambda m: m.index)
 
 
