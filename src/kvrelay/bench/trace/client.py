@@ -107,9 +107,9 @@ async def _one(
 async def replay(url: str, model: str, prompts: Sequence[TracePrompt], timeout_s: float = 300.0) -> list[Measured]:
     """Send every prompt at its arrival time (see the module contract); the measurements in prompt order.
 
-    The harness's own collector is off for the replay (what it holds is frozen first): a full collection of
-    the harness's heap stopped this client's loop for 0.1-1 s, which counted in the TTFT of whatever setup
-    was being measured."""
+    The harness's own collector is off for the replay (what it holds is frozen first): a full collection of a
+    heap of its size takes ~0.1 s on the idle machine (``launch.heap``), which would count in the TTFT of
+    whatever setup was being measured."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0)
     gc.collect()
     gc.freeze()
