@@ -49,6 +49,7 @@ from kvrelay.bench.engines.measure import decode, prompts, ttft
 from kvrelay.bench.engines.report import Comparison, Samples, figures, plot, print_comparisons
 from kvrelay.bench.engines.servers import EngineServer, ServerSpec, start_kvrelay, start_vllm
 from kvrelay.bench.report import Figure, report
+from kvrelay.engines.vllm.identity import DTYPE_BYTES
 from kvrelay.launch.vllm_server import VllmNotInstalled, vllm_python
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.loading.default_model import DEFAULT_MODEL_NAME
@@ -72,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold-prompt", type=int, default=4096, help="prompt tokens of the TTFT figures")
     parser.add_argument("--warm-suffix", type=int, default=512, help="new tokens after the warm prefix (default 512)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each server (default 2)")
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="both servers' dtype (default bfloat16; float32 for a smoke run where vLLM's bfloat16 path cannot run)",
+    )
     parser.add_argument("--lanes", type=int, default=None, help="kvrelay lanes, vLLM max-num-seqs (default: streams)")
     parser.add_argument("--kv-tokens", type=int, default=65536, help="KV tokens of each server (default 65536)")
     parser.add_argument("--vllm-python", default=None, help="Python of vLLM's venv (default: as kvrelay finds it)")
@@ -119,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         lanes=args.lanes or max(streams),
         kv_tokens=args.kv_tokens,
-        kv_bytes_per_token=config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2,
+        kv_bytes_per_token=config.num_layers * 2 * config.num_kv_heads * config.head_dim * DTYPE_BYTES[args.dtype],
         max_model_len=min(config.max_position_embeddings, args.cold_prompt + args.decode_tokens + 64),
         work_dir=work,
         vllm_python=python,
@@ -128,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         vllm_extra=("--enforce-eager",) if args.vllm_eager else (),
         vllm_env=env_pairs(parser, args.vllm_env),
         omp_spincount=args.omp_spincount,
+        dtype=args.dtype,
     )
     servers: dict[str, EngineServer] = {}
     try:
@@ -195,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{context:g} tokens; load average (1, 5, 15 min) before {load_before}, after {load_after}"
     )
     spin = "" if args.omp_spincount is None else f", GOMP_SPINCOUNT {args.omp_spincount}"
-    title = f"kvrelay serve vs {peer}: {name}, bfloat16, {args.threads} threads, {args.rounds} rounds{spin}"
+    title = f"kvrelay serve vs {peer}: {name}, {args.dtype}, {args.threads} threads, {args.rounds} rounds{spin}"
     report(title, out, str(args.json) if args.json else None)
     if args.json:
         title = (

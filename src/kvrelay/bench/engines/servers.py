@@ -2,15 +2,16 @@
 
 ``start_kvrelay(spec)`` and ``start_vllm(spec)`` start one server each on a free loopback port and return an
 ``EngineServer`` at once; ``EngineServer.wait_ready(timeout)`` blocks until it answers a completion. Both
-serve the same model directory under the same name, with the same torch thread count:
+serve the same model directory under the same name, in the same dtype ``D`` (``ServerSpec.dtype``, bfloat16 by
+default), with the same torch thread count:
 
-- kvrelay: ``python -m kvrelay.cli.main serve --model DIR --dtype bfloat16 --lanes N --kv-tokens K``, with
+- kvrelay: ``python -m kvrelay.cli.main serve --model DIR --dtype D --lanes N --kv-tokens K``, with
   ``OMP_NUM_THREADS`` set to the thread count (its device thread owns the torch pool).
 - both: ``OMP_WAIT_POLICY=PASSIVE`` (kvrelay's own default; on a shared machine a spinning OpenMP thread holds
   a core its partner thread needs, docs/performance.md "OpenMP wait policy"), and ``GOMP_SPINCOUNT`` where
   ``omp_spincount`` sets it (a machine dedicated to the server: threads spin that many turns before they
   sleep), unless ``vllm_env`` says otherwise for vLLM.
-- vLLM (its CPU build, in its own venv): ``-m vllm.entrypoints.openai.api_server --model DIR --dtype bfloat16
+- vLLM (its CPU build, in its own venv): ``-m vllm.entrypoints.openai.api_server --model DIR --dtype D
   --block-size 64`` with its CPU settings at their best for this work, after vLLM's CPU docs and
   ``vllm/platforms/cpu.py`` / ``vllm/utils/ompmultiprocessing.py``: the model runner's OpenMP threads are
   bound to cores ``0 .. threads-1`` (``VLLM_CPU_OMP_THREADS_BIND``; unbound with ``threads`` OpenMP threads
@@ -78,6 +79,8 @@ class ServerSpec:
     vllm_env: tuple[tuple[str, str], ...] = ()
     omp_spincount: int | None = None
     """Both servers' ``GOMP_SPINCOUNT`` (``None``: unset, so passive threads sleep at once)."""
+    dtype: str = "bfloat16"
+    """Both servers' weights and KV (``float32`` where vLLM's bfloat16 path cannot run: a smoke run)."""
     """More environment for vLLM (e.g. ``OMP_WAIT_POLICY``), set last."""
 
 
@@ -143,7 +146,7 @@ def start_kvrelay(spec: ServerSpec) -> EngineServer:
     """``kvrelay serve`` on a free port (see the module docstring)."""
     port = free_port()
     argv = [sys.executable, "-m", "kvrelay.cli.main", "--log-level", "WARNING", "serve"]
-    argv += ["--port", str(port), "--dtype", "bfloat16", "--lanes", str(spec.lanes)]
+    argv += ["--port", str(port), "--dtype", spec.dtype, "--lanes", str(spec.lanes)]
     argv += ["--kv-tokens", str(spec.kv_tokens), "--db", f"sqlite:///{spec.work_dir / 'facts.sqlite3'}"]
     if spec.kvrelay_model is not None:
         argv += ["--model", spec.kvrelay_model]
@@ -161,7 +164,7 @@ def start_vllm(spec: ServerSpec) -> EngineServer:
     """vLLM's OpenAI server on a free port, with its CPU settings at their best (see the module docstring)."""
     port = free_port()
     argv = [str(spec.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(spec.model_dir)]
-    argv += ["--served-model-name", spec.model_name, "--dtype", "bfloat16", "--block-size", "64"]
+    argv += ["--served-model-name", spec.model_name, "--dtype", spec.dtype, "--block-size", "64"]
     argv += ["--max-num-seqs", str(spec.lanes), "--max-model-len", str(spec.max_model_len)]
     argv += ["--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--seed", "0"]
