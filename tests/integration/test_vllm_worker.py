@@ -193,7 +193,7 @@ def test_killed_engine_streams_complete_and_its_restart_clears_the_routers_belie
     victim.kill()  # kill -9 of the engine's whole process group, mid-stream
     for thread in threads:
         thread.join(300)
-    assert sorted(results) == list(range(streams)), results
+    assert sorted(results) == list(range(streams)), (results, router.cluster()["router_counters"])
     for result in results.values():
         assert result["usage"] and result["usage"]["completion_tokens"] == budget, result
         assert result["finish"]["choices"][0]["finish_reason"] == "length", result

@@ -156,7 +156,8 @@ def stream_completion(http_url: str, model: str, prompt: list[int], max_tokens: 
         "stream_options": {"include_usage": True},
     }
     with httpx.stream("POST", http_url + "/v1/completions", json=body, timeout=120) as response:
-        response.raise_for_status()
+        if response.status_code != 200:
+            raise AssertionError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')}")
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 yield json.loads(line[len("data: ") :])

@@ -408,3 +408,19 @@ def test_mooncake_fetches_past_the_threshold_even_when_recompute_would_be_faster
     assert chosen.predicted_ttft_s == pytest.approx(6 * 0.64 + 1e-3 + 0.02)
     best = PredictedTTFT().choose(ctx)
     assert best is not None and best.cached_tokens == 128  # kvrelay weighs the fetch against recompute
+
+
+@pytest.mark.parametrize(("fixed_s", "busy", "winner"), [(0.04, 0.0, "w1"), (0.2, 0.0, "w0"), (0.04, 0.5, "w0")])
+def test_kvrelay_takes_the_resident_prefix_when_the_scores_are_within_the_affinity_margin(
+    fixed_s: float, busy: float, winner: str
+) -> None:
+    """w1 holds one chunk but reports a higher fixed cost per request: on a calm cluster 20 ms more is within
+    the margin (the cached tokens win) and 180 ms more is not; on a busy one the lowest score wins."""
+    fast = {"prefill_s_per_token": 1e-4, "decode_s_per_token": 0.02}
+    workers = [idle_heartbeat("w0", **fast), idle_heartbeat("w1", **{**fast, "decode_s_per_token": fixed_s})]
+    ctx = context(workers, residency=[("w1", "gpu", 1)])._replace(busy_share=busy)
+    scores = {r.worker_id: r.best_score for r in ctx.plan.routes}
+    assert scores["w0"] < scores["w1"]  # the lowest score alone would recompute on w0
+    chosen = PredictedTTFT().choose(ctx)
+    assert chosen is not None and chosen.worker_id == winner
+    assert chosen.cached_tokens == (64 if winner == "w1" else 0)

@@ -35,6 +35,8 @@ class RoutingContext(NamedTuple):
     now: float
     arrived: float
     """When the request reached the router (the same for every attempt)."""
+    busy_share: float = 0.0
+    """The share of live workers with a non-empty queue (``Roster.busy_share``) when the plan was made."""
 
     @property
     def routes(self) -> Sequence[WorkerRoute]:

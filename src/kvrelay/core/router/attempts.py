@@ -109,7 +109,9 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> bool
         )
     behind = rs.attempt == 0 and rs.phase is not Phase.QUEUED and bool(state.queues.get(request.model))
     if plan.routes and not behind and _can_start(state, rs, plan, len(prompt) + remaining):
-        ctx = RoutingContext(request, prompt, chain, config.chunk_tokens, plan, state.views, state.rng, now, rs.arrived)
+        ctx = RoutingContext(
+            request, prompt, chain, config.chunk_tokens, plan, state.views, state.rng, now, rs.arrived, busy
+        )
         chosen = policy.choose(ctx)
         if chosen is not None:
             _offer(state, rs, ctx, chosen, predicts, now, fx)
