@@ -1,7 +1,7 @@
-"""An embedded server whose event loop really stalls past the worker expiry: the router fences the worker's
-epoch, tells the worker at its next heartbeat, and the worker comes back in a new epoch. Completions work
-again within a bound, and the streams that were running when the loop stalled finish with every token, in
-order, continued on the worker's new epoch; none is lost."""
+"""An embedded server whose event loop really stalls past the worker expiry: the router's own tick comes that
+late, so it counts the silence as its own pause, not the worker's (``Tick.late_s``): the worker keeps its epoch,
+completions work at once after the stall, and the streams that were running finish with every token, in order;
+none is lost. (A worker that is silent while the router runs is fenced: ``test_transport``, ``test_router``.)"""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def stall_after_next_heartbeat(server: ServerThread, seconds: float) -> threadin
     return over
 
 
-def test_a_loop_stalled_past_the_expiry_fences_the_worker_and_it_comes_back_in_a_new_epoch(tmp_path: Path) -> None:
+def test_a_loop_stalled_past_the_expiry_is_the_routers_pause_and_fences_nothing(tmp_path: Path) -> None:
     model = make_tiny_model(
         "llama",
         tmp_path / "slowllama",
@@ -70,18 +70,13 @@ def test_a_loop_stalled_past_the_expiry_fences_the_worker_and_it_comes_back_in_a
         def counters() -> dict[str, int]:
             return server.call(lambda: dict(server.parts.router.state.counters))  # type: ignore[no-any-return,union-attr]
 
-        wait_until(lambda: counters().get("workers_expired") == 1, 2, "the stall to fence the worker's epoch")
-
-        def served() -> bool:
-            try:
-                return complete(server.base_url, model.name, PROMPT, 4)["usage"]["completion_tokens"] == 4
-            except AssertionError:
-                return False  # a 503 while the worker is between epochs
-
-        wait_until(served, BACK_WITHIN_S, "a completion served after the stall", every_s=0.1)
+        wait_until(lambda: counters().get("late_ticks", 0) >= 1 or None, 5, "the late tick to be counted")
+        assert complete(server.base_url, model.name, PROMPT, 4)["usage"]["completion_tokens"] == 4
         assert time.monotonic() - stalled_until < BACK_WITHIN_S
-        assert server.call(lambda: server.parts.controller.epoch) > epoch  # type: ignore[union-attr]
+        assert server.call(lambda: server.parts.controller.epoch) == epoch  # type: ignore[union-attr]
         for s in streams:  # every running stream finished, with every token, as the undisturbed request would
             assert s.result(120) == reference
             assert s.error_event is None and s.usage["completion_tokens"] == BUDGET  # type: ignore[index]
-        assert counters().get("fenced_notices", 0) >= 1 and counters().get("finished_error", 0) == 0
+        final = counters()
+        assert final.get("workers_expired", 0) == 0 and final.get("fenced_notices", 0) == 0, final
+        assert final.get("finished_error", 0) == 0 and final.get("retries", 0) == 0, final

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvrelay.core.router.events import (
     CancelTimer,
     ConsumerCancelled,
@@ -323,3 +325,15 @@ def test_a_residency_snapshot_makes_the_index_list_exactly_what_the_worker_holds
     assert sorted(d.state.index.keys_of("w0", "ssd")) == sorted(CHAIN[3:5] + CHAIN[6:7])
     assert d.state.index.keys_of("w0", "gpu") == []
     assert d.state.counters["residency_snapshots"] == 2
+
+
+@pytest.mark.parametrize(("late_s", "expired"), [(0.0, True), (2.0, False)])
+def test_a_late_tick_does_not_blame_the_workers_for_the_routers_own_pause(late_s: float, expired: bool) -> None:
+    """w0 was last heard at 0; a tick at 4 s expires it (3 s expiry), unless the router's own process did not run
+    for 2 s of those 4 (the tick came 2 s late): its heartbeats of that time wait unread behind the pause."""
+    d = two_workers(worker_expiry_s=3.0)
+    d.now = 2.0
+    d.message(heartbeat("w1", seq=2))
+    d.now = 4.0
+    d.feed(Tick(4.0, late_s))
+    assert ("w0" not in d.state.views) is expired and "w1" in d.state.views

@@ -96,6 +96,14 @@ def fence(registry: Registry, worker_id: str, epoch: int) -> bool:
     return False
 
 
+def credit_pause(registry: Registry, paused_s: float) -> None:
+    """Count ``paused_s`` seconds in which the router itself did not run as heard from every live worker: their
+    heartbeats of that time wait unread behind the pause, so the silence was the router's, not theirs."""
+    for entry in registry.workers.values():
+        if entry.live:
+            entry.last_seen += paused_s
+
+
 def expire(registry: Registry, now: float, expiry_s: float) -> list[tuple[str, int]]:
     """Fence every live worker silent for longer than ``expiry_s``; returns ``(worker_id, epoch)`` pairs."""
     expired = [(wid, e.epoch) for wid, e in registry.workers.items() if e.live and now - e.last_seen > expiry_s]

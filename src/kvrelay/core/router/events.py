@@ -143,9 +143,11 @@ class ConsumerCancelled:
 
 @dataclass(frozen=True, slots=True)
 class Tick:
-    """Periodic clock event: lets the router expire silent workers."""
+    """Periodic clock event: lets the router expire silent workers. ``late_s``: how much later than due the
+    router's own process delivered it; the workers are not blamed for that silence (``registry.credit_pause``)."""
 
     now: float
+    late_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

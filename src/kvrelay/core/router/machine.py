@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import assert_never
 
 from kvrelay.core.planning import predicted_ttft
-from kvrelay.core.planning.registry import HeartbeatReason, accept_heartbeat, expire, fence
+from kvrelay.core.planning.registry import HeartbeatReason, accept_heartbeat, credit_pause, expire, fence
 from kvrelay.core.router.assignment_messages import on_assignment_message
 from kvrelay.core.router.attempts import (
     abandon,
@@ -98,7 +98,9 @@ def step(state: RouterState, event: RouterEvent) -> tuple[RouterState, Effects]:
                 _worker_lost(state, wid, epoch, now, fx, "worker unavailable")
         case ConsumerCancelled(now=now, request_id=rid):
             _on_consumer_cancel(state, rid, now, fx)
-        case Tick(now=now):
+        case Tick(now=now, late_s=late_s):
+            if late_s > 0:
+                credit_pause(state.registry, late_s)
             if expired := state.pending.expire(now):
                 state.count("pending_expired", expired)
             for wid, epoch in expire(state.registry, now, state.config.worker_expiry_s):
