@@ -29,8 +29,8 @@ BACK_WITHIN_S = 5.0
 def stall_after_next_heartbeat(server: ServerThread, seconds: float) -> threading.Event:
     """Block the server's event loop thread for ``seconds`` right after the router takes the worker's next
     heartbeat (a real stall: nothing on the loop runs meanwhile, as when a request handler holds it). Returns
-    an event set when the stall is over. The next heartbeat is due only after the stall, while the router's
-    tick is due during it, so the router sees the worker silent for ``seconds``."""
+    an event set when the stall is over. The next heartbeat is due only after the stall, and so is the router's
+    tick, which then comes ``seconds`` late: the worker's silence is the router's own pause."""
     assert server.parts is not None
     router = server.parts.router
     receive: Callable[[WireMessage], None] = router.receive
