@@ -44,7 +44,6 @@ from kvrelay.protocol.messages import (
     FinishReason,
     Heartbeat,
     Offer,
-    Residency,
     Timings,
     Usage,
     WireMessage,
@@ -58,6 +57,8 @@ from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
 from kvrelay.sim.chunk_origins import ChunkOrigins
 from kvrelay.sim.cluster_config import ClusterConfig, WorkerSpec
 from kvrelay.sim.events import AdmissionDue, IterationDone, RestoreDone, WorkerDue
+from kvrelay.sim.filling import Filling
+from kvrelay.sim.observations import heartbeat_of, residency_messages
 from kvrelay.sim.tokens import token_value
 from kvrelay.sim.work import Work, WorkerStats, iteration_s, timings_of, usage_of
 
@@ -118,8 +119,7 @@ class SimWorker:
     def _reset_runtime(self) -> None:
         self.plans: dict[Assignment, AdmissionPlan] = {}
         self.works: dict[Assignment, Work] = {}
-        self.filling: dict[bytes, Work] = {}
-        """Keys a started request is restoring or computing onto the device, and that request."""
+        self.filling = Filling()
         self.prefill_queue: list[Work] = []
         self.decoding: list[Work] = []
         self.busy = False
@@ -167,50 +167,29 @@ class SimWorker:
         self.heartbeat_seq += 1
         if self.heartbeat_seq == 2 and self.epoch > 1:
             self.caches.announce_durable()  # once the router knows this epoch (after the first heartbeat)
-        return Heartbeat(
-            worker_id=self.worker_id,
-            epoch=self.epoch,
-            seq=self.heartbeat_seq,
-            models=(self.cluster.model,),
-            model_fingerprints=(self.cluster.fingerprint.hex(),),
-            pages_total=gpu.pages_total,
-            pages_free=max(gpu.free_pages, 0),
-            pages_evictable=gpu.evictable_pages,
-            page_tokens=self.cluster.page_tokens,
-            chunk_tokens=self.cluster.chunk_tokens,
-            queue_delay_s=sum(self._prefill_to_do(x) for x in waiting) * w.prefill_s_per_token,
-            lower_tier_load_s=max(0.0, self.restore_free_at - now),
-            active_lanes=len(self.decoding),
-            max_lanes=w.max_lanes,
-            prefill_s_per_token=w.prefill_s_per_token,
-            decode_s_per_token=w.decode_step(len(self.decoding)),
-            prefill_chunk_tokens=w.prefill_chunk_tokens,
-            restore_bytes_per_s=dict(self.rates),
-            kv_bytes_per_token=self.cluster.kv_bytes_per_token,
-            context_limit=w.context_limit,
+        queued = sum(self._prefill_to_do(x) for x in waiting)
+        load = max(0.0, self.restore_free_at - now)
+        return heartbeat_of(
+            self.worker_id,
+            self.epoch,
+            self.heartbeat_seq,
+            self.cluster,
+            w,
+            gpu,
+            self.rates,
+            queued,
+            load,
+            len(self.decoding),
         )
 
     def flush_residency(self, now: float) -> None:
         """Send the buffered residency changes, one message per tier."""
-        changes = self.caches.drain_changes()
-        for tier in ("gpu", "ram", "ssd", "object"):
-            delta = changes.get(tier)
-            if not delta:
-                continue
-            self.residency_seq += 1
-            self.send(
-                now,
-                self.worker_id,
-                Residency(
-                    worker_id=self.worker_id,
-                    epoch=self.epoch,
-                    seq=self.residency_seq,
-                    tier=tier,
-                    model=self.cluster.model,
-                    stored=tuple(k for k, s in delta.items() if s),
-                    removed=tuple(k for k, s in delta.items() if not s),
-                ),
-            )
+        messages = residency_messages(
+            self.worker_id, self.epoch, self.residency_seq, self.cluster.model, self.caches.drain_changes()
+        )
+        for message in messages:
+            self.send(now, self.worker_id, message)
+        self.residency_seq += len(messages)
 
     # --- the machine and its effects -------------------------------------------------
 
@@ -281,7 +260,7 @@ class SimWorker:
         self.stats.accepted += 1
         if plan.restore:
             if self.rematch:
-                self._claim(work, [k for k, _ in plan.restore])
+                self.filling.claim(work, [k for k, _ in plan.restore])
             start = max(now, self.restore_free_at)
             work.restore_done_at = self.restore_free_at = start + plan.restore_s
             work.in_flight = True
@@ -308,17 +287,8 @@ class SimWorker:
             self.prefill_queue.remove(work)
         if work in self.decoding:
             self.decoding.remove(work)
-        self._unclaim(work, work.computed)
-        self._unclaim(work, [k for k, _ in work.plan.restore])
-
-    def _claim(self, work: Work, keys: list[bytes]) -> None:
-        for key in keys:
-            self.filling.setdefault(key, work)
-
-    def _unclaim(self, work: Work, keys: list[bytes]) -> None:
-        for key in keys:
-            if self.filling.get(key) is work:
-                del self.filling[key]
+        self.filling.unclaim(work, work.computed)
+        self.filling.unclaim(work, [k for k, _ in work.plan.restore])
 
     def _rematch(self, work: Work) -> None:
         """Share the leading chunks still to compute that are now on the device (another request filled them)."""
@@ -343,18 +313,7 @@ class SimWorker:
         the device or that another started request is filling (it will share them)."""
         if work.prefill_started_at is not None or not self.rematch:
             return work.prefill_left
-        shared = 0
-        for key in work.computed:
-            filler = self.filling.get(key)
-            if not (key in self.caches.gpu or (filler is not None and filler is not work)):
-                break
-            shared += 1
-        return work.prefill_left - shared * self.cluster.chunk_tokens
-
-    def _waits(self, work: Work) -> bool:
-        """Whether another started request is filling the next chunk ``work`` would compute."""
-        filler = self.filling.get(work.computed[0]) if work.computed else None
-        return filler is not None and filler is not work
+        return work.prefill_left - self.filling.shared_chunks(work, self.caches.gpu) * self.cluster.chunk_tokens
 
     def _release(self, assignment: Assignment) -> None:
         plan = self.plans.pop(assignment, None)
@@ -393,7 +352,7 @@ class SimWorker:
         work.in_flight = False
         restored = [k for k, _ in work.plan.restore]
         self._fill_gpu(work, restored, computed=False)
-        self._unclaim(work, restored)
+        self.filling.unclaim(work, restored)
         for tier, n in work.plan.restore_bytes.items():
             self.stats.restored_bytes[tier] = self.stats.restored_bytes.get(tier, 0) + n
         if work.fenced:
@@ -416,7 +375,7 @@ class SimWorker:
                 break
             if work.prefill_started_at is None and self.rematch:
                 self._rematch(work)
-                if self._waits(work):
+                if self.filling.waits(work):
                     self.stats.deferred += 1
                     continue
             lanes -= 1
@@ -428,7 +387,7 @@ class SimWorker:
             if work.prefill_started_at is None:
                 work.prefill_started_at = now
                 if self.rematch:
-                    self._claim(work, work.computed)
+                    self.filling.claim(work, work.computed)
         if not decode and not prefill:
             return
         tokens = sum(t for _, t in prefill)
@@ -463,7 +422,7 @@ class SimWorker:
                 self.prefill_queue.remove(work)
                 self._fill_gpu(work, work.computed, computed=True)
                 self.origins.computed(work.computed, work.offer.assignment.request_id)
-                self._unclaim(work, work.computed)
+                self.filling.unclaim(work, work.computed)
                 work.generated = 1
                 work.first_token_at = now
                 self.decoding.append(work)
