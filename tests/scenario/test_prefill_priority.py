@@ -70,3 +70,40 @@ def test_a_peer_policy_sets_no_priority_and_its_worker_stays_fifo(policy: str) -
     assert {o.priority for o in sim.offers} == {0.0}
     assert first_token(sim, "started") < first_token(sim, "long") <= first_token(sim, "short")
     assert first_token(sim, "short") - 1.02 > 4.9  # behind 5 s of prefill
+
+
+def test_a_follower_relying_on_a_pending_prefix_does_not_pass_the_request_computing_it() -> None:
+    """A started prompt keeps the worker busy; ``lead`` (a 20,000-token prefix) waits behind it, and ``follower``
+    (the same prefix, a short tail) comes 10 ms later. Counting the prefix as pending (predict on route), its own
+    deadline would put it before ``lead``, where it would find nothing to reuse and compute the prefix twice;
+    its offer takes ``lead``'s priority instead, so it comes after ``lead`` and shares the prefix."""
+    prefix = tokens(2, 20_000)
+    sim = Simulation(small_cluster(workers=1), policy="kvrelay", seed=0, router_config=RouterConfig(queue=QUEUE_OFF))
+    sim.submit(request("started", tokens(1, 30_000), 2), at=1.0)
+    sim.submit(request("lead", prefix + tokens(3, 64), 2), at=1.01)
+    sim.submit(request("follower", prefix + tokens(4, 64), 2), at=1.02)
+    assert sim.run(until=60.0)
+    assert_invariants(sim)
+    [lead], [follower] = offers_of(sim, "lead"), offers_of(sim, "follower")
+    assert follower.priority == lead.priority
+    assert first_token(sim, "lead") <= first_token(sim, "follower")
+    assert sim.workers["w0"].stats.rematched_chunks >= 20_000 // 64
+
+
+def test_a_request_restoring_its_prefix_is_not_passed_by_a_prefill_that_started_meanwhile() -> None:
+    """``probe``'s prefix is in the worker's ram; while it is restored, a 40,000-token prompt (4 s of prefill) is
+    accepted after it and starts. As in the live runtime (``Job.place``), the probe, accepted first, goes before
+    that prefill's next chunk once its restore is done, instead of waiting for all of it."""
+    prefix = tokens(1, 20_000)
+    sim = Simulation(small_cluster(workers=1), policy="kvrelay", seed=0, router_config=RouterConfig(queue=QUEUE_OFF))
+    sim.submit(request("warm", prefix + tokens(2, 64), 2), at=0.5)
+    sim.submit(request("filler", tokens(3, 62_000), 2), at=4.0)  # pushes most of the prefix out to ram
+    sim.submit(request("probe", prefix + tokens(4, 64), 2), at=12.0)
+    sim.submit(request("long", tokens(5, 40_000), 2), at=12.05)
+    assert sim.run(until=60.0)
+    assert_invariants(sim)
+    probe = offers_of(sim, "probe")[-1]
+    assert probe.route and probe.route[0].tier == "ram"
+    # Behind the long prompt's first 8,192-token chunk (0.82 s) and its own 3,520-token rest, not its 4 s.
+    assert first_token(sim, "probe") - 12.0 < 2.0
+    assert first_token(sim, "probe") < first_token(sim, "long")

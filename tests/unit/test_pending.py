@@ -36,6 +36,19 @@ def test_a_credit_marks_what_is_not_on_the_device_and_ends_with_its_request() ->
     assert [mark(ix, "w0", k) for k in ks] == [GPU, 0, 0, 0] and len(credits) == 0
 
 
+def test_the_first_priority_of_a_key_is_the_lowest_of_the_credits_holding_it_on_that_worker() -> None:
+    ix = ResidencyIndex()
+    ks = keys(3)
+    credits = PendingCredits(ix)
+    credits.credit("w0", "late", ks, deadline=10.0, priority=9.0)
+    credits.credit("w0", "early", ks[:2], deadline=10.0, priority=4.0)
+    credits.credit("w1", "elsewhere", ks, deadline=10.0, priority=1.0)
+    assert credits.first_priority("w0", ks[1]) == 4.0  # "early" computes it first on w0
+    assert credits.first_priority("w0", ks[2]) == 9.0  # only "late" holds it there
+    credits.release("late")
+    assert credits.first_priority("w0", ks[2]) is None
+
+
 def test_stored_keys_settle_and_a_new_credit_replaces_the_old() -> None:
     ix = ResidencyIndex()
     ks = keys(3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -47,6 +48,24 @@ class WorkerStats:
     rematched_chunks: int = 0
     deferred: int = 0
     """Times a prefill waited for another request to finish its next chunk."""
+
+
+def iteration_order(queue: Sequence[Work]) -> list[Work]:
+    """The order in which a worker's prefills take an iteration's budget, as the live runtime plans it
+    (``worker.runtime.iteration``, ``Job.place``): started prefills by acceptance time, and each waiting one (in
+    ``queue`` order) before the started ones accepted after it, so a request that waited for its restore is not
+    passed by a prefill that started meanwhile."""
+    started = sorted((w for w in queue if w.prefill_started_at is not None), key=lambda w: w.accepted_at)
+    order: list[Work] = []
+    i = 0
+    for work in queue:
+        if work.prefill_started_at is not None:
+            continue
+        while i < len(started) and started[i].accepted_at <= work.accepted_at:
+            order.append(started[i])
+            i += 1
+        order.append(work)
+    return order + started[i:]
 
 
 def iteration_s(spec: WorkerSpec, decode_lanes: int, prefill_tokens: int) -> float:

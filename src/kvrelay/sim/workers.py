@@ -12,8 +12,10 @@ Execution model (declared costs, logical time):
   worker's one restore channel (FIFO), taking ``bytes / rate`` per tier.
 - Continuous batching: the device runs one iteration at a time. An iteration
   takes every decoding sequence (one token each) plus up to
-  ``prefill_chunk_tokens`` prompt tokens of waiting prefills (in queue order:
-  ``prefill_order.queue_position`` by the offer's priority, FIFO among equals; each holds
+  ``prefill_chunk_tokens`` prompt tokens of prefills (waiting ones join the queue at
+  ``prefill_order.queue_position`` by the offer's priority, FIFO among equals; started
+  ones go by acceptance time and a waiting one accepted earlier goes before them, as
+  the live runtime's ``Job.place``: ``work.iteration_order``; each holds
   one of ``max_lanes`` lanes from its first chunk to its last token; chunked
   prefill as in vLLM and Sarathi-Serve), and lasts
   ``decode_step(lanes) + prefill tokens * prefill_s_per_token``. A prefill that
@@ -60,7 +62,7 @@ from kvrelay.sim.events import AdmissionDue, IterationDone, RestoreDone, WorkerD
 from kvrelay.sim.filling import Filling
 from kvrelay.sim.observations import heartbeat_of, residency_messages
 from kvrelay.sim.tokens import token_value
-from kvrelay.sim.work import Work, WorkerStats, iteration_s, timings_of, usage_of
+from kvrelay.sim.work import Work, WorkerStats, iteration_order, iteration_s, timings_of, usage_of
 
 Schedule = Callable[[float, str, int, WorkerDue], None]
 """``schedule(at, worker_id, incarnation, event)``: hand ``event`` to ``SimWorker.on_due`` at ``at`` if that
@@ -370,15 +372,17 @@ class SimWorker:
         lanes = w.max_lanes - len(decode)
         budget = w.prefill_chunk_tokens
         prefill: list[tuple[Work, int]] = []
-        for work in self.prefill_queue:  # queue order; a waiting prefill holds its lane even without budget
-            if lanes <= 0:
-                break
-            if work.prefill_started_at is None and self.rematch:
-                self._rematch(work)
-                if self.filling.waits(work):
-                    self.stats.deferred += 1
+        lanes -= sum(1 for work in self.prefill_queue if work.prefill_started_at is not None)
+        for work in iteration_order(self.prefill_queue):  # an admitted prefill holds its lane even without budget
+            if work.prefill_started_at is None:
+                if lanes <= 0:
                     continue
-            lanes -= 1
+                if self.rematch:
+                    self._rematch(work)
+                    if self.filling.waits(work):
+                        self.stats.deferred += 1
+                        continue
+                lanes -= 1
             if budget <= 0:
                 continue
             take = min(work.prefill_left, budget)
@@ -388,6 +392,7 @@ class SimWorker:
                 work.prefill_started_at = now
                 if self.rematch:
                     self.filling.claim(work, work.computed)
+        self.prefill_queue.sort(key=lambda x: x.prefill_started_at is None)  # stable: started first, then waiting
         if not decode and not prefill:
             return
         tokens = sum(t for _, t in prefill)

@@ -29,18 +29,22 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvrelay.core.planning.index import GPU, ResidencyIndex
+from kvrelay.core.planning.routes import is_pending
+from kvrelay.protocol.messages import RouteSegment
 
 DEFAULT_MAX_PENDING_KEYS = 500_000
 
 
 @dataclass(frozen=True, slots=True)
 class Credit:
-    """One request's credit: its keys pending on one worker until ``deadline``."""
+    """One request's credit: its keys pending on one worker until ``deadline``; ``priority`` is its offer's
+    place in that worker's prefill queue (``Offer.priority``)."""
 
     worker_id: str
-    keys: tuple[bytes, ...]
+    keys: frozenset[bytes]
     deadline: float
     serial: int
+    priority: float
 
 
 class PendingCredits:
@@ -68,9 +72,30 @@ class PendingCredits:
         """Key -> live credits, on one worker (read-only use)."""
         return self._counts.get(worker_id, {})
 
-    def credit(self, worker_id: str, request_id: str, chain: Sequence[bytes], deadline: float) -> int:
-        """Credit ``worker_id`` with the keys of ``chain`` not already on its device; replaces the request's
-        earlier credit. Returns how many keys were credited."""
+    def first_priority_on_route(
+        self, worker_id: str, route: Sequence[RouteSegment], chain: Sequence[bytes]
+    ) -> float | None:
+        """``first_priority`` of the last pending chunk ``route`` counts as cached on ``worker_id`` (None: it
+        counts none). An offer of that route must not take a lower priority: in the worker's queue it would pass
+        the request computing its prefix, find nothing to reuse and compute it a second time."""
+        through = 0
+        for i, seg in enumerate(route):
+            if is_pending(seg):
+                through = sum(s.chunks for s in route[: i + 1])
+        return self.first_priority(worker_id, chain[through - 1]) if through else None
+
+    def first_priority(self, worker_id: str, key: bytes) -> float | None:
+        """The lowest offer priority of the credits on ``worker_id`` holding ``key``: the request that will
+        compute it first there; None if no credit holds it."""
+        return min(
+            (c.priority for c in self._credits.values() if c.worker_id == worker_id and key in c.keys), default=None
+        )
+
+    def credit(
+        self, worker_id: str, request_id: str, chain: Sequence[bytes], deadline: float, priority: float = 0.0
+    ) -> int:
+        """Credit ``worker_id`` with the keys of ``chain`` not already on its device, for an offer of ``priority``;
+        replaces the request's earlier credit. Returns how many keys were credited."""
         self.release(request_id)
         shift = self.index.shift_of(worker_id)
         if shift is None:
@@ -99,7 +124,7 @@ class PendingCredits:
         if fresh:
             self.index.store(worker_id, "pending", fresh)
         self._serial += 1
-        self._credits[request_id] = Credit(worker_id, tuple(keys), deadline, self._serial)
+        self._credits[request_id] = Credit(worker_id, frozenset(keys), deadline, self._serial, priority)
         heapq.heappush(self._deadlines, (deadline, self._serial, request_id))
         return len(keys)
 
@@ -136,7 +161,7 @@ class PendingCredits:
         for rid in [rid for rid, c in self._credits.items() if c.worker_id == worker_id]:
             del self._credits[rid]
 
-    def _uncount(self, worker_id: str, keys: tuple[bytes, ...]) -> int:
+    def _uncount(self, worker_id: str, keys: frozenset[bytes]) -> int:
         """Drop one credit of each key; returns how many keys it still held."""
         counts = self._counts.get(worker_id)
         if counts is None:

@@ -148,9 +148,12 @@ def _offer(
     offered = offered_route(chosen.route)
     gpu = sum(s.chunks for s in offered if s.tier == "gpu") * config.chunk_tokens
     rs.demand_pages = predicted_ttft.page_demand(len(prompt), remaining, gpu, view.heartbeat.page_tokens)
+    priority = state.policy.priority(ctx, chosen)
+    first = state.pending.first_priority_on_route(chosen.worker_id, chosen.route, chain)
+    priority = priority if first is None else max(priority, first)  # never ahead of the request it relies on
     if predicts:
         deadline = now + config.pending_timeout_s + 2 * chosen.predicted_ttft_s
-        state.pending.credit(chosen.worker_id, request.request_id, chain, deadline)
+        state.pending.credit(chosen.worker_id, request.request_id, chain, deadline, priority)
     restore_s = sum(chosen.terms.restore_s.values())
     rs.estimate_s = restore_s + chosen.terms.prefill_s  # the forward that samples the first token is in the queue's
     load = view.load
@@ -180,7 +183,7 @@ def _offer(
                 sampling=request.sampling,
                 route=_peer_urls(state, offered),
                 chain=chain[: sum(s.chunks for s in offered)],
-                priority=state.policy.priority(ctx, chosen),
+                priority=priority,
                 traceparent=request.traceparent,
             ),
         )
