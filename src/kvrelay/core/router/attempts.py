@@ -16,7 +16,6 @@ import math
 
 from kvrelay.core.planning import candidates as cand
 from kvrelay.core.planning import exclusions, predicted_ttft
-from kvrelay.core.planning.exclusions import ExclusionKind
 from kvrelay.core.planning.predicted_ttft import Candidate
 from kvrelay.core.planning.roster import plan_pruned
 from kvrelay.core.planning.routes import offered_route
@@ -38,6 +37,7 @@ from kvrelay.core.router.events import (
     TimerKind,
 )
 from kvrelay.core.router.queue import RouterQueue
+from kvrelay.core.router.servable import unservable
 from kvrelay.core.router.state import Phase, RequestState, RouterState, usage_of
 from kvrelay.protocol.chunk_keys import cacheable_chunks, prompt_chain
 from kvrelay.protocol.messages import (
@@ -116,7 +116,8 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> bool
         if chosen is not None:
             _offer(state, rs, ctx, chosen, predicts, now, fx)
             return True
-    if not plan.routes and _unservable(state, rs, plan, len(prompt), remaining, now, fx):
+    if not plan.routes and (error := unservable(state, rs, plan, len(prompt), remaining, now)) is not None:
+        finish(state, rs, FinishReason.ERROR, now, fx, error)
         return True
     _hold(state, rs, plan, len(prompt), now, fx)
     return rs.phase is Phase.DONE
@@ -253,76 +254,6 @@ def dispatch(state: RouterState, now: float, fx: Effects) -> None:
             going = route(state, state.requests[rid], now, fx)
         if not queue:
             del state.queues[model]
-
-
-def _unservable(
-    state: RouterState, rs: RequestState, plan: cand.Plan, prompt_len: int, remaining: int, now: float, fx: Effects
-) -> bool:
-    """End a request no worker can ever serve (model not served, over every context limit, more KV than any
-    worker holds) and return True; otherwise forget exclusions that would keep it waiting for nothing.
-
-    A new request for a model no live worker serves ends at once; one that was offered before waits, since the
-    worker that served it may come back (a new epoch, a restart), at most ``no_worker_wait_s``."""
-    model = rs.request.model
-    serving = [w for w, v in state.views.items() if model in v.heartbeat.models]
-    if not serving and rs.attempt == 0:
-        served = sorted({m for v in state.views.values() for m in v.heartbeat.models})
-        finish(
-            state,
-            rs,
-            FinishReason.ERROR,
-            now,
-            fx,
-            RequestError(
-                ErrorKind.NO_WORKER, f"model '{model}' is not served; served models: {', '.join(served) or 'none'}"
-            ),
-        )
-        return True
-    if not serving:
-        # A request some worker took before waits in the router queue for a server of its model to come back (a
-        # worker back in a new epoch after its old one was fenced, a restarted worker), for no_worker_wait_s.
-        if rs.queued_since is not None and now - rs.queued_since > state.config.no_worker_wait_s:
-            waited = RequestError(
-                ErrorKind.NO_WORKER,
-                f"waited {now - rs.queued_since:.1f} s for a worker serving model '{model}' to come back; none did",
-            )
-            finish(state, rs, FinishReason.ERROR, now, fx, waited)
-            return True
-        rs.excluded_workers.clear()  # the worker that comes back may be the one this request lost
-        rs.excluded_pairs.clear()
-        return False
-    if _all_excluded(plan, serving, ExclusionKind.CONTEXT_LIMIT):
-        limit = RequestError(ErrorKind.OVER_CONTEXT_LIMIT, plan.excluded[serving[0]].text)
-        finish(state, rs, FinishReason.ERROR, now, fx, limit)
-        return True
-    fitting = [state.views[w].heartbeat for w in serving if not _excluded_for(plan, w, ExclusionKind.CONTEXT_LIMIT)]
-    largest = max(fitting, key=lambda hb: hb.pages_total * hb.page_tokens)
-    tokens = prompt_len + remaining
-    if not any(predicted_ttft.pages_needed(tokens, hb.page_tokens) <= hb.pages_total for hb in fitting):
-        most = largest.pages_total * largest.page_tokens
-        too_big = RequestError(
-            ErrorKind.NO_CAPACITY,
-            f"the prompt ({prompt_len} tokens) and {remaining} tokens to generate need KV for {tokens} tokens; "
-            f"the largest worker serving '{model}' holds {most} when idle: ask for at most "
-            f"{max(0, most - prompt_len)} tokens or send a shorter prompt",
-        )
-        finish(state, rs, FinishReason.ERROR, now, fx, too_big)
-        return True
-    if _all_excluded(plan, serving, ExclusionKind.FAILED_BEFORE):
-        # Every server of the model failed this request once: forget the exclusions
-        # and wait for fresh heartbeats rather than fail while attempts remain.
-        rs.excluded_workers.clear()
-        rs.excluded_pairs.clear()
-    return False
-
-
-def _all_excluded(plan: cand.Plan, workers: list[str], kind: ExclusionKind) -> bool:
-    """Whether planning excluded every one of ``workers`` for ``kind``."""
-    return all(_excluded_for(plan, w, kind) for w in workers)
-
-
-def _excluded_for(plan: cand.Plan, worker_id: str, kind: ExclusionKind) -> bool:
-    return (e := plan.excluded.get(worker_id)) is not None and e.kind is kind
 
 
 def release(state: RouterState, rs: RequestState) -> None:
