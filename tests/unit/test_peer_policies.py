@@ -424,3 +424,16 @@ def test_kvrelay_takes_the_resident_prefix_when_the_scores_are_within_the_affini
     chosen = PredictedTTFT().choose(ctx)
     assert chosen is not None and chosen.worker_id == winner
     assert chosen.cached_tokens == (64 if winner == "w1" else 0)
+
+
+@pytest.mark.parametrize(("w1_fixed_s", "winner"), [(1.2, "w1"), (1.4, "w0")])
+def test_kvrelay_affinity_margin_grows_with_the_score(w1_fixed_s: float, winner: str) -> None:
+    """Fitted speeds are noisy in proportion: on a calm cluster a route within a quarter of a 1 s best score is a
+    tie that the cached tokens win (1.2 s), one further off is not (1.4 s)."""
+    workers = [
+        idle_heartbeat("w0", prefill_s_per_token=1e-4, decode_s_per_token=1.0),
+        idle_heartbeat("w1", prefill_s_per_token=1e-4, decode_s_per_token=w1_fixed_s),
+    ]
+    ctx = context(workers, residency=[("w1", "gpu", 1)])._replace(busy_share=0.0)
+    chosen = PredictedTTFT().choose(ctx)
+    assert chosen is not None and chosen.worker_id == winner

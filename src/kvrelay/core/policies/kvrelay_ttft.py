@@ -21,13 +21,14 @@ worker without lanes rather than to one that adds a decode step to each of its
 chunks. On a busy cluster the lanes a prefill will meet are not known, so the
 steps are not counted there (docs/performance.md, "Interleaved decode steps").
 On a calm cluster (the same ``CALM_BUSY_SHARE``) scores within
-``AFFINITY_MARGIN_S`` of the best are a tie: of those the worker reusing the
-most cached tokens wins, then the lower score, then the lower worker id. Each
+``AFFINITY_MARGIN_S`` or ``AFFINITY_MARGIN_SHARE`` of the best, whichever is more, are
+a tie: of those the worker reusing the most cached tokens wins, then the lower score, then the lower worker id. Each
 worker's score holds its own measured fixed cost per request (a vLLM engine's
 fit, ``engines/vllm/speeds``), and two identical engines on one CPU measured 9
 and 28 ms for it: a difference of that size is noise, and on a small model it
 outweighed the prefill a resident prefix saves, so the request went to the
-engine without the prefix and recomputed it. On a busy cluster the work term
+engine without the prefix and recomputed it; a speed fitted from a few requests on a loaded machine is off
+in proportion, so the margin grows with the score. On a busy cluster the work term
 already charges the recompute, and the lowest score wins (a margin there moved
 the simulated vLLM fleet's mean at 2x by 5 %; calm-only, no simulated figure
 changed). A worker pruned by the roster (``roster.plan_pruned``) holds no local
@@ -54,6 +55,7 @@ from kvrelay.core.policies.base import Policy, RoutingContext
 WORK_WEIGHT = 2.0
 AFFINITY_MARGIN_S = 0.05
 CALM_BUSY_SHARE = 0.5
+AFFINITY_MARGIN_SHARE = 0.25
 DEADLINE_STRETCH = 5.0
 
 
@@ -65,12 +67,13 @@ class PredictedTTFT(Policy):
     predicts_on_route = True
 
     def choose(self, ctx: RoutingContext) -> Candidate | None:
-        """The lowest score; on a calm cluster, the most cached tokens among the routes within ``AFFINITY_MARGIN_S``
+        """The lowest score; on a calm cluster, the most cached tokens among the routes within the affinity margin
         of it."""
         routes = ctx.plan.routes
         if not routes or ctx.busy_share >= CALM_BUSY_SHARE:
             return ctx.plan.best()
-        within = min(r.best_score for r in routes) + AFFINITY_MARGIN_S
+        best = min(r.best_score for r in routes)
+        within = best + max(AFFINITY_MARGIN_S, AFFINITY_MARGIN_SHARE * best)
         near = (r for r in routes if r.best_score <= within)
         return min(near, key=lambda r: (-r.cached_tokens, r.best_score, r.worker_id)).best
 
