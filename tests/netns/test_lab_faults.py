@@ -66,12 +66,13 @@ class Wave:
                 raise AssertionError(f"the cluster did not show {what} within {timeout_s} s")
             time.sleep(0.1)
 
-    def busiest(self, among: tuple[str, ...] = ("w1", "w3"), timeout_s: float = 30.0) -> str:
+    def busiest(self, among: tuple[str, ...] = ("w1", "w3"), timeout_s: float = 30.0, resends: int = 3) -> str:
         """The worker of ``among`` that runs the most of this wave's requests, once one of them runs any.
 
-        The router places a wave by each worker's measured speed, so it may put all of it on one worker; a fault
-        on a worker that holds nothing would test nothing, so this waits (the wave decodes for seconds) and fails
-        with the placement it saw."""
+        The router places a wave by each worker's measured speed, so it may put all of it on one worker, and on a
+        quiet moment the tiny model may finish a wave before this looks; a fault on a worker that holds nothing
+        would test nothing, so this sends the wave again (at most ``resends`` times) and fails with the placement
+        it saw. Tests then count every request sent (``sent``)."""
         import time
 
         deadline = time.monotonic() + timeout_s
@@ -80,8 +81,18 @@ class Wave:
             if any(holders[w] for w in among):
                 return max(among, key=lambda w: (holders[w], w == among[0]))
             if time.monotonic() > deadline or not self.load.in_flight():
-                raise AssertionError(f"no worker of {among} ran a request of the wave; the router placed {holders}")
+                if resends <= 0:
+                    raise AssertionError(f"no worker of {among} ran a request of the wave; the router placed {holders}")
+                resends -= 1
+                self.submit()
+                assert self.load.wait_started(120), "the resent wave did not start streaming"
+                deadline = time.monotonic() + timeout_s
             time.sleep(0.05)
+
+    @property
+    def sent(self) -> int:
+        """Requests this wave has sent so far."""
+        return len(self.load.records)
 
 
 @contextmanager
@@ -155,7 +166,7 @@ def test_directed_partition_from_a_worker_to_the_router_then_healed(lab: LabClus
         victim = wave.busiest()
         host, router = lab.hosts[victim], lab.hosts["router"]
         _expired_and_back(lab, wave, victim, lambda: netfaults.partition(host, router), lambda: netfaults.heal(host))
-    assert completed(wave) == WAVE
+    assert completed(wave) == wave.sent
 
 
 def test_directed_partition_from_the_router_to_a_worker_by_a_blackhole_route(lab: LabCluster) -> None:
@@ -165,7 +176,7 @@ def test_directed_partition_from_the_router_to_a_worker_by_a_blackhole_route(lab
         _expired_and_back(
             lab, wave, victim, lambda: netfaults.blackhole(router, lab.hosts[victim]), lambda: netfaults.heal(router)
         )
-    assert completed(wave) == WAVE
+    assert completed(wave) == wave.sent
 
 
 def test_a_worker_link_set_down_and_up(lab: LabCluster) -> None:
@@ -173,14 +184,14 @@ def test_a_worker_link_set_down_and_up(lab: LabCluster) -> None:
         victim = wave.busiest()
         host = lab.hosts[victim]
         _expired_and_back(lab, wave, victim, lambda: netfaults.cable(host, False), lambda: netfaults.cable(host, True))
-    assert completed(wave) == WAVE
+    assert completed(wave) == wave.sent
 
 
 def test_a_frozen_worker_is_fenced_and_thawed_into_a_new_epoch(lab: LabCluster) -> None:
     with fault_schedule(lab, 71) as wave:
         victim = wave.busiest()
         _expired_and_back(lab, wave, victim, lambda: lab.freeze(victim), lambda: lab.thaw(victim))
-    assert completed(wave) == WAVE
+    assert completed(wave) == wave.sent
 
 
 def test_kill_9_of_a_worker_mid_stream(lab: LabCluster) -> None:
@@ -192,7 +203,7 @@ def test_kill_9_of_a_worker_mid_stream(lab: LabCluster) -> None:
             wave.hold_until("its assignments re-routed", lambda: wave.counter("worker_lost_assignments") > lost)
         finally:
             lab.start_worker(victim)  # also after a failure: the next test needs the whole cluster
-    assert completed(wave) == WAVE
+    assert completed(wave) == wave.sent
 
 
 def test_kill_9_of_the_router_mid_stream(lab: LabCluster) -> None:
@@ -232,6 +243,6 @@ def test_a_full_disk_under_a_workers_chunk_directory(lab: LabCluster) -> None:
         after = lab.worker_status(victim)["keys"]
     finally:
         lab.free_disk(victim)
-    assert completed(wave) == len(wave.records)
+    assert completed(wave) == wave.sent
     assert set(after["ssd"]) <= set(before["ssd"]), "nothing new fits on the full disk"
     assert set(after["ram"]) > set(before["ram"]), "the new chunks stayed in ram"
