@@ -1,4 +1,5 @@
-"""Which started request is restoring or computing each chunk onto a simulated worker's device.
+"""Prefix sharing on a simulated worker: which started request is restoring or computing each chunk onto its
+device, and the re-match of a prefill's prefix when it starts.
 
 A prefill whose next chunk another started request is filling waits for it instead of computing it twice
 (``sim.workers`` module docstring); a prefill not yet started counts such chunks as shared.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvrelay.sim.cache import GpuPool
+from kvrelay.sim.cache import GpuPool, WorkerCaches
 from kvrelay.sim.work import Work
 
 
@@ -44,3 +45,23 @@ class Filling:
                 break
             shared += 1
         return shared
+
+
+def rematch(work: Work, caches: WorkerCaches, chunk_tokens: int) -> int:
+    """Share the leading chunks ``work`` still has to compute that are now on the device (another request filled
+    them): pin them, return their reserved pages and take them off its prefill. Returns how many it shared."""
+    gpu, n = caches.gpu, 0
+    while n < len(work.computed) and work.computed[n] in gpu:
+        n += 1
+    if not n:
+        return 0
+    for key in work.computed[:n]:
+        gpu.pin(key)
+        work.pinned.append(key)
+    del work.computed[:n]
+    pages = n * gpu.chunk_pages
+    caches.release(pages)
+    work.reserved_pages -= pages
+    work.prefill_left -= n * chunk_tokens
+    work.rematched += n
+    return n

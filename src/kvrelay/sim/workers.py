@@ -59,7 +59,7 @@ from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
 from kvrelay.sim.chunk_origins import ChunkOrigins
 from kvrelay.sim.cluster_config import ClusterConfig, WorkerSpec
 from kvrelay.sim.events import AdmissionDue, IterationDone, RestoreDone, WorkerDue
-from kvrelay.sim.filling import Filling
+from kvrelay.sim.filling import Filling, rematch
 from kvrelay.sim.observations import heartbeat_of, residency_messages
 from kvrelay.sim.tokens import token_value
 from kvrelay.sim.work import Work, WorkerStats, iteration_order, iteration_s, timings_of, usage_of
@@ -292,24 +292,6 @@ class SimWorker:
         self.filling.unclaim(work, work.computed)
         self.filling.unclaim(work, [k for k, _ in work.plan.restore])
 
-    def _rematch(self, work: Work) -> None:
-        """Share the leading chunks still to compute that are now on the device (another request filled them)."""
-        gpu, n = self.caches.gpu, 0
-        while n < len(work.computed) and work.computed[n] in gpu:
-            n += 1
-        if not n:
-            return
-        for key in work.computed[:n]:
-            gpu.pin(key)
-            work.pinned.append(key)
-        del work.computed[:n]
-        pages = n * gpu.chunk_pages
-        self.caches.release(pages)
-        work.reserved_pages -= pages
-        work.prefill_left -= n * self.cluster.chunk_tokens
-        work.rematched += n
-        self.stats.rematched_chunks += n
-
     def _prefill_to_do(self, work: Work) -> int:
         """Prompt tokens ``work`` will compute: for a prefill not started, less the leading chunks that are on
         the device or that another started request is filling (it will share them)."""
@@ -378,7 +360,7 @@ class SimWorker:
                 if lanes <= 0:
                     continue
                 if self.rematch:
-                    self._rematch(work)
+                    self.stats.rematched_chunks += rematch(work, self.caches, self.cluster.chunk_tokens)
                     if self.filling.waits(work):
                         self.stats.deferred += 1
                         continue
