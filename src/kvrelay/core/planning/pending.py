@@ -78,11 +78,9 @@ class PendingCredits:
         """``first_priority`` of the last pending chunk ``route`` counts as cached on ``worker_id`` (None: it
         counts none). An offer of that route must not take a lower priority: in the worker's queue it would pass
         the request computing its prefix, find nothing to reuse and compute it a second time."""
-        through = 0
-        for i, seg in enumerate(route):
-            if is_pending(seg):
-                through = sum(s.chunks for s in route[: i + 1])
-        return self.first_priority(worker_id, chain[through - 1]) if through else None
+        if not route or not is_pending(route[-1]):  # nothing follows a pending segment (``routes.walk_route``)
+            return None
+        return self.first_priority(worker_id, chain[sum(s.chunks for s in route) - 1])
 
     def first_priority(self, worker_id: str, key: bytes) -> float | None:
         """The lowest offer priority of the credits on ``worker_id`` holding ``key``: the request that will
