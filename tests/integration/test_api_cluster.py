@@ -178,3 +178,14 @@ def test_one_requests_spans_cross_router_and_worker_processes_in_the_clients_tra
     assert by_name["decode"].attributes["kvrelay.generated_tokens"] == 3
     assert by_name["result"].attributes["kvrelay.finish_reason"] == "length"
     assert by_name["prefill"].end_ns <= by_name["decode"].start_ns + 1_000_000
+
+
+def test_cluster_shows_each_live_workers_measured_speeds(cluster: tuple[str, Path]) -> None:
+    """An operator reads why the router prefers one worker from /cluster: each worker's queue delay and the speeds
+    it measured (its calibration at start at least)."""
+    http_url, _ = cluster
+    workers = httpx.get(http_url + "/cluster").json()["workers"]
+    assert workers
+    for view in workers.values():
+        assert view["prefill_s_per_token"] > 0 and view["decode_s_per_token"] > 0, view
+        assert view["queue_delay_s"] >= 0, view

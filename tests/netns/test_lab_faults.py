@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from kvrelay.launch.child import ChildTimeout
 from kvrelay.testing import netfaults
 from kvrelay.testing.counting_model import word_prompt
 from kvrelay.testing.invariants import End, Verdict
@@ -239,7 +240,13 @@ def test_a_full_disk_under_a_workers_chunk_directory(lab: LabCluster) -> None:
                 wave.load.wait(STREAM_END_S)
                 if any(FULL_DISK_LINE.search(line) for line in worker.lines[mark:]):
                     break
-        worker.wait_for(FULL_DISK_LINE, 30, mark)
+            workers = lab.cluster()["workers"]  # why, when the router gave the victim nothing to write
+        try:
+            worker.wait_for(FULL_DISK_LINE, 30, mark)
+        except ChildTimeout as timeout:
+            raise AssertionError(
+                f"{victim} wrote no chunk in {FULL_DISK_WAVES} waves; the router saw {workers}"
+            ) from timeout
         after = lab.worker_status(victim)["keys"]
     finally:
         lab.free_disk(victim)

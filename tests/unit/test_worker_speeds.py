@@ -7,6 +7,7 @@ import random
 import pytest
 
 from kvrelay.core.worker.speeds import (
+    OUTLIER_FLOOR_S,
     TAU_S,
     DeviceSpeeds,
     drain_s,
@@ -58,6 +59,27 @@ def test_follows_a_device_that_slows_down() -> None:
     slow = replay(fast, device(0.25, 4e-3, rng, 100))
     assert slow.prefill_s_per_token == pytest.approx(4e-3, rel=0.05)
     assert slow.step_s == pytest.approx(0.25, rel=0.1)
+
+
+def test_one_stalled_forward_moves_the_learned_speeds_a_bounded_step() -> None:
+    """A worker stopped for 4 s in the middle of a forward (SIGSTOP, a swap storm) is as fast as before once it
+    runs again; unbounded, that one sample made its step 2.6 s and an idle worker never learns better."""
+    calibrated = DeviceSpeeds(1.2e-3, 0.08, prefill_measured=True, step_measured=True)
+    decode_stall = learn(calibrated, 0, 4.0)
+    assert decode_stall.step_s < 1.25 * calibrated.step_s
+    prefill_stall = learn(calibrated, 512, 4.0)  # a long forward weighs more: bounded, not negligible
+    assert prefill_stall.prefill_s_per_token < 3 * calibrated.prefill_s_per_token
+    tiny = DeviceSpeeds(1e-6, 1e-3, prefill_measured=True, step_measured=True)  # the counting model
+    assert learn(tiny, 0, 4.0).step_s < 1e-3 + OUTLIER_FLOOR_S * OUTLIER_FLOOR_S / TAU_S
+
+
+def test_a_lasting_tenfold_slowdown_is_learned_within_seconds_of_device_time() -> None:
+    speeds = DeviceSpeeds(1.2e-3, 0.08, prefill_measured=True, step_measured=True)
+    spent = 0.0
+    while spent < 3 * TAU_S:
+        speeds = learn(speeds, 0, 0.8)
+        spent += 0.8
+    assert speeds.step_s > 0.6
 
 
 def test_a_forward_of_no_time_teaches_nothing_and_the_prefill_speed_stays_positive() -> None:

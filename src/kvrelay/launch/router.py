@@ -93,9 +93,9 @@ class _HeartbeatTap:
 
 
 def cluster_snapshot(router: ClusterRouter, endpoint: RouterEndpoint) -> dict[str, Any]:
-    """What ``/cluster`` answers: live workers (from their last heartbeat), requests in flight, counters, and the
-    cumulative reuse figures (``reuse``: ``available_tokens``, ``captured_tokens``, ``delivered_tokens``, the
-    values of ``kvrelay_reuse_*_tokens_total`` on ``/metrics``)."""
+    """What ``/cluster`` answers: live workers (from their last heartbeat: pages, lanes, queue delay and speeds),
+    requests in flight, counters, and the cumulative reuse figures (``reuse``: ``available_tokens``,
+    ``captured_tokens``, ``delivered_tokens``, the values of ``kvrelay_reuse_*_tokens_total`` on ``/metrics``)."""
     workers = {
         wid: {
             "epoch": v.heartbeat.epoch,
@@ -105,6 +105,9 @@ def cluster_snapshot(router: ClusterRouter, endpoint: RouterEndpoint) -> dict[st
             "pages_free": v.heartbeat.pages_free,
             "pages_evictable": v.heartbeat.pages_evictable,
             "active_lanes": v.heartbeat.active_lanes,
+            "queue_delay_s": v.heartbeat.queue_delay_s,
+            "prefill_s_per_token": v.heartbeat.prefill_s_per_token,
+            "decode_s_per_token": v.heartbeat.decode_s_per_token,
         }
         for wid, v in sorted(router.state.views.items())
     }

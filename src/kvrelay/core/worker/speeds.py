@@ -18,7 +18,13 @@ tokens teaches ``prefill_s_per_token`` (its time less ``step_s``, per token), a
 smaller one teaches ``step_s`` (its time less its prompt tokens' share). The
 first sample of each replaces the prior; each later one moves the estimate by
 ``1 - exp(-seconds / TAU_S)``: a time-weighted average over the last few seconds
-of device time. A worker measures both at start (``calibrate``), before it serves. The seconds are wall time,
+of device time. A sample counts as at most ``OUTLIER_FACTOR`` times the time the
+measured speeds predict for its forward (never less than ``OUTLIER_FLOOR_S``):
+one stall (a stopped process, a swap storm) moves the estimate a bounded step,
+where unbounded a 4-s stall made an idle worker look 50 times slower than it
+is, and an idle worker never corrects it (the lab's frozen worker got no
+request after its thaw); a lasting slowdown still shows within a few forwards,
+each moving the bound up. A worker measures both at start (``calibrate``), before it serves. The seconds are wall time,
 so they count the time the device thread waited for a core: the speeds are
 what the worker gets now, on a shared machine too. (Learned per finished job
 before, from a 1 ms/token prior: on cold Gemma workers sharing 2 cores the
@@ -45,6 +51,10 @@ TAU_S = 4.0
 """Seconds of device time over which the learned speeds average."""
 MIN_PREFILL_SAMPLE = 64
 """A forward with at least this many prompt tokens teaches the prefill speed; a smaller one the step."""
+OUTLIER_FACTOR = 4.0
+"""A forward's sample is at most this many times the time the measured speeds predict for it."""
+OUTLIER_FLOOR_S = 0.05
+"""Samples up to this many seconds are never bounded: short ones move the estimate little anyway."""
 MIN_PREFILL_S_PER_TOKEN = 1e-7
 """The prefill speed never learns below this (a forward quicker than the step leaves no time for its tokens)."""
 
@@ -76,10 +86,15 @@ def _moved(old: float, sample: float, seconds: float, measured: bool) -> float:
 
 def learn(speeds: DeviceSpeeds, prefill_tokens: int, seconds: float) -> DeviceSpeeds:
     """The speeds after one forward that wrote ``prefill_tokens`` prompt tokens (and any decode rows) in
-    ``seconds``. A forward of no time teaches nothing."""
+    ``seconds``, counted as at most ``OUTLIER_FACTOR`` times its predicted time. A forward of no time teaches
+    nothing."""
     if seconds <= 0.0:
         return speeds
-    if prefill_tokens >= MIN_PREFILL_SAMPLE:
+    prefill = prefill_tokens >= MIN_PREFILL_SAMPLE
+    if speeds.step_measured and (speeds.prefill_measured or not prefill):
+        predicted = speeds.step_s + prefill_tokens * speeds.prefill_s_per_token
+        seconds = min(seconds, max(OUTLIER_FACTOR * predicted, OUTLIER_FLOOR_S))
+    if prefill:
         per_token = max(MIN_PREFILL_S_PER_TOKEN, (seconds - speeds.step_s) / prefill_tokens)
         learned = _moved(speeds.prefill_s_per_token, per_token, seconds, speeds.prefill_measured)
         return speeds._replace(prefill_s_per_token=learned, prefill_measured=True)
