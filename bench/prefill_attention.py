@@ -1,13 +1,15 @@
-"""Cold prefill TTFT of one engine: block-wise prefill attention against the fused, masked kernel it replaced.
+"""Cold prefill TTFT of one engine: block-wise prefill attention against the fused, masked kernel.
 
 One ``Engine`` (default Gemma 3 270M, bfloat16, ``--threads`` torch threads as
 ``kvrelay serve`` gives its device thread) prefills a cold prompt of
 ``--tokens`` (4096) random tokens, in chunks of its token budget (512), and
 samples one token; the figure is the time to that token. Per round the two
-prefill attentions run alternating on fresh prompts: ``blockwise`` (the code as it
-is: ``models.kernels.prefill_attention``) and ``masked`` (the previous path:
+prefill attentions run alternating on fresh prompts: ``blockwise``
+(``models.kernels.prefill_attention``) and ``masked`` (``fused_prefill_attention``:
 ``scaled_dot_product_attention`` over the whole gathered window with an explicit
-mask, or ``is_causal`` for a fresh chunk the window does not bind). With
+mask, or ``is_causal`` for a fresh chunk the window does not bind); the engine
+itself runs whichever ``fastest_prefill_kernel`` measured faster at its first
+prefill, which the title names. With
 ``--bf16-scores`` a third path runs too, not taken: block-wise with the scores of a
 bfloat16 ``q k^T`` rounded to bfloat16 (as in transformers' eager attention and
 ``decode_attention``), whose matmul runs through oneDNN's bfloat16 kernels. Medians
@@ -25,33 +27,19 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from kvrelay.bench.report import Figure, report
 from kvrelay.models.kernels import attention
-from kvrelay.models.kernels.prefill_attention import PrefillSpan, _mask_edges, prefill_attention
+from kvrelay.models.kernels.prefill_attention import (
+    PrefillSpan,
+    _mask_edges,
+    fastest_prefill_kernel,
+    fused_prefill_attention,
+    prefill_attention,
+    prefill_attention_auto,
+)
 from kvrelay.protocol.messages import Sampling
 from kvrelay.worker.runtime.engine import Engine, EngineOptions
-
-
-def masked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:
-    """The prefill attention before block-wise: one fused call over every gathered key."""
-    queries, heads, head_dim = q.shape
-    qs = q.transpose(0, 1).unsqueeze(0)
-    fresh = span.first_query == 0 and (span.window is None or queries <= span.window)
-    if fresh:
-        out = F.scaled_dot_product_attention(
-            qs, k[None, :, :queries], v[None, :, :queries], is_causal=True, scale=scale, enable_gqa=True
-        )
-    else:
-        q_pos = torch.arange(span.first_query, span.first_query + queries).unsqueeze(1)
-        k_pos = torch.arange(span.first_key, span.first_key + k.shape[1]).unsqueeze(0)
-        visible = k_pos <= q_pos
-        if span.window is not None:
-            visible &= k_pos > q_pos - span.window
-        mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
-        out = F.scaled_dot_product_attention(qs, k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1).reshape(queries, heads, head_dim)
 
 
 def bf16_scores_prefill(
@@ -87,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     engine = Engine.open(args.model, dtype="bfloat16", options=EngineOptions(kv_tokens=2 * args.tokens + 1024))
-    kernels = {"blockwise": prefill_attention, "masked": masked_prefill}
+    kernels = {"blockwise": prefill_attention, "masked": fused_prefill_attention}
     if args.bf16_scores:
         kernels["bf16_scores"] = bf16_scores_prefill
     ttft: dict[str, list[float]] = {name: [] for name in kernels}
@@ -96,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds + 1):
             for i, (name, kernel) in enumerate(kernels.items()):
                 spent = [0.0]
-                attention.prefill_attention = _timed(kernel, spent)
+                attention.prefill_attention_auto = _timed(kernel, spent)
                 salt = len(kernels) * rnd + i
                 prompt = [2] + [1000 + salt * 11 + (t * 37) % 20000 for t in range(args.tokens - 1)]
                 seconds = _ttft(engine, prompt, Sampling())
@@ -105,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                     inside[name].append(spent[0])
                 print(f"round {rnd} {name}: {seconds:.3f} s, {spent[0]:.3f} s in prefill attention", flush=True)
     finally:
-        attention.prefill_attention = prefill_attention
+        attention.prefill_attention_auto = prefill_attention_auto
         engine.close()
     ratios = [m / b for m, b in zip(ttft["masked"], ttft["blockwise"], strict=True)]
     new, old = statistics.median(ttft["blockwise"]), statistics.median(ttft["masked"])
@@ -125,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.bf16_scores:
         rounded = statistics.median(ttft["bf16_scores"])
         figures.append(Figure("bf16_scores_cold_ttft_s", rounded, "s", "masked prefill attention", old))
+    config = engine.artifacts.config
+    chosen = fastest_prefill_kernel(
+        torch.bfloat16, config.num_heads, config.num_kv_heads, config.head_dim, args.threads
+    )
     title = f"{engine.artifacts.name}, {args.tokens}-token cold prefill, {args.threads} threads, bfloat16"
+    title += f"; this machine's engine runs {chosen.value}"
     report(title, figures, args.json)
     return 0
 

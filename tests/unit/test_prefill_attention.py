@@ -1,4 +1,4 @@
-"""Block-wise prefill attention equals the fused, masked attention it replaces.
+"""Block-wise and fused prefill attention equal the masked attention; the engine takes the faster of the two.
 
 Random queries, keys and values; every combination of full and sliding layers,
 chunks with and without keys before them, GQA and not, and query blocks that
@@ -15,7 +15,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrelay.models.kernels.prefill_attention import PrefillSpan, prefill_attention
+from kvrelay.models.kernels.prefill_attention import (
+    FUSED_MARGIN,
+    PrefillKernel,
+    PrefillSpan,
+    fastest_prefill_kernel,
+    faster_kernel,
+    fused_prefill_attention,
+    prefill_attention,
+    prefill_attention_auto,
+)
 from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 SCALE = 0.2
@@ -58,6 +67,8 @@ def test_blockwise_prefill_equals_masked_attention(
     want = masked_attention(q, k, v, span)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+    fused = fused_prefill_attention(q, k, v, span, SCALE)
+    torch.testing.assert_close(fused.float(), want.float(), rtol=tolerance, atol=tolerance)
 
 
 def test_keys_outside_every_querys_view_are_never_read() -> None:
@@ -71,3 +82,24 @@ def test_keys_outside_every_querys_view_are_never_read() -> None:
     k[:, :16], v[:, :16] = float("nan"), float("nan")
     k[:, 30:], v[:, 30:] = float("nan"), float("nan")
     assert torch.equal(prefill_attention(q, k, v, span, SCALE, block=3), want)
+
+
+def test_the_fused_kernel_is_taken_only_when_clearly_faster() -> None:
+    assert faster_kernel(1.0, FUSED_MARGIN * 0.99) is PrefillKernel.FUSED
+    assert faster_kernel(1.0, FUSED_MARGIN * 1.01) is PrefillKernel.BLOCKWISE
+    assert faster_kernel(1.0, 2.0) is PrefillKernel.BLOCKWISE
+
+
+def test_the_engine_attends_through_the_kernel_measured_for_its_shape() -> None:
+    """The measurement runs once per shape and thread count, and the call's output is that kernel's."""
+    fastest_prefill_kernel.cache_clear()
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(19, 4, 8, generator=gen)
+    k = torch.randn(1, 40, 8, generator=gen)
+    v = torch.randn(1, 40, 8, generator=gen)
+    span = PrefillSpan(first_query=21, first_key=0, window=None)
+    got = prefill_attention_auto(q, k, v, span, SCALE)
+    chosen = fastest_prefill_kernel(torch.float32, 4, 1, 8, torch.get_num_threads())
+    assert fastest_prefill_kernel.cache_info().misses == 1
+    kernel = prefill_attention if chosen is PrefillKernel.BLOCKWISE else fused_prefill_attention
+    assert torch.equal(got, kernel(q, k, v, span, SCALE))

@@ -38,7 +38,7 @@ from kvrelay.models.kernels.huge_pages import huge_page_empty
 from kvrelay.models.kernels.kept_gathers import KeptGathers, KeptGroup
 from kvrelay.models.kernels.kv_pages import gather_pages
 from kvrelay.models.kernels.native.attention import decode_attention_native
-from kvrelay.models.kernels.prefill_attention import PrefillSpan, prefill_attention
+from kvrelay.models.kernels.prefill_attention import PrefillSpan, prefill_attention_auto
 
 GROUP_COST_TOKENS = 1024
 """Padding, in key tokens per layer, worth one more decode group (one more gather and attention call per layer)."""
@@ -68,7 +68,7 @@ class AttentionGroup:
     ``kept`` identifies a full-attention decode group of a batch whose decode rows all have
     lanes, so its gathered window can be kept between steps (``kept_gathers``); else ``None``.
     ``span`` places the queries and gathered keys of a prefill group (one sequence, ``Q > 1``),
-    which attends through ``prefill_attention`` on CPU; else ``None``.
+    which attends through ``prefill_attention_auto`` on CPU; else ``None``.
     ``visible`` (``[G]``, on the CPU) counts the leading keys each sequence sees when that
     is all its mask says (decode groups without a window); else ``None``. ``page_run`` is
     the first page when the group is one sequence whose ``n`` pages are consecutive in the
@@ -339,7 +339,7 @@ def _attend(
     heads, head_dim = q.shape[1], q.shape[2]
     k, v = _gather(k_pool, v_pool, group, buffers, q.dtype)
     if group.span is not None and q.device.type == "cpu":
-        return prefill_attention(q, k[0], v[0], group.span, scale)
+        return prefill_attention_auto(q, k[0], v[0], group.span, scale)
     queries = q.view(group.pages.shape[0], group.queries_per_seq, heads, head_dim).transpose(1, 2)
     gqa = k.shape[1] != heads
     if group.mask is None:
