@@ -8,8 +8,8 @@ prefill attentions run alternating on fresh prompts: ``blockwise``
 (``models.kernels.prefill_attention``) and ``masked`` (``fused_prefill_attention``:
 ``scaled_dot_product_attention`` over the whole gathered window with an explicit
 mask, or ``is_causal`` for a fresh chunk the window does not bind); the engine
-itself runs whichever ``fastest_prefill_kernel`` measured faster at its first
-prefill, which the title names. With
+itself runs the one ``prefill_kernel`` picks for this CPU, which the title
+names. With
 ``--bf16-scores`` a third path runs too, not taken: block-wise with the scores of a
 bfloat16 ``q k^T`` rounded to bfloat16 (as in transformers' eager attention and
 ``decode_attention``), whose matmul runs through oneDNN's bfloat16 kernels. Medians
@@ -33,10 +33,10 @@ from kvrelay.models.kernels import attention
 from kvrelay.models.kernels.prefill_attention import (
     PrefillSpan,
     _mask_edges,
-    fastest_prefill_kernel,
     fused_prefill_attention,
     prefill_attention,
     prefill_attention_auto,
+    prefill_kernel,
 )
 from kvrelay.protocol.messages import Sampling
 from kvrelay.worker.runtime.engine import Engine, EngineOptions
@@ -113,10 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.bf16_scores:
         rounded = statistics.median(ttft["bf16_scores"])
         figures.append(Figure("bf16_scores_cold_ttft_s", rounded, "s", "masked prefill attention", old))
-    config = engine.artifacts.config
-    chosen = fastest_prefill_kernel(
-        torch.bfloat16, config.num_heads, config.num_kv_heads, config.head_dim, args.threads
-    )
+    chosen = prefill_kernel(torch.bfloat16)
     title = f"{engine.artifacts.name}, {args.tokens}-token cold prefill, {args.threads} threads, bfloat16"
     title += f"; this machine's engine runs {chosen.value}"
     report(title, figures, args.json)

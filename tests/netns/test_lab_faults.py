@@ -119,6 +119,45 @@ def completed(wave: Wave) -> int:
     return wave.verdict.count(End.COMPLETED)
 
 
+def test_a_full_disk_under_a_workers_chunk_directory(lab: LabCluster) -> None:
+    """w3's ssd tier cannot write: its chunks stay in ram and on the device, and the router never thinks w3 holds
+    an ssd copy it failed to write.
+
+    It needs the router to place work on w3, but an idle worker keeps the speeds it last learned (it re-measures
+    only when it runs), and speeds learned on a loaded machine can make w3 look far slower than it is: CI saw w2
+    and w3 report 100 times w1's prefill cost and get nothing in six waves of six. So each wave is larger than
+    the last, until w1 and w2 queue enough that w3 starts sooner; and the test runs first in the module, before
+    the other tests' faults."""
+    victim = lab.settings.small_disk
+    assert victim is not None
+    worker = lab.workers[victim]
+    mark = worker.mark()
+    before = lab.worker_status(victim)["keys"]
+    lab.fill_disk(victim)
+    try:
+        with fault_schedule(lab, 109) as wave:
+            # The router may place a whole wave elsewhere, and new chunks in w3's ram do not always mean a write to
+            # its ssd tier (CI saw them without one): send waves until w3 has tried to write a chunk there.
+            for size in range(1, FULL_DISK_WAVES + 1):
+                wave.submit(size * WAVE)  # larger each time: queues on w1 and w2 until the router uses w3
+                wave.load.wait(STREAM_END_S)
+                if any(FULL_DISK_LINE.search(line) for line in worker.lines[mark:]):
+                    break
+            workers = lab.cluster()["workers"]  # why, when the router gave the victim nothing to write
+        try:
+            worker.wait_for(FULL_DISK_LINE, 30, mark)
+        except ChildTimeout as timeout:
+            raise AssertionError(
+                f"{victim} wrote no chunk in {FULL_DISK_WAVES} waves; the router saw {workers}"
+            ) from timeout
+        after = lab.worker_status(victim)["keys"]
+    finally:
+        lab.free_disk(victim)
+    assert completed(wave) == wave.sent
+    assert set(after["ssd"]) <= set(before["ssd"]), "nothing new fits on the full disk"
+    assert set(after["ram"]) > set(before["ram"]), "the new chunks stayed in ram"
+
+
 def test_random_loss_on_a_worker_link_loses_nothing(lab: LabCluster) -> None:
     host = lab.hosts["w1"]
     with fault_schedule(lab, 0) as wave:
@@ -220,36 +259,3 @@ def test_kill_9_of_the_router_mid_stream(lab: LabCluster) -> None:
     broken = [r for r in wave.records[:WAVE] if r.transport_error]
     assert broken, "no stream was in flight when the router died"
     assert completed(wave) == 2 * WAVE - len(broken)
-
-
-def test_a_full_disk_under_a_workers_chunk_directory(lab: LabCluster) -> None:
-    """w3's ssd tier cannot write: its chunks stay in ram and on the device, and the router never thinks w3 holds
-    an ssd copy it failed to write."""
-    victim = lab.settings.small_disk
-    assert victim is not None
-    worker = lab.workers[victim]
-    mark = worker.mark()
-    before = lab.worker_status(victim)["keys"]
-    lab.fill_disk(victim)
-    try:
-        with fault_schedule(lab, 109) as wave:
-            # The router may place a whole wave elsewhere, and new chunks in w3's ram do not always mean a write to
-            # its ssd tier (CI saw them without one): send waves until w3 has tried to write a chunk there.
-            for _ in range(FULL_DISK_WAVES):
-                wave.submit()
-                wave.load.wait(STREAM_END_S)
-                if any(FULL_DISK_LINE.search(line) for line in worker.lines[mark:]):
-                    break
-            workers = lab.cluster()["workers"]  # why, when the router gave the victim nothing to write
-        try:
-            worker.wait_for(FULL_DISK_LINE, 30, mark)
-        except ChildTimeout as timeout:
-            raise AssertionError(
-                f"{victim} wrote no chunk in {FULL_DISK_WAVES} waves; the router saw {workers}"
-            ) from timeout
-        after = lab.worker_status(victim)["keys"]
-    finally:
-        lab.free_disk(victim)
-    assert completed(wave) == wave.sent
-    assert set(after["ssd"]) <= set(before["ssd"]), "nothing new fits on the full disk"
-    assert set(after["ram"]) > set(before["ram"]), "the new chunks stayed in ram"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvrelay.testing.counting_model import WORDS, expected_tokens, word_prompt, words_of
-from kvrelay.testing.invariants import End, Outcome, Snapshot, check
+from kvrelay.testing.invariants import OUTCOME_LINGER_S, End, Outcome, Snapshot, check
 from kvrelay.testing.streams import StreamRecord
 
 PROMPT = word_prompt(10, 70)
@@ -98,6 +98,18 @@ def test_clear_errors_are_failures_not_violations() -> None:
     verdict = check(records, quiet(records, router_restarted=True, finished=None, outcomes={}))
     assert verdict.violations == []
     assert verdict.count(End.FAILED) == 2
+
+
+def test_a_request_that_ended_just_before_its_router_was_killed_may_lack_its_outcome() -> None:
+    """The fact store sends what it buffered every 0.2 s: a ``kill -9`` right after a stream completed may lose
+    that outcome, one long after may not."""
+    records = [record(0)]  # ended at 1.0
+    lost_in_the_linger = quiet(records, outcomes={}, router_restarted=True, finished=None, router_killed_at=1.5)
+    assert check(records, lost_in_the_linger).violations == []
+    lost_long_after = quiet(
+        records, outcomes={}, router_restarted=True, finished=None, router_killed_at=1.0 + OUTCOME_LINGER_S + 1
+    )
+    assert any("has no outcome" in v for v in check(records, lost_long_after).violations)
 
 
 def test_each_broken_cluster_invariant_is_named() -> None:

@@ -1,4 +1,4 @@
-"""Block-wise and fused prefill attention equal the masked attention; the engine takes the faster of the two.
+"""Block-wise and fused prefill attention equal the masked attention; the engine takes the one its CPU runs faster.
 
 Random queries, keys and values; every combination of full and sliding layers,
 chunks with and without keys before them, GQA and not, and query blocks that
@@ -16,14 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.models.kernels.prefill_attention import (
-    FUSED_MARGIN,
     PrefillKernel,
     PrefillSpan,
-    faster_kernel,
-    fastest_prefill_kernel,
     fused_prefill_attention,
     prefill_attention,
     prefill_attention_auto,
+    prefill_kernel,
 )
 from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
 
@@ -84,22 +82,18 @@ def test_keys_outside_every_querys_view_are_never_read() -> None:
     assert torch.equal(prefill_attention(q, k, v, span, SCALE, block=3), want)
 
 
-def test_the_fused_kernel_is_taken_only_when_clearly_faster() -> None:
-    assert faster_kernel(1.0, FUSED_MARGIN * 0.99) is PrefillKernel.FUSED
-    assert faster_kernel(1.0, FUSED_MARGIN * 1.01) is PrefillKernel.BLOCKWISE
-    assert faster_kernel(1.0, 2.0) is PrefillKernel.BLOCKWISE
+def test_the_kernel_follows_the_cpu_and_the_dtype() -> None:
+    amx = torch.cpu._is_amx_tile_supported()
+    assert prefill_kernel(torch.float32) is PrefillKernel.BLOCKWISE
+    assert prefill_kernel(torch.bfloat16) is (PrefillKernel.FUSED if amx else PrefillKernel.BLOCKWISE)
 
 
-def test_the_engine_attends_through_the_kernel_measured_for_its_shape() -> None:
-    """The measurement runs once per shape and thread count, and the call's output is that kernel's."""
-    fastest_prefill_kernel.cache_clear()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engine_attends_through_the_kernel_of_its_dtype(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(11)
-    q = torch.randn(19, 4, 8, generator=gen)
-    k = torch.randn(1, 40, 8, generator=gen)
-    v = torch.randn(1, 40, 8, generator=gen)
+    q = torch.randn(19, 4, 8, generator=gen).to(dtype)
+    k = torch.randn(1, 40, 8, generator=gen).to(dtype)
+    v = torch.randn(1, 40, 8, generator=gen).to(dtype)
     span = PrefillSpan(first_query=21, first_key=0, window=None)
-    got = prefill_attention_auto(q, k, v, span, SCALE)
-    chosen = fastest_prefill_kernel(torch.float32, 4, 1, 8, torch.get_num_threads())
-    assert fastest_prefill_kernel.cache_info().misses == 1
-    kernel = prefill_attention if chosen is PrefillKernel.BLOCKWISE else fused_prefill_attention
-    assert torch.equal(got, kernel(q, k, v, span, SCALE))
+    kernel = prefill_attention if prefill_kernel(dtype) is PrefillKernel.BLOCKWISE else fused_prefill_attention
+    assert torch.equal(prefill_attention_auto(q, k, v, span, SCALE), kernel(q, k, v, span, SCALE))

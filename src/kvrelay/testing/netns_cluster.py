@@ -79,6 +79,7 @@ class LabCluster:
         self.router: ChildProcess | None = None
         self.router_status_url = ""
         self.router_starts = 0
+        self.router_killed_at: float | None = None
         self.workers: dict[str, ChildProcess] = {}
         self.worker_status_urls: dict[str, str] = {}
         self.db_url = ""
@@ -187,6 +188,8 @@ class LabCluster:
         assert child is not None
         child.process.kill()
         child.process.wait(10)
+        if name == "router":
+            self.router_killed_at = time.monotonic()
         self._keep_log(child)
 
     def _keep_log(self, child: ChildProcess) -> None:
@@ -327,6 +330,7 @@ class LabCluster:
             outcomes=self.outcomes([r.request_id for r in records if r.request_id]),
             finished=finished,
             router_restarted=restarted,
+            router_killed_at=self.router_killed_at if restarted else None,
         )
 
     def snapshot(

@@ -23,13 +23,15 @@ the probabilities are rounded to the values' dtype for the second matmul (the
 fused kernel rounds them too), which accumulates in float32. Only the order of
 float summation differs.
 
-Which of the two runs is measured once per process and shape
-(``fastest_prefill_kernel``): on AVX-512 without AMX block-wise took a
-4,096-token cold prefill of Gemma 3 270M from 5.12 to 4.30 s, but on a Xeon
-with AMX the fused kernel's bfloat16 tiles beat block-wise's float32 scores
-(0.43 against 1.05 s of attention in a 1.4 against 2.0 s prefill;
-``bench/prefill_attention.py``), so ``prefill_attention_auto`` takes whichever
-this machine runs faster.
+Which of the two runs depends on the CPU (``prefill_kernel``): on AVX-512
+without AMX block-wise took a 4,096-token cold prefill of Gemma 3 270M from
+5.12 to 4.30 s, but on a Xeon with AMX the fused kernel's bfloat16 tiles beat
+block-wise's float32 scores (0.43 against 1.01 s of attention in a 1.34
+against 1.97 s prefill; ``bench/prefill_attention.py``), so
+``prefill_attention_auto`` runs the fused kernel for bfloat16 where the CPU
+has AMX tiles. The rule is the hardware's, not a timing's: every worker on a
+machine computes a prompt's KV with the same kernel, which exact
+continuations rely on (docs/design.md section 8).
 
 vLLM's CPU backend (vllm/v1/attention/backends/cpu_attn.py) attends a fresh
 prompt with one fused ``scaled_dot_product_attention`` per sequence, and every
@@ -43,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from dataclasses import dataclass
 from enum import Enum
 
@@ -52,8 +53,6 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-FUSED_MARGIN = 0.9
-"""The fused kernel is taken only when it measures below this share of block-wise's time."""
 QUERY_BLOCK = 128
 """Queries per block: each block attends over its own key range, so smaller blocks skip more
 masked keys (a sliding block sees ``window - 1 + QUERY_BLOCK`` keys at most) but make smaller
@@ -175,43 +174,21 @@ class PrefillKernel(Enum):
     FUSED = "fused"
 
 
-def faster_kernel(blockwise_s: float, fused_s: float) -> PrefillKernel:
-    """The kernel to run given each one's measured seconds: fused only when clearly faster."""
-    return PrefillKernel.FUSED if fused_s < FUSED_MARGIN * blockwise_s else PrefillKernel.BLOCKWISE
-
-
 KERNELS = {PrefillKernel.BLOCKWISE: prefill_attention, PrefillKernel.FUSED: fused_prefill_attention}
 
 
 @functools.cache
-def fastest_prefill_kernel(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, threads: int) -> PrefillKernel:
-    """The faster kernel on this machine for the shape, measured on the calling thread (with ``threads`` torch
-    threads) on a 512-token chunk after 1,536 tokens, once over all its keys and once in a 512-token window."""
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(512, heads, head_dim, generator=gen).to(dtype)
-    k = torch.randn(kv_heads, 2048, head_dim, generator=gen).to(dtype)
-    v = torch.randn(kv_heads, 2048, head_dim, generator=gen).to(dtype)
-    shapes = [(PrefillSpan(1536, 0, None), k, v), (PrefillSpan(1536, 1025, 512), k[:, 1025:], v[:, 1025:])]
-    best = {kind: float("inf") for kind in PrefillKernel}
-    for _ in range(3):
-        for kind, kernel in KERNELS.items():
-            start = time.perf_counter()
-            for span, keys, values in shapes:
-                kernel(q, keys, values, span, head_dim**-0.5)
-            best[kind] = min(best[kind], time.perf_counter() - start)
-    chosen = faster_kernel(best[PrefillKernel.BLOCKWISE], best[PrefillKernel.FUSED])
-    log.info(
-        "prefill attention %s (%d heads, %d kv heads, dim %d, %s, %d threads): block-wise %.1f ms, fused %.1f ms",
-        chosen.value, heads, kv_heads, head_dim, dtype, threads,
-        1e3 * best[PrefillKernel.BLOCKWISE], 1e3 * best[PrefillKernel.FUSED],
-    )  # fmt: skip
+def prefill_kernel(dtype: torch.dtype) -> PrefillKernel:
+    """``FUSED`` for bfloat16 on a CPU with AMX tiles (torch's fused kernel runs its bfloat16 products there),
+    else ``BLOCKWISE``."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    chosen = PrefillKernel.FUSED if dtype == torch.bfloat16 and amx else PrefillKernel.BLOCKWISE
+    log.info("prefill attention for %s: %s (AMX tiles: %s)", dtype, chosen.value, amx)
     return chosen
 
 
 def prefill_attention_auto(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan, scale: float
 ) -> torch.Tensor:
-    """``prefill_attention`` through the kernel this machine runs faster (``fastest_prefill_kernel``)."""
-    heads, head_dim = q.shape[1], q.shape[2]
-    kind = fastest_prefill_kernel(q.dtype, heads, k.shape[0], head_dim, torch.get_num_threads())
-    return KERNELS[kind](q, k, v, span, scale)
+    """``prefill_attention`` through the kernel this CPU runs faster for ``q``'s dtype (``prefill_kernel``)."""
+    return KERNELS[prefill_kernel(q.dtype)](q, k, v, span, scale)
