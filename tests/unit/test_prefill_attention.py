@@ -3,8 +3,7 @@
 Random queries, keys and values; every combination of full and sliding layers,
 chunks with and without keys before them, GQA and not, and query blocks that
 split the chunk unevenly (so block edges fall on the diagonal and the window's
-start). The reference is ``scaled_dot_product_attention`` with the explicit
-mask ``plan_attention`` builds.
+start). The reference is attention by its definition, in float64.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import zlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kvrelay.models.kernels.prefill_attention import (
     PrefillKernel,
@@ -29,18 +27,21 @@ SCALE = 0.2
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
-    """The fused kernel with an additive mask over every gathered key (the path before block-wise attention)."""
+    """Attention by its definition, in float64: each query's softmax over the keys it sees (``span``), with the
+    query heads of a KV head sharing it. Independent of both kernels under test."""
     queries, heads, _ = q.shape
-    q_pos = torch.arange(span.first_query, span.first_query + queries).unsqueeze(1)
-    k_pos = torch.arange(span.first_key, span.first_key + k.shape[1]).unsqueeze(0)
-    visible = k_pos <= q_pos
-    if span.window is not None:
-        visible &= k_pos > q_pos - span.window
-    mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=SCALE, enable_gqa=True
-    )
-    return out[0].transpose(0, 1)
+    group = heads // k.shape[0]
+    seen = [
+        [
+            span.first_key + i <= p and (span.window is None or span.first_key + i > p - span.window)
+            for i in range(k.shape[1])
+        ]
+        for p in range(span.first_query, span.first_query + queries)
+    ]
+    keys, values = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
+    scores = torch.einsum("qhd,hkd->hqk", q.double(), keys) * SCALE
+    scores = scores.masked_fill(~torch.tensor(seen), float("-inf"))
+    return torch.einsum("hqk,hkd->qhd", torch.softmax(scores, dim=-1), values).to(q.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
