@@ -71,11 +71,13 @@ def test_fused_mlp_matches_the_float32_mlp_to_bfloat16_rounding(activation: str)
 
 
 @needs_packing
-def test_rows_beyond_the_packed_limit_take_the_unfused_path_with_the_same_result() -> None:
-    fused, tensors = _mlp("gelu_pytorch_tanh")
-    unfused, _ = _mlp("gelu_pytorch_tanh", max_rows=4)
-    x = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(9)).bfloat16()
-    assert fused.gate.packs(x) and not unfused.gate.packs(x)
+def test_rows_beyond_the_packed_limit_go_through_the_fused_mlp_in_blocks() -> None:
+    whole, tensors = _mlp("gelu_pytorch_tanh")
+    blocked, _ = _mlp("gelu_pytorch_tanh", max_rows=4)
+    x = torch.randn(10, HIDDEN, generator=torch.Generator().manual_seed(9)).bfloat16()
+    assert whole.gate.packs(x) and not blocked.gate.packs(x)
     want = _reference(tensors, "gelu_pytorch_tanh", x)
-    for got in (fused(x).float(), unfused(x).float()):
-        assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+    got = blocked(x)
+    assert torch.equal(got, torch.cat([blocked._fused(rows) for rows in x.split(4)]))
+    for result in (whole(x).float(), got.float()):
+        assert (result - want).abs().max() <= 2e-2 * want.abs().max()

@@ -66,7 +66,7 @@ def test_blockwise_prefill_equals_masked_attention(
     want = masked_attention(q, k, v, span)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
-    fused = fused_prefill_attention(q, k, v, span, SCALE)
+    fused = fused_prefill_attention(q, k, v, span, SCALE, block)
     torch.testing.assert_close(fused.float(), want.float(), rtol=tolerance, atol=tolerance)
 
 
@@ -78,9 +78,11 @@ def test_keys_outside_every_querys_view_are_never_read() -> None:
     v = torch.randn(1, 40, 8, generator=gen)
     span = PrefillSpan(first_query=20, first_key=0, window=5)
     want = prefill_attention(q, k[:, :30], v[:, :30], span, SCALE, block=3)
+    fused = fused_prefill_attention(q, k[:, :30], v[:, :30], span, SCALE, block=3)
     k[:, :16], v[:, :16] = float("nan"), float("nan")
     k[:, 30:], v[:, 30:] = float("nan"), float("nan")
     assert torch.equal(prefill_attention(q, k, v, span, SCALE, block=3), want)
+    assert torch.equal(fused_prefill_attention(q, k, v, span, SCALE, block=3), fused)
 
 
 def test_the_kernel_follows_the_cpu_and_the_dtype() -> None:

@@ -44,7 +44,8 @@ ACTIVATIONS: dict[str, Activation] = {
 
 PACKED_MAX_ROWS = 256
 """Projections of at most this many rows use the packed weight; larger ones the plain one, which is
-faster there (the figures behind the value: docs/performance.md, "Packed projections")."""
+faster there for one projection (the figures behind the value: docs/performance.md, "Packed projections");
+``GatedMLP`` runs larger inputs through the packed weights in blocks of this many rows."""
 
 
 class PackedLinear:
@@ -123,7 +124,9 @@ class GatedMLP:
     oneDNN post-ops of the gate and up projections (two calls instead of four).
     They apply to the float32 accumulator, so the gate's output is rounded to
     bfloat16 once instead of twice and the product once instead of three times
-    (``tests/unit/test_packed_linear.py``). A single row (one decoding sequence)
+    (``tests/unit/test_packed_linear.py``). More rows than the packed weights take
+    (a long prefill chunk) go through them in blocks of that many: the post-ops
+    save more than the plain weight's larger GEMM gains. A single row (one decoding sequence)
     skips the post-ops: its gate and up are C GEMVs (``PackedLinear``), faster
     than oneDNN there. (Why and how fast: docs/performance.md, "MLP gate and up".)
     """
@@ -140,6 +143,13 @@ class GatedMLP:
         self.down = PackedLinear(w.take(f"{prefix}.down_proj.weight", (hidden, inner)))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > 1 and self.gate.packs(x) and self.up.packs(x):
-            return self.down(self.up.times(x, self.gate.activated(x, self.act)))
+        rows = x.shape[0]
+        step = self.gate.max_rows or rows
+        if rows > step and self.gate.packs(x[:step]) and self.up.packs(x[:step]):
+            return torch.cat([self._fused(block) for block in x.split(step)])
+        if rows > 1 and self.gate.packs(x) and self.up.packs(x):
+            return self._fused(x)
         return self.down(self.act.fn(self.gate(x)).mul_(self.up(x)))
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up.times(x, self.gate.activated(x, self.act)))

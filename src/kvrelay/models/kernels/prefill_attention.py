@@ -57,6 +57,9 @@ QUERY_BLOCK = 128
 """Queries per block: each block attends over its own key range, so smaller blocks skip more
 masked keys (a sliding block sees ``window - 1 + QUERY_BLOCK`` keys at most) but make smaller
 matmuls (figures: docs/performance.md, "Prefill attention")."""
+FUSED_QUERY_BLOCK = 256
+"""Queries per call of the fused kernel: a 512-query chunk of a sliding layer scores 25 % fewer (query, key)
+pairs in two blocks than in one; blocks of 128 were slower again (docs/performance.md, "Prefill attention")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,25 +149,46 @@ def _mask_edges(scores: torch.Tensor, first: int, last: int, lo: int, window: in
 
 
 def fused_prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan, scale: float, block: int = FUSED_QUERY_BLOCK
 ) -> torch.Tensor:
-    """What ``prefill_attention`` returns, from one fused ``scaled_dot_product_attention`` over every gathered key
-    with an additive mask (``is_causal`` for a chunk from position 0 that the window does not bind)."""
+    """What ``prefill_attention`` returns, from ``scaled_dot_product_attention``: ``is_causal`` for a chunk from
+    position 0 that the window does not bind, else one call per ``block`` queries over the keys that block sees,
+    with an additive mask (``_visibility_mask``)."""
     queries, heads, head_dim = q.shape
     qs = q.transpose(0, 1).unsqueeze(0)
     if span.first_query == 0 and span.first_key == 0 and (span.window is None or queries <= span.window):
         out = F.scaled_dot_product_attention(
             qs, k[None, :, :queries], v[None, :, :queries], is_causal=True, scale=scale, enable_gqa=True
         )
-    else:
-        q_pos = torch.arange(span.first_query, span.first_query + queries).unsqueeze(1)
-        k_pos = torch.arange(span.first_key, span.first_key + k.shape[1]).unsqueeze(0)
-        visible = k_pos <= q_pos
-        if span.window is not None:
-            visible &= k_pos > q_pos - span.window
-        mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
-        out = F.scaled_dot_product_attention(qs, k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(queries, heads, head_dim)
+    blocks = []
+    for start in range(0, queries, block):
+        stop = min(queries, start + block)
+        first, last = span.first_query + start, span.first_query + stop - 1
+        lo = max(span.first_key, 0 if span.window is None else first - span.window + 1)
+        keys = slice(lo - span.first_key, last + 1 - span.first_key)
+        mask = _visibility_mask(stop - start, first, last + 1 - lo, lo, span.window, q.dtype)
+        blocks.append(
+            F.scaled_dot_product_attention(
+                qs[:, :, start:stop], k[None, :, keys], v[None, :, keys], attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        )
+    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
     return out[0].transpose(0, 1).reshape(queries, heads, head_dim)
+
+
+@functools.lru_cache(maxsize=32)
+def _visibility_mask(
+    queries: int, first: int, keys: int, lo: int, window: int | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The additive mask (0 seen, ``-inf`` not) of queries at ``first..first+queries-1`` over keys at
+    ``lo..lo+keys-1``. Cached: every layer of one attention kind asks for the same mask in a forward. Read-only."""
+    q_pos = torch.arange(first, first + queries).unsqueeze(1)
+    k_pos = torch.arange(lo, lo + keys).unsqueeze(0)
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
 class PrefillKernel(Enum):
