@@ -110,6 +110,22 @@ def test_rejects_malformed_input() -> None:
         plan_iteration(PolicyConfig(num_lanes=2, token_budget=4), [None], [])
     with pytest.raises(ValueError, match="at least one input token"):
         plan_iteration(PolicyConfig(num_lanes=2, token_budget=4), [None, None], [0])
+    with pytest.raises(ValueError, match=r"prefill_only_budget must be 0 or at least token_budget \(8\), got 4"):
+        PolicyConfig(num_lanes=2, token_budget=8, prefill_only_budget=4)
+
+
+def test_a_forward_with_no_decoding_lane_takes_the_prefill_only_budget() -> None:
+    config = PolicyConfig(num_lanes=4, token_budget=10, prefill_only_budget=40)
+    plan = plan_iteration(config, [prefilling(100, 0), None, None, None], [30])
+    assert plan.prefill == (PrefillChunk(0, 40),) and plan.num_tokens == 40
+    plan = plan_iteration(config, [None] * 4, [25, 30])
+    assert plan.prefill == (PrefillChunk(0, 25), PrefillChunk(1, 15))
+
+
+def test_a_forward_beside_a_decoding_lane_keeps_the_token_budget() -> None:
+    config = PolicyConfig(num_lanes=4, token_budget=10, prefill_only_budget=40)
+    plan = plan_iteration(config, [prefilling(100, 0), decoding(1), None, None], [])
+    assert plan.decode_lanes == (1,) and plan.prefill == (PrefillChunk(0, 9),)
 
 
 lane_strategy = st.one_of(
@@ -122,14 +138,18 @@ lane_strategy = st.one_of(
 @given(
     num_lanes=st.integers(1, 6),
     budget=st.integers(1, 40),
+    extra=st.sampled_from([None, 0, 1, 25]),
     data=st.data(),
     waiting=st.lists(st.integers(1, 60), max_size=6),
 )
-def test_plan_invariants(num_lanes: int, budget: int, data: st.DataObject, waiting: list[int]) -> None:
+def test_plan_invariants(
+    num_lanes: int, budget: int, extra: int | None, data: st.DataObject, waiting: list[int]
+) -> None:
     lanes = data.draw(st.lists(lane_strategy, min_size=num_lanes, max_size=num_lanes))
     budget = budget if num_lanes == 1 else max(budget, 2)
-    plan = plan_iteration(PolicyConfig(num_lanes, budget), lanes, waiting)
-    assert plan.num_tokens <= budget
+    prefill_only = 0 if extra is None else budget + extra
+    plan = plan_iteration(PolicyConfig(num_lanes, budget, prefill_only), lanes, waiting)
+    assert plan.num_tokens <= (budget if plan.decode_lanes else max(budget, prefill_only))
     prefill_lanes = [c.lane for c in plan.prefill]
     assert len(set(prefill_lanes)) == len(prefill_lanes)
     assert not set(prefill_lanes) & set(plan.decode_lanes)

@@ -38,6 +38,12 @@ OPTIONS = (
     Option("lanes", int, defaults.LANES, "concurrent sequences on the device"),
     Option("token_budget", int, defaults.TOKEN_BUDGET, "tokens per device iteration (chunked prefill budget)"),
     Option(
+        "prefill_only_budget",
+        int,
+        defaults.PREFILL_ONLY_BUDGET,
+        "tokens of a device iteration with no decoding lane (0: the token budget)",
+    ),
+    Option(
         "share_prefill",
         parse_bool,
         True,
@@ -141,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
             ),
             share_prefill=values["share_prefill"],
             exact_continuations=values["exact_continuations"],
+            prefill_only_budget=values["prefill_only_budget"],
         )
     options = WorkerOptions(
         settings,

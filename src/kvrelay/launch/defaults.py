@@ -30,6 +30,9 @@ LANES = 16
 """Concurrent sequences on a worker's device."""
 TOKEN_BUDGET = 512
 """Tokens per device iteration (the chunked prefill budget)."""
+PREFILL_ONLY_BUDGET = 2048
+"""Tokens of a device iteration with no decoding lane: no decode step waits behind it, and a cold prompt
+runs in fewer, larger forwards (docs/performance.md, "Prefill-only forwards")."""
 RAM_BYTES = 1 << 30
 """Bytes of a worker's ram chunk tier."""
 SSD_BYTES = 16 << 30

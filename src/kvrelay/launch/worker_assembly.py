@@ -62,6 +62,8 @@ class WorkerSettings:
     """Re-match a prefix before its prefill and wait for a request filling it (``worker.shared_prefill``)."""
     exact_continuations: bool = True
     """A continuation replays its delivered tokens as decode rows, so it is bit-exact (``Job.replay``)."""
+    prefill_only_budget: int = defaults.PREFILL_ONLY_BUDGET
+    """Tokens of a forward with no decoding lane (``PolicyConfig``; 0: ``token_budget``)."""
 
     def engine_options(self) -> EngineOptions:
         """The worker's engine: ``kv_tokens`` rounded down to whole pages (at least one), chunks of ``chunk_tokens``."""
@@ -72,6 +74,7 @@ class WorkerSettings:
             num_lanes=self.lanes,
             token_budget=self.token_budget,
             chunk_tokens=self.chunk_tokens,
+            prefill_only_budget=max(self.prefill_only_budget, self.token_budget) if self.prefill_only_budget else 0,
         )
 
 

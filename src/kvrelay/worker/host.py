@@ -113,8 +113,9 @@ class WorkerController(MachineHost):
         runtime's forwards (``core.worker.speeds``)."""
         self._seq += 1
         runtime = self.runtime
-        budget = runtime.policy.token_budget
-        speeds = heartbeat_speeds(runtime.speeds, self.queued_prefill_tokens(), runtime.num_decoding, budget)
+        decoding = runtime.num_decoding
+        budget = runtime.policy.budget(decoding)
+        speeds = heartbeat_speeds(runtime.speeds, self.queued_prefill_tokens(), decoding, budget)
         return Heartbeat(
             worker_id=self.worker_id,
             epoch=self.epoch,
@@ -133,7 +134,7 @@ class WorkerController(MachineHost):
             max_lanes=runtime.policy.num_lanes,
             prefill_s_per_token=speeds.prefill_s_per_token,
             decode_s_per_token=speeds.decode_s_per_token,
-            prefill_chunk_tokens=budget,
+            prefill_chunk_tokens=runtime.policy.token_budget,
             restore_bytes_per_s=self.restore_bytes_per_s,
             kv_bytes_per_token=self.kv_bytes_per_token,
             context_limit=self.me.context_limit,

@@ -77,11 +77,11 @@ class ServerSpec:
     vllm_extra: tuple[str, ...] = ()
     """More vLLM flags (e.g. ``--enforce-eager`` for a smoke run)."""
     vllm_env: tuple[tuple[str, str], ...] = ()
+    """More environment for vLLM (e.g. ``OMP_WAIT_POLICY``), set last."""
     omp_spincount: int | None = None
     """Both servers' ``GOMP_SPINCOUNT`` (``None``: unset, so passive threads sleep at once)."""
     dtype: str = "bfloat16"
     """Both servers' weights and KV (``float32`` where vLLM's bfloat16 path cannot run: a smoke run)."""
-    """More environment for vLLM (e.g. ``OMP_WAIT_POLICY``), set last."""
 
 
 @dataclass

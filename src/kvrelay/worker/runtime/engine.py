@@ -47,8 +47,9 @@ def parse_dtype(name: str) -> torch.dtype:
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
     """Sizes of one engine: KV capacity in tokens (rounded up to whole pages), page size, lanes, tokens per
-    forward, queue bound, device, and the page pool's chunk size (``None``: the most whole pages within
-    ``DEFAULT_CHUNK_TOKENS``, at least one)."""
+    forward (``prefill_only_budget`` in a forward with no decoding lane, 0: ``token_budget``), queue bound,
+    device, and the page pool's chunk size (``None``: the most whole pages within ``DEFAULT_CHUNK_TOKENS``, at
+    least one)."""
 
     kv_tokens: int = 16_384
     page_tokens: int = DEFAULT_PAGE_TOKENS
@@ -57,6 +58,7 @@ class EngineOptions:
     queue_capacity: int = 64
     device: str = "cpu"
     chunk_tokens: int | None = None
+    prefill_only_budget: int = 0
 
     @property
     def pool_chunk_tokens(self) -> int:
@@ -95,7 +97,7 @@ class Engine:
         model = build_model(artifacts.config, artifacts.weights, dtype, options.device)
         num_pages = pages_for(options.kv_tokens, options.page_tokens)
         kv = KVPages.allocate(artifacts.config, num_pages, options.page_tokens, dtype, options.device)
-        policy = PolicyConfig(num_lanes=options.num_lanes, token_budget=options.token_budget)
+        policy = PolicyConfig(options.num_lanes, options.token_budget, options.prefill_only_budget)
         runtime = PagedRuntime(model, kv, policy, options.queue_capacity)
         return cls(artifacts, model, runtime, PagePool(num_pages, options.page_tokens, options.pool_chunk_tokens))
 

@@ -9,7 +9,9 @@
 - A single-lane worker finishes its decode before it admits another prompt.
 - Lanes are stable physical slots: a sequence keeps the lane it was admitted to until
   it finishes; a waiting job gets the lowest free lane.
-- Prefill is chunked under the token budget: lanes already prefilling continue by
+- Prefill is chunked under the token budget; a forward with no decoding lane may take
+  ``prefill_only_budget`` instead (larger: no decode step waits behind it, and a cold prompt
+  runs in fewer, larger forwards). Lanes already prefilling continue by
   their jobs' place (``Job.place``), then in admission order; waiting jobs are
   admitted in queue order (never skipping the head) while a lane and budget remain,
   after the prefilling lanes, except that one whose place is lower than a prefilling
@@ -28,10 +30,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
-    """``num_lanes`` concurrent sequences; at most ``token_budget`` tokens per forward."""
+    """``num_lanes`` concurrent sequences; at most ``token_budget`` tokens per forward, or
+    ``prefill_only_budget`` in a forward with no decoding lane (0: ``token_budget``)."""
 
     num_lanes: int
     token_budget: int
+    prefill_only_budget: int = 0
 
     def __post_init__(self) -> None:
         if self.num_lanes < 1:
@@ -42,6 +46,17 @@ class PolicyConfig:
                 f"token_budget must be at least {least} with {self.num_lanes} lane(s) "
                 f"(several lanes keep one lane-token for prefill), got {self.token_budget}"
             )
+        if self.prefill_only_budget and self.prefill_only_budget < self.token_budget:
+            raise ValueError(
+                f"prefill_only_budget must be 0 or at least token_budget ({self.token_budget}), "
+                f"got {self.prefill_only_budget}"
+            )
+
+    def budget(self, decoding: int) -> int:
+        """Tokens a forward with ``decoding`` decoding lanes may take."""
+        if decoding == 0 and self.prefill_only_budget:
+            return self.prefill_only_budget
+        return self.token_budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +120,7 @@ def plan_iteration(
     ``waiting`` lists the input lengths (each >= 1) of queued jobs in queue order (``prefill_order``),
     ``waiting_places`` their places (``Job.place``; empty: all 0). A waiting job whose place is lower than a
     prefilling lane's is admitted before that lane continues (never past the queue's head).
-    The plan never exceeds ``config.token_budget`` tokens and never gives a lane two roles.
+    The plan never exceeds ``config.budget(decoding)`` tokens and never gives a lane two roles.
     """
     if len(lanes) != config.num_lanes:
         raise ValueError(f"expected {config.num_lanes} lanes, got {len(lanes)}")
@@ -130,7 +145,7 @@ def plan_iteration(
     if len(decoding) > decode_cap:
         by_age = sorted(decoding, key=lambda i: (lanes[i].last_step, i))  # type: ignore[union-attr]
         decoding = sorted(by_age[:decode_cap])
-    budget = config.token_budget - len(decoding)
+    budget = config.budget(len(decoding)) - len(decoding)
 
     chunks: list[PrefillChunk] = []
     admit: list[int] = []
