@@ -8,12 +8,15 @@ import pytest
 
 from kvrelay.core.worker.speeds import (
     OUTLIER_FLOOR_S,
+    REST_AFTER_S,
+    REST_TAU_S,
     TAU_S,
     DeviceSpeeds,
     drain_s,
     heartbeat_speeds,
     learn,
     prompt_room,
+    rested,
 )
 
 
@@ -133,3 +136,40 @@ def test_the_first_measurement_replaces_the_prior() -> None:
     assert stepped.step_s == pytest.approx(0.2) and stepped.step_measured
     later = learn(stepped, 512, 0.2 + 512 * 8e-3)
     assert 4e-3 < later.prefill_s_per_token < 8e-3
+
+
+def test_an_idle_worker_relaxes_toward_the_best_speeds_it_measured() -> None:
+    """Speeds learned on a loaded moment must not keep an idle worker from being picked again (the lab's two
+    idle workers reported 100 times their peer's prefill cost and got no request)."""
+    speeds, now = DeviceSpeeds(), 0.0
+    for tokens, seconds in [(512, 0.08 + 512 * 1.2e-3), (0, 0.08)] * 20:  # calibrated and serving: fast
+        now += seconds
+        speeds = learn(speeds, tokens, seconds, now)
+    fast = speeds
+    for tokens, seconds in [(512, 0.8 + 512 * 12e-3), (0, 0.8)] * 20:  # a loaded spell: ten times slower
+        now += seconds
+        speeds = learn(speeds, tokens, seconds, now)
+    assert speeds.prefill_s_per_token > 5 * fast.prefill_s_per_token and speeds.step_s > 5 * fast.step_s
+    assert rested(speeds, now + REST_AFTER_S) == speeds  # no rest yet: as learned
+    half = rested(speeds, now + REST_AFTER_S + REST_TAU_S)
+    assert fast.prefill_s_per_token < half.prefill_s_per_token < speeds.prefill_s_per_token
+    long_rest = rested(speeds, now + REST_AFTER_S + 5 * REST_TAU_S)
+    assert long_rest.prefill_s_per_token == pytest.approx(fast.best_prefill_s_per_token, rel=0.1)
+    assert long_rest.step_s == pytest.approx(fast.best_step_s, rel=0.1)
+    assert fast.best_prefill_s_per_token == pytest.approx(1.2e-3, rel=0.05)
+
+
+def test_the_first_forward_after_a_rest_learns_from_the_rested_estimate() -> None:
+    speeds = DeviceSpeeds(12e-3, 0.8, True, True, best_prefill_s_per_token=1.2e-3, best_step_s=0.08, learned_at=100.0)
+    later = 100.0 + REST_AFTER_S + 5 * REST_TAU_S
+    after = learn(speeds, 0, 0.08, later)
+    assert after.learned_at == later
+    assert after.step_s == pytest.approx(0.08, rel=0.1)  # from the rested 0.08, not from the stale 0.8
+    assert after.prefill_s_per_token == pytest.approx(rested(speeds, later).prefill_s_per_token)
+
+
+def test_a_worker_that_never_learned_a_figure_keeps_its_prior_at_rest() -> None:
+    prior = DeviceSpeeds()
+    assert rested(prior, 1e9) == prior
+    stepped = learn(prior, 0, 0.1, 5.0)
+    assert rested(stepped, 1e9).prefill_s_per_token == prior.prefill_s_per_token

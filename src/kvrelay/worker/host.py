@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, assert_never
 
 from kvrelay.core.worker import machine
-from kvrelay.core.worker.speeds import heartbeat_speeds
+from kvrelay.core.worker.speeds import heartbeat_speeds, rested
 from kvrelay.engines.machine_host import MachineHost
 from kvrelay.protocol.chunk_keys import chunk_key, root_key
 from kvrelay.protocol.messages import (
@@ -110,12 +110,13 @@ class WorkerController(MachineHost):
 
     def heartbeat(self) -> Heartbeat:
         """Fresh observations with the next sequence number; the speeds and the queue delay come from the
-        runtime's forwards (``core.worker.speeds``)."""
+        runtime's forwards, relaxed toward its best after a rest (``core.worker.speeds.rested``)."""
         self._seq += 1
         runtime = self.runtime
         decoding = runtime.num_decoding
         budget = runtime.policy.budget(decoding)
-        speeds = heartbeat_speeds(runtime.speeds, self.queued_prefill_tokens(), decoding, budget)
+        learned = rested(runtime.speeds, time.monotonic())
+        speeds = heartbeat_speeds(learned, self.queued_prefill_tokens(), decoding, budget)
         return Heartbeat(
             worker_id=self.worker_id,
             epoch=self.epoch,

@@ -24,12 +24,22 @@ one stall (a stopped process, a swap storm) moves the estimate a bounded step,
 where unbounded a 4-s stall made an idle worker look 50 times slower than it
 is, and an idle worker never corrects it (the lab's frozen worker got no
 request after its thaw); a lasting slowdown still shows within a few forwards,
-each moving the bound up. A worker measures both at start (``calibrate``), before it serves. The seconds are wall time,
-so they count the time the device thread waited for a core: the speeds are
+each moving the bound up. A worker measures both at start (``worker.runtime.warmup``),
+before it serves. The seconds are wall time, so they count the time the device thread waited for a core: the speeds are
 what the worker gets now, on a shared machine too. (Learned per finished job
 before, from a 1 ms/token prior: on cold Gemma workers sharing 2 cores the
 router planned a 951-token prefill at 0.95 s that took 5.7 s, and the first
 results came back only after the whole 24-request burst had been routed.)
+
+A worker re-measures only when it runs, so speeds learned on a loaded moment
+(three workers calibrating on two cores, a fault) would stay with a worker the
+router then never picks: in the lab, two idle workers reported 100 times their
+peer's prefill cost and got no request in six waves. So after ``REST_AFTER_S``
+without a forward the estimate relaxes (``rested``) toward the best one the
+worker has learned, by ``1 - exp(-(idle - REST_AFTER_S) / REST_TAU_S)``; the
+heartbeat reports that, and the next forward learns from it. A worker that is
+slow for good is picked again now and then, and its first forwards teach it the
+slow figure once more.
 
 What the heartbeat reports from them (``heartbeat_speeds``):
 
@@ -57,6 +67,10 @@ OUTLIER_FLOOR_S = 0.05
 """Samples up to this many seconds are never bounded: short ones move the estimate little anyway."""
 MIN_PREFILL_S_PER_TOKEN = 1e-7
 """The prefill speed never learns below this (a forward quicker than the step leaves no time for its tokens)."""
+REST_AFTER_S = 10.0
+"""Seconds without a forward after which the estimate relaxes toward the best one learned."""
+REST_TAU_S = 10.0
+"""Seconds of rest over which the estimate moves ``1 - 1/e`` of the way to the best one."""
 
 
 class DeviceSpeeds(NamedTuple):
@@ -67,6 +81,12 @@ class DeviceSpeeds(NamedTuple):
     step_s: float = 0.05
     prefill_measured: bool = False
     step_measured: bool = False
+    best_prefill_s_per_token: float = math.inf
+    """The lowest measured ``prefill_s_per_token`` (``inf``: none yet)."""
+    best_step_s: float = math.inf
+    """The lowest measured ``step_s`` (``inf``: none yet)."""
+    learned_at: float = -math.inf
+    """The monotonic second of the last forward learned."""
 
 
 class HeartbeatSpeeds(NamedTuple):
@@ -84,12 +104,28 @@ def _moved(old: float, sample: float, seconds: float, measured: bool) -> float:
     return old + weight * (sample - old)
 
 
-def learn(speeds: DeviceSpeeds, prefill_tokens: int, seconds: float) -> DeviceSpeeds:
-    """The speeds after one forward that wrote ``prefill_tokens`` prompt tokens (and any decode rows) in
-    ``seconds``, counted as at most ``OUTLIER_FACTOR`` times its predicted time. A forward of no time teaches
-    nothing."""
+def rested(speeds: DeviceSpeeds, now: float) -> DeviceSpeeds:
+    """``speeds`` at monotonic second ``now``: as learned until ``REST_AFTER_S`` after the last forward, then
+    relaxing toward the best measured figures (see the module docstring)."""
+    idle = now - speeds.learned_at
+    if not REST_AFTER_S < idle < math.inf:  # also NaN: no forward learned, or no clock given
+        return speeds
+    weight = 1.0 - math.exp(-(idle - REST_AFTER_S) / REST_TAU_S)
+    prefill, step = speeds.prefill_s_per_token, speeds.step_s
+    if speeds.best_prefill_s_per_token < prefill:
+        prefill += weight * (speeds.best_prefill_s_per_token - prefill)
+    if speeds.best_step_s < step:
+        step += weight * (speeds.best_step_s - step)
+    return speeds._replace(prefill_s_per_token=prefill, step_s=step)
+
+
+def learn(speeds: DeviceSpeeds, prefill_tokens: int, seconds: float, now: float = -math.inf) -> DeviceSpeeds:
+    """The speeds after one forward, ended at monotonic second ``now``, that wrote ``prefill_tokens`` prompt
+    tokens (and any decode rows) in ``seconds``, counted as at most ``OUTLIER_FACTOR`` times its predicted time;
+    learned from the ``rested`` estimate. A forward of no time teaches nothing."""
     if seconds <= 0.0:
         return speeds
+    speeds = rested(speeds, now)._replace(learned_at=now)
     prefill = prefill_tokens >= MIN_PREFILL_SAMPLE
     if speeds.step_measured and (speeds.prefill_measured or not prefill):
         predicted = speeds.step_s + prefill_tokens * speeds.prefill_s_per_token
@@ -97,9 +133,12 @@ def learn(speeds: DeviceSpeeds, prefill_tokens: int, seconds: float) -> DeviceSp
     if prefill:
         per_token = max(MIN_PREFILL_S_PER_TOKEN, (seconds - speeds.step_s) / prefill_tokens)
         learned = _moved(speeds.prefill_s_per_token, per_token, seconds, speeds.prefill_measured)
-        return speeds._replace(prefill_s_per_token=learned, prefill_measured=True)
-    step = max(0.0, seconds - prefill_tokens * speeds.prefill_s_per_token)
-    return speeds._replace(step_s=_moved(speeds.step_s, step, seconds, speeds.step_measured), step_measured=True)
+        best = min(speeds.best_prefill_s_per_token, learned)
+        return speeds._replace(prefill_s_per_token=learned, prefill_measured=True, best_prefill_s_per_token=best)
+    step = _moved(
+        speeds.step_s, max(0.0, seconds - prefill_tokens * speeds.prefill_s_per_token), seconds, speeds.step_measured
+    )
+    return speeds._replace(step_s=step, step_measured=True, best_step_s=min(speeds.best_step_s, step))
 
 
 def prompt_room(decoding: int, budget: int) -> int:

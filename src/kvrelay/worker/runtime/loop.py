@@ -347,7 +347,7 @@ class PagedRuntime:
             for row in rows:
                 self._finish(row.seq, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
             return
-        self.speeds = learn(self.speeds, prefill_tokens, time.perf_counter() - started)
+        self.speeds = learn(self.speeds, prefill_tokens, time.perf_counter() - started, time.monotonic())
         for row in rows:
             row.seq.last_step = self._step
             if row.seq.prompt_done:
