@@ -5,7 +5,9 @@ vLLM's OpenAI server, its CPU build from ``.venv-vllm``, both in bfloat16 with `
 each; only one of them has work at any moment). The model is Gemma 3 270M by default: kvrelay's converted
 directory under the model cache (``kvrelay.models.loading.loader.model_directory``), which vLLM serves too,
 under the same name. Each round measures, on both servers one after the other (kvrelay first in even rounds,
-vLLM first in odd ones), with fresh prompts both servers share (``kvrelay.bench.engines.measure``):
+vLLM first in odd ones), with fresh prompts both servers share (``kvrelay.bench.engines.measure``), each
+measurement starting once both servers are quiet (``servers.wait_quiet``: vLLM keeps a core busy for about
+1 s after each request):
 
 1. ``decode_c{N}_tokens_per_s`` for each ``--streams`` N: N completions of ``--decode-prompt`` random tokens
    and ``--decode-tokens`` new tokens each, sent at once; the aggregate rate while every stream decodes.
@@ -47,7 +49,7 @@ import httpx
 from kvrelay.bench.engines.compute import bytes_per_token, flops_per_token, peak_flops, read_rate
 from kvrelay.bench.engines.measure import decode, prompts, ttft
 from kvrelay.bench.engines.report import Comparison, Samples, figures, plot, print_comparisons
-from kvrelay.bench.engines.servers import EngineServer, ServerSpec, start_kvrelay, start_vllm
+from kvrelay.bench.engines.servers import EngineServer, ServerSpec, start_kvrelay, start_vllm, wait_quiet
 from kvrelay.bench.report import Figure, report
 from kvrelay.engines.vllm.identity import DTYPE_BYTES
 from kvrelay.launch.vllm_server import VllmNotInstalled, vllm_python
@@ -238,6 +240,7 @@ def run_rounds(
             batch = prompts(n, args.decode_prompt, vocab, seed=1000 * round_ + n)
             for engine in order:
                 server = servers[engine]
+                wait_quiet(list(servers.values()))
                 result = decode(server.url, server.model_name, batch, args.decode_tokens)
                 samples.add(engine, f"decode_c{n}_tokens_per_s", result.tokens_per_s)
                 print(
@@ -250,8 +253,10 @@ def run_rounds(
         warm_prompt = cold_prompt[: args.cold_prompt - args.warm_suffix] + suffix
         for engine in order:
             server = servers[engine]
+            wait_quiet(list(servers.values()))
             cold = ttft(server.url, server.model_name, cold_prompt)
             before = prefix_cache_counts(server) if engine == "vllm" else None
+            wait_quiet(list(servers.values()))
             warm = ttft(server.url, server.model_name, warm_prompt)
             if before is not None:
                 queries, hits = (b - a for a, b in zip(before, prefix_cache_counts(server)))

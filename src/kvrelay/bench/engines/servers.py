@@ -22,6 +22,13 @@ default), with the same torch thread count:
   and usage reports cached prompt tokens (``--enable-prompt-tokens-details``). vLLM preloads its own
   tcmalloc and torch's libgomp.
 
+``wait_quiet(servers)`` blocks until no server's process tree has used more than ``QUIET_CORES`` of a core
+over ``QUIET_WINDOW_S``: vLLM 0.32's CPU server keeps one core busy for about 1 s after every request
+(measured: 0.9 to 1.1 cores in each 100 ms for 1.0 s after a cold prompt and after a 32-stream decode, then
+0.0), so whichever server was measured right after it ran on one core for its first second (kvrelay's cold
+TTFT 1.66 to 1.71 s right after a vLLM request against 1.39 to 1.43 s after 5 s of quiet). kvrelay's threads
+sleep at once, so vLLM never met that.
+
 ``peak_rss_mib`` is the sum of the peak resident sets (``VmHWM``) of the server's process tree (vLLM runs an
 API server, an engine core and a model runner; kvrelay one process). Linux only (``/proc``).
 """
@@ -43,6 +50,11 @@ from typing import IO
 import httpx
 
 from kvrelay.testing.ports import free_port
+
+QUIET_CORES = 0.05
+"""A process tree using at most this share of one core over ``QUIET_WINDOW_S`` is quiet."""
+QUIET_WINDOW_S = 0.2
+"""The window ``wait_quiet`` measures each server's CPU time over."""
 
 WAIT_POLICY = "PASSIVE"
 """Both servers' ``OMP_WAIT_POLICY`` (see the module docstring)."""
@@ -121,6 +133,10 @@ class EngineServer:
         raise RuntimeError(
             f"{self.name} did not answer within {timeout_s:.0f} s; its log {self.log_path} ends:\n{tail(self.log_path)}"
         )
+
+    def cpu_seconds(self) -> float:
+        """User and system CPU seconds of the server's process tree so far (from ``/proc/*/stat``)."""
+        return sum(_cpu_ticks(pid) for pid in process_tree(self.process.pid)) / os.sysconf("SC_CLK_TCK")
 
     def peak_rss_mib(self) -> float:
         """The summed peak resident sets of the server's process tree, MiB."""
@@ -206,6 +222,26 @@ def vllm_version(python: Path) -> str:
         if match:
             return match.group(1)
     return "unknown"
+
+
+def wait_quiet(servers: list[EngineServer], timeout_s: float = 10.0) -> float:
+    """Block until every server's process tree was quiet over one ``QUIET_WINDOW_S`` (see the module
+    docstring), at most ``timeout_s``; the seconds waited."""
+    start = time.monotonic()
+    while True:
+        before = [s.cpu_seconds() for s in servers]
+        time.sleep(QUIET_WINDOW_S)
+        used = [s.cpu_seconds() - b for s, b in zip(servers, before, strict=True)]
+        if max(used) <= QUIET_CORES * QUIET_WINDOW_S or time.monotonic() - start >= timeout_s:
+            return time.monotonic() - start
+
+
+def _cpu_ticks(pid: int) -> int:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
 
 
 def process_tree(root: int) -> list[int]:
