@@ -125,6 +125,15 @@ def test_the_heartbeat_figures_match_what_the_runtime_does() -> None:
     assert 500 * hb.prefill_s_per_token + hb.decode_s_per_token == pytest.approx(drain_s(speeds, 500, 12, 512) + 0.15)
 
 
+def test_an_idle_workers_queue_drains_in_prefill_only_forwards_but_a_prompt_pays_the_whole_step() -> None:
+    """With no lane decoding a forward may take the prefill-only budget: the queue drains in fewer forwards, but a
+    new 512-token prompt is still one forward of its own, so its per-token price spreads the step over 512."""
+    speeds = DeviceSpeeds(1e-4, 0.08)
+    hb = heartbeat_speeds(speeds, queued_tokens=4096, decoding=0, budget=512, drain_budget=2048)
+    assert hb.queue_delay_s == pytest.approx(2 * 0.08 + 4096 * 1e-4)
+    assert 512 * hb.prefill_s_per_token == pytest.approx(drain_s(speeds, 512, 0, 2048))
+
+
 def test_the_first_measurement_replaces_the_prior() -> None:
     """A cold worker's prior (1 ms a token, 50 ms a forward) is a placeholder: its first forward of each kind
     sets the figure outright, later ones average."""

@@ -113,10 +113,10 @@ class WorkerController(MachineHost):
         runtime's forwards, relaxed toward its best after a rest (``core.worker.speeds.rested``)."""
         self._seq += 1
         runtime = self.runtime
-        decoding = runtime.num_decoding
-        budget = runtime.policy.budget(decoding)
+        decoding, policy = runtime.num_decoding, runtime.policy
         learned = rested(runtime.speeds, time.monotonic())
-        speeds = heartbeat_speeds(learned, self.queued_prefill_tokens(), decoding, budget)
+        queued = self.queued_prefill_tokens()
+        speeds = heartbeat_speeds(learned, queued, decoding, policy.token_budget, policy.budget(decoding))
         return Heartbeat(
             worker_id=self.worker_id,
             epoch=self.epoch,

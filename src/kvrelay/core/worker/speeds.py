@@ -45,9 +45,16 @@ What the heartbeat reports from them (``heartbeat_speeds``):
 
 - ``queue_delay_s``: ``drain_s``, the seconds until the queued prompt tokens are
   written: ``ceil(tokens / (budget - decoding))`` forwards, each ``step_s`` plus
-  its tokens (the decoding lanes take their rows of every forward first);
+  its tokens (the decoding lanes take their rows of every forward first), where
+  ``budget`` is what a forward may take now (the prefill-only budget while no
+  lane decodes, ``worker.runtime.iteration.PolicyConfig.budget``);
 - ``prefill_s_per_token``: the same per added prompt token, ``step_s`` spread
-  over the prompt tokens a forward holds beside the decoding lanes;
+  over the prompt tokens a forward of the token budget holds beside the decoding
+  lanes. Not over the prefill-only budget: a prompt shorter than that forward
+  still pays the whole step, and the router charges per token, so spreading the
+  step over 2,048 tokens made an idle worker's 512-token recompute look a
+  quarter-step cheaper than it is (a fault test's router then recomputed a
+  resident prompt on the other worker);
 - ``decode_s_per_token``: one forward, ``step_s``: what a decoding lane waits per
   token, and what the router adds for the forward that samples the first token.
 """
@@ -155,7 +162,12 @@ def drain_s(speeds: DeviceSpeeds, prefill_tokens: int, decoding: int, budget: in
     return forwards * speeds.step_s + prefill_tokens * speeds.prefill_s_per_token
 
 
-def heartbeat_speeds(speeds: DeviceSpeeds, queued_tokens: int, decoding: int, budget: int) -> HeartbeatSpeeds:
-    """The heartbeat's queue delay, prefill and decode seconds per token (see the module docstring)."""
+def heartbeat_speeds(
+    speeds: DeviceSpeeds, queued_tokens: int, decoding: int, budget: int, drain_budget: int | None = None
+) -> HeartbeatSpeeds:
+    """The heartbeat's queue delay (forwards of ``drain_budget`` tokens, default ``budget``), prefill seconds per
+    token (the step spread over a ``budget``-token forward) and decode seconds per token (see the module
+    docstring)."""
     per_token = speeds.prefill_s_per_token + speeds.step_s / prompt_room(decoding, budget)
-    return HeartbeatSpeeds(drain_s(speeds, queued_tokens, decoding, budget), per_token, speeds.step_s)
+    queue = drain_s(speeds, queued_tokens, decoding, budget if drain_budget is None else drain_budget)
+    return HeartbeatSpeeds(queue, per_token, speeds.step_s)
