@@ -45,7 +45,7 @@ ACTIVATIONS: dict[str, Activation] = {
 PACKED_MAX_ROWS = 256
 """Projections of at most this many rows use the packed weight; larger ones the plain one, which is
 faster there for one projection (the figures behind the value: docs/performance.md, "Packed projections");
-``GatedMLP`` runs larger inputs through the packed weights in blocks of this many rows."""
+``GatedMLP``'s gate and up take any number of rows through the packed weights, for their post-ops."""
 
 
 class PackedLinear:
@@ -104,14 +104,18 @@ class PackedLinear:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
+    def packed_for(self, x: torch.Tensor) -> bool:
+        """Whether ``activated`` and ``times`` take ``x``: a packed weight and 2-D rows, of any number."""
+        return self.packed is not None and x.shape[0] > 0 and x.dim() == 2
+
     def activated(self, x: torch.Tensor, activation: Activation) -> torch.Tensor:
-        """``activation(self(x))`` in one oneDNN call (the activation as a post-op); needs ``packs(x)``."""
+        """``activation(self(x))`` in one oneDNN call (the activation as a post-op); needs ``packed_for(x)``."""
         return torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), self.packed, self.bias, activation.onednn_attr, [], activation.onednn_algorithm
         )
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """``self(x) * other`` in one oneDNN call; needs ``packs(x)``."""
+        """``self(x) * other`` in one oneDNN call; needs ``packed_for(x)``."""
         return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), other, self.packed, self.bias, "mul")
 
 
@@ -124,9 +128,9 @@ class GatedMLP:
     oneDNN post-ops of the gate and up projections (two calls instead of four).
     They apply to the float32 accumulator, so the gate's output is rounded to
     bfloat16 once instead of twice and the product once instead of three times
-    (``tests/unit/test_packed_linear.py``). More rows than the packed weights take
-    (a long prefill chunk) go through them in blocks of that many: the post-ops
-    save more than the plain weight's larger GEMM gains. A single row (one decoding sequence)
+    (``tests/unit/test_packed_linear.py``). Gate and up take the post-ops for any
+    number of rows, past ``PACKED_MAX_ROWS`` too (a long prefill chunk): the separate
+    activation and product cost more than the plain weight's GEMM gains. A single row (one decoding sequence)
     skips the post-ops: its gate and up are C GEMVs (``PackedLinear``), faster
     than oneDNN there. (Why and how fast: docs/performance.md, "MLP gate and up".)
     """
@@ -143,13 +147,6 @@ class GatedMLP:
         self.down = PackedLinear(w.take(f"{prefix}.down_proj.weight", (hidden, inner)))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        step = self.gate.max_rows or rows
-        if rows > step and self.gate.packs(x[:step]) and self.up.packs(x[:step]):
-            return torch.cat([self._fused(block) for block in x.split(step)])
-        if rows > 1 and self.gate.packs(x) and self.up.packs(x):
-            return self._fused(x)
+        if x.shape[0] > 1 and self.gate.packed_for(x) and self.up.packed_for(x):
+            return self.down(self.up.times(x, self.gate.activated(x, self.act)))
         return self.down(self.act.fn(self.gate(x)).mul_(self.up(x)))
-
-    def _fused(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.up.times(x, self.gate.activated(x, self.act)))
