@@ -36,7 +36,6 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, assert_never
 
 from kvrelay.core.worker import machine
-from kvrelay.core.worker.speeds import heartbeat_speeds, rested
 from kvrelay.engines.machine_host import MachineHost
 from kvrelay.protocol.chunk_keys import chunk_key, root_key
 from kvrelay.protocol.messages import (
@@ -54,6 +53,7 @@ from kvrelay.worker.admission import WorkerIdentity, admit
 from kvrelay.worker.handlers import Reply, RestoreHandler, Run
 from kvrelay.worker.kv_capture import Checkpointer
 from kvrelay.worker.page_pool import PagePool
+from kvrelay.worker.reports import heartbeat_of, snapshot_parts
 from kvrelay.worker.runtime.jobs import Job, JobResult, RuntimeEvent, TokenEvent
 from kvrelay.worker.runtime.loop import PagedRuntime
 from kvrelay.worker.shared_prefill import FillingChunks, rematch
@@ -62,9 +62,6 @@ if TYPE_CHECKING:
     from kvrelay.telemetry.worker_spans import WorkerSpans
 
 log = logging.getLogger(__name__)
-
-SNAPSHOT_KEYS = 8192
-"""Chunk keys per part of a residency snapshot (about 150 KB on the wire)."""
 
 
 class WorkerController(MachineHost):
@@ -109,36 +106,18 @@ class WorkerController(MachineHost):
     # --- transport-facing host interface ------------------------------------------
 
     def heartbeat(self) -> Heartbeat:
-        """Fresh observations with the next sequence number; the speeds and the queue delay come from the
-        runtime's forwards, relaxed toward its best after a rest (``core.worker.speeds.rested``)."""
+        """Fresh observations with the next sequence number (``worker.reports.heartbeat_of``)."""
         self._seq += 1
-        runtime = self.runtime
-        decoding, policy = runtime.num_decoding, runtime.policy
-        learned = rested(runtime.speeds, time.monotonic())
-        queued = self.queued_prefill_tokens()
-        speeds = heartbeat_speeds(learned, queued, decoding, policy.token_budget, policy.budget(decoding))
-        return Heartbeat(
-            worker_id=self.worker_id,
-            epoch=self.epoch,
-            seq=self._seq,
-            models=(self.me.model,),
-            model_fingerprints=(self.me.fingerprint.hex(),),
-            pages_total=self.pool.num_pages,
-            pages_free=self.pool.num_free,
-            pages_evictable=self.pool.num_evictable,
-            pages_reserved=self.pool.num_reserved,
-            chunk_bytes_by_tier=self._chunk_bytes(),
-            page_tokens=self.pool.page_tokens,
-            chunk_tokens=self.me.chunk_tokens,
-            queue_delay_s=speeds.queue_delay_s,
-            active_lanes=runtime.num_active,
-            max_lanes=runtime.policy.num_lanes,
-            prefill_s_per_token=speeds.prefill_s_per_token,
-            decode_s_per_token=speeds.decode_s_per_token,
-            prefill_chunk_tokens=runtime.policy.token_budget,
+        return heartbeat_of(
+            self.me,
+            self._seq,
+            self.pool,
+            self.runtime,
+            self.restorer,
+            queued_tokens=self.queued_prefill_tokens(),
+            now=time.monotonic(),
             restore_bytes_per_s=self.restore_bytes_per_s,
             kv_bytes_per_token=self.kv_bytes_per_token,
-            context_limit=self.me.context_limit,
             peer_url=self.peer_url,
         )
 
@@ -153,13 +132,6 @@ class WorkerController(MachineHost):
                 written = run.handle.written if run.handle is not None else 0
                 left += max(0, run.queued_tokens - written)
         return left
-
-    def _chunk_bytes(self) -> dict[Tier, int]:
-        """Bytes each local chunk tier holds (ram, ssd), when the worker has a chunk store."""
-        stack = getattr(self.restorer, "stack", None)
-        if stack is None:
-            return {}
-        return {tier.name: tier.used_bytes for tier in stack.local_tiers}
 
     def on_offer(self, offer: Offer, reply: Reply) -> None:
         self._loop = self._loop or asyncio.get_running_loop()
@@ -217,17 +189,10 @@ class WorkerController(MachineHost):
         The transport sends them on a link that just came up, right after the first heartbeat of the epoch, so
         the router's index lists exactly what this worker holds: chunks cached before a lost connection stay
         routable, and what a restart lost (a wiped chunk directory) is forgotten. A tier's keys go in parts of
-        ``SNAPSHOT_KEYS``; the first part replaces, the rest add.
+        ``worker.reports.SNAPSHOT_KEYS``; the first part replaces, the rest add.
         """
-        tiers: list[tuple[Tier, list[bytes]]] = [("gpu", self.pool.resident_keys())]
-        stack = getattr(self.restorer, "stack", None)
-        if stack is not None:
-            tiers += [(tier.name, tier.keys()) for tier in stack.local_tiers]
-        out = []
-        for tier_name, keys in tiers:
-            for start in range(0, max(len(keys), 1), SNAPSHOT_KEYS):
-                out.append(self.residency(tier_name, tuple(keys[start : start + SNAPSHOT_KEYS]), replace=start == 0))
-        return out
+        parts = snapshot_parts(self.pool, self.restorer)
+        return [self.residency(tier, keys, replace=replace) for tier, keys, replace in parts]
 
     # --- the machine and its effects ------------------------------------------------
 
