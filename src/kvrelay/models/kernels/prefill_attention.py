@@ -75,6 +75,11 @@ class PrefillSpan:
     first_key: int
     window: int | None
 
+    def block(self, start: int, stop: int) -> tuple[int, int, int]:
+        """The positions of queries ``start..stop-1``: the first, the last, and the first key any of them sees."""
+        first, last = self.first_query + start, self.first_query + stop - 1
+        return first, last, max(self.first_key, 0 if self.window is None else first - self.window + 1)
+
 
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan, scale: float, block: int = QUERY_BLOCK
@@ -93,8 +98,7 @@ def prefill_attention(
         rows_of_head = q[:, h * group : (h + 1) * group]
         for start in range(0, queries, block):
             stop = min(queries, start + block)
-            first, last = span.first_query + start, span.first_query + stop - 1
-            lo = max(span.first_key, 0 if span.window is None else first - span.window + 1)
+            first, last, lo = span.block(start, stop)
             hi = last + 1
             rows = rows_of_head[start:stop].reshape(-1, head_dim).float() * scale
             scores = _scores(rows, keys[h, lo - span.first_key : hi - span.first_key])
@@ -164,8 +168,7 @@ def fused_prefill_attention(
     blocks = []
     for start in range(0, queries, block):
         stop = min(queries, start + block)
-        first, last = span.first_query + start, span.first_query + stop - 1
-        lo = max(span.first_key, 0 if span.window is None else first - span.window + 1)
+        first, last, lo = span.block(start, stop)
         keys = slice(lo - span.first_key, last + 1 - span.first_key)
         mask = _visibility_mask(stop - start, first, last + 1 - lo, lo, span.window, q.dtype)
         blocks.append(
