@@ -10,24 +10,8 @@ Execution model (declared costs, logical time):
   busy reserving pages), which opens the window for a cancel before acceptance.
 - Restore: an accepted assignment first restores its non-gpu prefix on the
   worker's one restore channel (FIFO), taking ``bytes / rate`` per tier.
-- Continuous batching: the device runs one iteration at a time. An iteration
-  takes every decoding sequence (one token each) plus up to
-  ``prefill_chunk_tokens`` prompt tokens of prefills (waiting ones join the queue at
-  ``prefill_order.queue_position`` by the offer's priority, FIFO among equals; started
-  ones go by acceptance time and a waiting one accepted earlier goes before them, as
-  the live runtime's ``Job.place``: ``work.iteration_order``; each holds
-  one of ``max_lanes`` lanes from its first chunk to its last token; chunked
-  prefill as in vLLM and Sarathi-Serve), and lasts
-  ``decode_step(lanes) + prefill tokens * prefill_s_per_token``. A prefill that
-  completes yields its first token at the end of that iteration.
-- Prefill start re-matches the prefix, as the live worker does: chunks of the
-  chain that another request put on the device since admission are shared,
-  not computed. A prefill whose next chunk another started request is
-  restoring or computing waits for it (without a lane) instead of computing it
-  twice; started work never waits, so nothing waits in a cycle.
-- Tokens are ``token_value(seed, absolute position)``, so a continuation draws
-  what the first attempt would have. Deltas go out at the first token, then every
-  ``delta_tokens`` tokens, and the rest with the result.
+- The device: one iteration at a time, its prefills, re-matching and deltas as
+  ``sim.iteration`` states.
 - A fenced assignment stops at once; its reservation is released when the
   restore or iteration it is part of ends (``WorkQuiesced``).
 """
@@ -37,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import assert_never
 
-from kvrelay.core.planning.prefill_order import queue_position
 from kvrelay.core.worker import machine
 from kvrelay.protocol.chunk_keys import prompt_chain
 from kvrelay.protocol.messages import (
@@ -59,10 +42,10 @@ from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
 from kvrelay.sim.chunk_origins import ChunkOrigins
 from kvrelay.sim.cluster_config import ClusterConfig, WorkerSpec
 from kvrelay.sim.events import AdmissionDue, IterationDone, RestoreDone, WorkerDue
-from kvrelay.sim.filling import Filling, rematch
+from kvrelay.sim.filling import Filling
+from kvrelay.sim.iteration import delta_of, enqueue, prefill_to_do, take_prefills
 from kvrelay.sim.observations import heartbeat_of, residency_messages
-from kvrelay.sim.tokens import token_value
-from kvrelay.sim.work import Work, WorkerStats, iteration_order, iteration_s, timings_of, usage_of
+from kvrelay.sim.work import Work, WorkerStats, iteration_s, timings_of, usage_of
 
 Schedule = Callable[[float, str, int, WorkerDue], None]
 """``schedule(at, worker_id, incarnation, event)``: hand ``event`` to ``SimWorker.on_due`` at ``at`` if that
@@ -169,7 +152,8 @@ class SimWorker:
         self.heartbeat_seq += 1
         if self.heartbeat_seq == 2 and self.epoch > 1:
             self.caches.announce_durable()  # once the router knows this epoch (after the first heartbeat)
-        queued = sum(self._prefill_to_do(x) for x in waiting)
+        filling = self.filling if self.rematch else None
+        queued = sum(prefill_to_do(x, filling, self.caches, self.cluster.chunk_tokens) for x in waiting)
         load = max(0.0, self.restore_free_at - now)
         return heartbeat_of(
             self.worker_id,
@@ -268,13 +252,7 @@ class SimWorker:
             work.in_flight = True
             self.schedule(work.restore_done_at, self.worker_id, self.incarnation, RestoreDone(offer.assignment))
         else:
-            self._enqueue(work)
-
-    def _enqueue(self, work: Work) -> None:
-        """Queue ``work`` for prefill at its priority's place; started prefills stay first."""
-        queue = self.prefill_queue
-        started = sum(1 for w in queue if w.prefill_started_at is not None)
-        queue.insert(queue_position([w.offer.priority for w in queue], started, work.offer.priority), work)
+            enqueue(self.prefill_queue, work)
 
     def _fence(self, now: float, assignment: Assignment) -> machine.WorkerEvent | None:
         work = self.works[assignment]
@@ -291,13 +269,6 @@ class SimWorker:
             self.decoding.remove(work)
         self.filling.unclaim(work, work.computed)
         self.filling.unclaim(work, [k for k, _ in work.plan.restore])
-
-    def _prefill_to_do(self, work: Work) -> int:
-        """Prompt tokens ``work`` will compute: for a prefill not started, less the leading chunks that are on
-        the device or that another started request is filling (it will share them)."""
-        if work.prefill_started_at is not None or not self.rematch:
-            return work.prefill_left
-        return work.prefill_left - self.filling.shared_chunks(work, self.caches.gpu) * self.cluster.chunk_tokens
 
     def _release(self, assignment: Assignment) -> None:
         plan = self.plans.pop(assignment, None)
@@ -342,7 +313,7 @@ class SimWorker:
         if work.fenced:
             self._feed(now, [machine.WorkQuiesced(now, assignment)])
         else:
-            self._enqueue(work)
+            enqueue(self.prefill_queue, work)
         self._maybe_iterate(now)
         self.flush_residency(now)
 
@@ -351,30 +322,16 @@ class SimWorker:
             return
         w = self.spec
         decode = list(self.decoding)
-        lanes = w.max_lanes - len(decode)
-        budget = w.prefill_chunk_tokens
-        prefill: list[tuple[Work, int]] = []
-        lanes -= sum(1 for work in self.prefill_queue if work.prefill_started_at is not None)
-        for work in iteration_order(self.prefill_queue):  # an admitted prefill holds its lane even without budget
-            if work.prefill_started_at is None:
-                if lanes <= 0:
-                    continue
-                if self.rematch:
-                    self.stats.rematched_chunks += rematch(work, self.caches, self.cluster.chunk_tokens)
-                    if self.filling.waits(work):
-                        self.stats.deferred += 1
-                        continue
-                lanes -= 1
-            if budget <= 0:
-                continue
-            take = min(work.prefill_left, budget)
-            prefill.append((work, take))
-            budget -= take
-            if work.prefill_started_at is None:
-                work.prefill_started_at = now
-                if self.rematch:
-                    self.filling.claim(work, work.computed)
-        self.prefill_queue.sort(key=lambda x: x.prefill_started_at is None)  # stable: started first, then waiting
+        prefill = take_prefills(
+            self.prefill_queue,
+            w.max_lanes - len(decode),
+            w.prefill_chunk_tokens,
+            now,
+            self.caches,
+            self.filling if self.rematch else None,
+            self.cluster.chunk_tokens,
+            self.stats,
+        )
         if not decode and not prefill:
             return
         tokens = sum(t for _, t in prefill)
@@ -422,14 +379,8 @@ class SimWorker:
         """Events for new tokens of ``work`` (a delta when due) and its finish."""
         offer = work.offer
         done = work.generated >= offer.max_new_tokens
-        due = work.emitted == 0 or work.generated - work.emitted >= self.delta_tokens or done
-        events: list[machine.WorkerEvent] = []
-        if due and work.generated > work.emitted:
-            base = len(offer.prompt)
-            seed = offer.sampling.seed
-            tokens = tuple(token_value(seed, base + i) for i in range(work.emitted, work.generated))
-            work.emitted = work.generated
-            events.append(machine.TokensProduced(now, offer.assignment, tokens))
+        delta = delta_of(now, work, self.delta_tokens)
+        events: list[machine.WorkerEvent] = [] if delta is None else [delta]
         if done:
             self.decoding.remove(work)
             self.stats.finished += 1

@@ -14,7 +14,7 @@ enter the device queue (after admission and any restore), the controller
    restore, at its first token) or has ended.
 
 A run that entered the device queue never waits, so no two runs wait for each
-other. The simulated worker (``sim/workers.py``) follows the same rule.
+other. The simulated worker (``sim/iteration.py``) follows the same rule.
 """
 
 from __future__ import annotations
