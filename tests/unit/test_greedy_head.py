@@ -20,7 +20,7 @@ from kvrelay.models.config import ModelConfig
 from kvrelay.models.kernels import greedy_head
 from kvrelay.models.kernels.greedy_head import GreedyHead, exact_rows
 from kvrelay.models.kernels.kv_pages import KVPages
-from kvrelay.models.kernels.native import head_screen
+from kvrelay.models.kernels.native import build, head_screen
 from kvrelay.models.mlp import PackedLinear
 from kvrelay.models.registry import build_model
 from kvrelay.models.sampling import greedy_tokens
@@ -169,3 +169,64 @@ def test_greedy_head_bench_smoke(tmp_path: Path) -> None:
     assert code == 0
     assert {f["name"] for f in figures} >= {"one_row_greedy_token_ms_median", "mismatches"}
     assert all(set(f) == {"name", "value", "unit", "baseline", "baseline_value"} for f in figures)
+
+
+needs_amx = pytest.mark.skipif(
+    not (build.cpu_supports("amx") and head_screen.built()), reason="this CPU lacks AMX's int8 tiles"
+)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 17, 64])
+def test_rows_screened_together_get_the_tokens_each_gets_alone(rows: int) -> None:
+    seed = 1000 + rows
+    print(f"seed {seed}")
+    weight = head(8192, 640, seed)
+    screen = GreedyHead.build(weight)
+    assert screen is not None and screen.tiles is not None and screen.max_rows == 64
+    h = torch.cat([outlier_row(640, seed * 100 + i) for i in range(rows)])
+    tokens = screen.argmax_rows(h)
+    assert tokens == [full_greedy(h[i : i + 1], weight) for i in range(rows)]
+    assert screen.argmax(h[:1]) == tokens[0]
+
+
+@needs_amx
+def test_tied_maxima_give_the_lowest_id_in_a_batch_too() -> None:
+    weight = head(4096, 128, seed=1)
+    weight[3001] = weight[17] = weight[2500] * 4
+    screen = GreedyHead.build(weight)
+    assert screen is not None and screen.tiles is not None
+    h = torch.cat([weight[2500:2501], head(1, 128, seed=9) * 30, weight[2500:2501]])
+    tokens = screen.argmax_rows(h)
+    assert tokens is not None and tokens[0] == tokens[2] == 17
+    assert tokens[1] == full_greedy(h[1:2], weight)
+
+
+@needs_amx
+def test_a_batch_row_left_undecided_gets_its_token_from_the_full_logits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    directory = make_tiny_model("gemma3", tmp_path, seed=11)
+    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    model = build_model(config, load_file(directory / "model.safetensors"), dtype=torch.bfloat16)
+    assert model.greedy_head is not None and model.greedy_head.max_rows > 1
+    h = torch.cat([outlier_row(config.hidden_size, s) for s in range(5)])
+    h[2] = 0  # every logit 0: every row is left for this one
+    monkeypatch.setattr(greedy_head, "MAX_PICKED", 8)
+    decided = model.greedy_head.argmax_rows(h)
+    assert decided is not None and decided[2] is None and None not in decided[:2] + decided[3:]
+    assert model.greedy(h) == greedy_tokens(model.logits(h)).tolist()
+
+
+def test_without_amx_the_screen_takes_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(build.AMX_ENV, "0")
+    build.clear_caches()
+    try:
+        screen = GreedyHead.build(head(1024, 64, seed=3))
+        if screen is None:
+            pytest.skip("the native kernels do not run here")
+        assert screen.tiles is None and screen.q is not None and screen.max_rows == 1
+        assert screen.argmax_rows(torch.ones(2, 64, dtype=torch.bfloat16)) is None
+    finally:
+        monkeypatch.undo()
+        build.clear_caches()

@@ -202,7 +202,13 @@ def test_a_bfloat16_model_builds_every_kernel_before_its_first_forward(
     finally:
         build.clear_caches()
     kernels = {
-        "avx512": ["decode_attention", "head_screen", "linear_row", "rms_norm"],
+        "avx512": [
+            "decode_attention",
+            "head_screen",
+            *(["head_screen_amx"] * build.cpu_supports("amx")),
+            "linear_row",
+            "rms_norm",
+        ],
         "avx2": ["decode_attention_avx2", "head_screen_avx2", "linear_avx2", "rms_norm_avx2"],
     }
     assert built == (kernels[isa] if dtype == torch.bfloat16 else [])

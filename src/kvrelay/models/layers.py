@@ -199,7 +199,7 @@ class PagedModel:
     ``[len(logits_indices), hidden]``; ``logits`` turns rows into logits
     ``[rows, vocab]`` in ``logits_dtype`` (``None``: the model's dtype, which spares
     a float32 copy of the whole vocabulary per row), ``greedy`` into their greedy
-    tokens (for one bfloat16 row on a CPU, through ``greedy_head`` without the
+    tokens (for bfloat16 rows on a CPU, through ``greedy_head`` without the
     full logits), and ``forward`` is ``logits(hidden(...))``. A step reads the
     resident prefix of every sequence from its pages, so those pages must hold
     it; pages written in the same step must not be shared between sequences.
@@ -269,12 +269,15 @@ class PagedModel:
 
     @torch.no_grad()
     def greedy(self, h: torch.Tensor) -> list[int]:
-        """The greedy token of each row of ``h``: ``greedy_tokens(self.logits(h))``."""
-        if h.shape[0] == 1 and self.greedy_head is not None:
-            token = self.greedy_head.argmax(h)
-            if token is not None:
-                return [token]
-        return greedy_tokens(self.logits(h)).tolist()
+        """The greedy token of each row of ``h``: ``greedy_tokens(self.logits(h))``, through the greedy screen
+        where it takes the rows (a row it leaves undecided gets its full logits)."""
+        screen = self.greedy_head
+        decided = screen.argmax_rows(h) if screen is not None and h.shape[0] <= screen.max_rows else None
+        if decided is None:
+            return greedy_tokens(self.logits(h)).tolist()
+        undecided = [i for i, token in enumerate(decided) if token is None]
+        rest = iter(greedy_tokens(self.logits(h[undecided])).tolist() if undecided else [])
+        return [token if token is not None else next(rest) for token in decided]
 
     def _forward(self, batch: ForwardBatch, kv: KVPages, mirror_step: MirrorStep | None) -> torch.Tensor:
         mirrored = frozenset() if mirror_step is None else mirror_step.seqs

@@ -4,8 +4,8 @@ PyTorch path that serves wherever it does not apply.
 ``attention`` (batched decode attention), ``rms_norm`` (RMS norm, with the residual add or the rope that
 follows it) and ``linear_row`` (a single-row projection, AVX-512 only) wrap their ``.c`` sources, which
 ``build`` compiles on first use for the instruction set it picks (``build.best_isa``); ``head_screen.c`` is
-``models.greedy_head``'s screen (``head_screen``); ``linear_avx2`` holds the projections of CPUs without
-bfloat16 arithmetic, where oneDNN has none.
+``models.greedy_head``'s screen (``head_screen``, with ``head_screen_amx.c`` for CPUs with AMX);
+``linear_avx2`` holds the projections of CPUs without bfloat16 arithmetic, where oneDNN has none.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ def load_all() -> bool:
     loaded = [load_best(name, signatures) is not None for name, signatures in ported]
     if best_isa() == "avx512":
         loaded.append(load("linear_row", linear_row._SIGNATURES) is not None)
+        head_screen.amx_built()  # where the CPU has AMX; else nothing to load
     else:
         loaded.append(linear_avx2.library() is not None)
     return all(loaded)

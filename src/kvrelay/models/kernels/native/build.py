@@ -14,7 +14,8 @@ CPU has it, else ``"avx2"``, else ``None``; ``KVRELAY_NATIVE_ISA=avx2`` makes an
 AVX-512 CPU take the AVX2 kernels (to test or measure them there). The environment is
 read on first use; ``clear_caches()`` makes the next call read it again. ``load_best(name,
 signatures)`` loads ``<name>.c`` on ``"avx512"`` and its AVX2 port ``<name>_avx2.c``
-on ``"avx2"`` (``None`` where there is none). Kernels use OpenMP: the loader resolves
+on ``"avx2"`` (``None`` where there is none); ``load_amx(name, signatures)`` loads an AMX
+kernel where the CPU has AMX (``KVRELAY_NATIVE_AMX=0`` turns those off). Kernels use OpenMP: the loader resolves
 their ``libgomp.so.1`` to the copy torch loaded first, so they run on the calling
 thread's torch team.
 """
@@ -46,9 +47,13 @@ ISA_FLAGS = {
     "avx2": ("-mavx2", "-mfma"),
 }
 """The compiler flags of each instruction set the kernels are written for."""
+AMX_FLAGS = (*ISA_FLAGS["avx512"], "-mamx-tile", "-mamx-int8")
+"""The compiler flags of the AMX kernels (``load_amx``): AVX-512's and AMX's tiles with their int8 product."""
+AMX_ENV = "KVRELAY_NATIVE_AMX"
 _CPU_FLAGS = {
     "avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni"),
     "avx2": ("avx2", "fma"),
+    "amx": ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8"),
 }
 
 Signature = tuple[tuple[Any, ...], Any]
@@ -70,7 +75,8 @@ def load(name: str, signatures: tuple[tuple[str, Signature], ...], isa: str = "a
         return None
     source = Path(__file__).with_name(f"{name}.c")
     try:
-        lib = ctypes.CDLL(str(_build(source, compiler, (*COMMON_FLAGS, *ISA_FLAGS[isa]))))
+        flags = AMX_FLAGS if isa == "amx" else ISA_FLAGS[isa]
+        lib = ctypes.CDLL(str(_build(source, compiler, (*COMMON_FLAGS, *flags))))
     except subprocess.CalledProcessError as exc:
         log.warning("native kernel %s is off: %s failed on %s:\n%s", name, compiler, source, exc.stderr)
         return None
@@ -97,6 +103,15 @@ def load_best(name: str, signatures: tuple[tuple[str, Signature], ...]) -> ctype
 
 
 @functools.cache
+def load_amx(name: str, signatures: tuple[tuple[str, Signature], ...]) -> ctypes.CDLL | None:
+    """Kernel ``name`` built with AMX (``<name>.c``), where the kernels take AVX-512, the CPU has AMX's int8 tiles
+    and ``KVRELAY_NATIVE_AMX`` is not ``0``; else ``None``. The caller asks Linux for the tile state before use."""
+    if best_isa() != "avx512" or os.environ.get(AMX_ENV) == "0":
+        return None
+    return load(name, signatures, "amx")
+
+
+@functools.cache
 def best_isa() -> str | None:
     """The instruction set the kernels take here (see the module docstring), decided on the first call."""
     if os.environ.get(ISA_ENV) != "avx2" and cpu_supports("avx512"):
@@ -109,6 +124,7 @@ def clear_caches() -> None:
     (for tests that change ``KVRELAY_NATIVE_KERNELS``, ``KVRELAY_NATIVE_ISA`` or ``CC``)."""
     load.cache_clear()
     load_best.cache_clear()
+    load_amx.cache_clear()
     best_isa.cache_clear()
 
 
@@ -134,7 +150,7 @@ def _build(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
 
 
 def cpu_supports(isa: str = "avx512") -> bool:
-    """Whether this CPU has the extensions of ``isa`` (``"avx512"`` or ``"avx2"``)."""
+    """Whether this CPU has the extensions of ``isa`` (``"avx512"``, ``"avx2"`` or ``"amx"``)."""
     return all(flag in _cpu_flags() for flag in _CPU_FLAGS[isa])
 
 
