@@ -32,6 +32,8 @@ MAX_PICKED = 16384
 exact logits of this many rows still cost a small share of the full head's; how often real rows
 leave more: docs/performance.md, "Greedy head screen")."""
 
+_PACK_ROWS = 4096
+"""Rows quantized at a time on their way into the AMX tiles (a multiple of 64)."""
 _INT8_MAX = 127
 _SLACK = 1 + 2.0**-20
 """Widens the bounds for the double arithmetic that computes them."""
@@ -79,7 +81,6 @@ class GreedyHead:
         ):
             return None
         rows, width = weight.shape
-        q = huge_page_empty((rows, width), torch.int8)
         row_terms = (
             torch.empty(rows, dtype=torch.int32),
             torch.empty(rows, dtype=torch.float64),
@@ -87,12 +88,22 @@ class GreedyHead:
             torch.empty(rows, dtype=torch.float64),
         )
         accumulation = (width + 16) * 2.0**-23
-        if not head_screen.quantize_rows(weight, accumulation, _SLACK, q, row_terms):
-            return None
         if rows % 64 == 0 and head_screen.amx_built():
             tiles = huge_page_empty((rows, width), torch.int8)
-            if head_screen.pack_tiles(q, tiles):
-                return cls(weight, None, tiles, row_terms)
+            staged = torch.empty(min(rows, _PACK_ROWS), width, dtype=torch.int8)
+            for start in range(0, rows, _PACK_ROWS):  # row-major copy by pieces: no second whole copy
+                end = min(rows, start + _PACK_ROWS)
+                rowsum, scale, c1, c2 = (t[start:end] for t in row_terms)
+                q = staged[: end - start]
+                quantized = head_screen.quantize_rows(
+                    weight[start:end], accumulation, _SLACK, q, (rowsum, scale, c1, c2)
+                )
+                if not quantized or not head_screen.pack_tiles(q, tiles[start:end]):
+                    return None
+            return cls(weight, None, tiles, row_terms)
+        q = huge_page_empty((rows, width), torch.int8)
+        if not head_screen.quantize_rows(weight, accumulation, _SLACK, q, row_terms):
+            return None
         return cls(weight, q, None, row_terms)
 
     def argmax(self, h: torch.Tensor) -> int | None:
