@@ -12,7 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.models.kernels.native import build
-from kvrelay.models.kernels.native.linear_row import _SIGNATURES, linear_row_native
+from kvrelay.models.kernels.native.linear_row import (
+    _SIGNATURES,
+    linear_pairs_native,
+    linear_row_native,
+    linear_rows_at_native,
+)
 from kvrelay.models.mlp import PackedLinear
 from tests.support.bf16_close import assert_last_bit_close
 
@@ -57,3 +62,20 @@ def test_inputs_the_kernel_does_not_take_fall_back(change: str) -> None:
     else:
         w = tensor(8, 96, seed=7)
     assert linear_row_native(x, w) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("count", [5, 300])  # below and above the kernel's parallel threshold
+def test_pairs_give_each_inputs_chosen_rows_as_its_own_gemv_does(count: int) -> None:
+    seed = 77 + count
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    x, w = tensor(4, 640, seed=seed), tensor(1000, 640, seed=seed + 1)
+    rows = torch.randint(0, 1000, (count,), generator=gen)
+    at = torch.randint(0, 4, (count,), generator=gen)
+    got = linear_pairs_native(x, w, rows, at)
+    assert got is not None
+    for j in range(count):
+        alone = linear_rows_at_native(x[int(at[j]) : int(at[j]) + 1], w, rows[j : j + 1])
+        assert alone is not None and torch.equal(got[j : j + 1], alone)
+    assert linear_pairs_native(x, w, rows, at[:-1]) is None

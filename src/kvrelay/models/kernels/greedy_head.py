@@ -25,7 +25,7 @@ import torch
 from kvrelay.models.kernels.huge_pages import huge_page_empty
 from kvrelay.models.kernels.native import head_screen, linear_avx2
 from kvrelay.models.kernels.native.build import best_isa
-from kvrelay.models.kernels.native.linear_row import linear_rows_at_native
+from kvrelay.models.kernels.native.linear_row import linear_pairs_native, linear_rows_at_native
 
 MAX_PICKED = 16384
 """More rows left than this after the screen: the caller computes the full logits instead (the
@@ -150,10 +150,15 @@ class GreedyHead:
         counts = head_screen.screen_amx(parts, self.tiles, self.row_terms, terms, self._scratch, threads, picked)
         if counts is None:
             return None
-        tokens: list[int | None] = []
-        for m, count in enumerate(counts):
-            logits = exact_rows(h[m : m + 1], self.weight, picked[m, :count]) if count else None
-            tokens.append(None if logits is None else int(picked[m, int(logits.argmax())]))
+        decided = [m for m, count in enumerate(counts) if count]
+        sizes = [counts[m] or 0 for m in decided]
+        rows_of = torch.cat([picked[m, : counts[m]] for m in decided]) if decided else picked[0, :0]
+        at = torch.repeat_interleave(torch.tensor(decided, dtype=torch.int64), torch.tensor(sizes, dtype=torch.int64))
+        logits = linear_pairs_native(h, self.weight, rows_of, at)
+        tokens: list[int | None] = [None] * rows
+        if logits is not None:
+            for m, piece, ids in zip(decided, logits.split(sizes), rows_of.split(sizes), strict=True):
+                tokens[m] = int(ids[int(piece.argmax())])
         self.last_left = max(c or 0 for c in counts)
         return tokens
 

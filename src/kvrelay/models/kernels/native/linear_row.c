@@ -12,6 +12,7 @@
 
 #define PREFETCH_ROWS 16
 #define BLOCK 64
+#define PARALLEL_ROWS 256
 
 /* y[n .. n + 3] from weight rows n .. n + 3. */
 static inline void four_outputs(const uint16_t* x, const uint16_t* w, int64_t K, uint16_t* y, int64_t n) {
@@ -50,16 +51,34 @@ int kvrelay_linear_row(const uint16_t* x, const uint16_t* w, int64_t N, int64_t 
     return 0;
 }
 
-/* y[j] = the output kvrelay_linear_row gives for weight row idx[j], j < count (idx in [0, N)). */
+/* y[j] = the output kvrelay_linear_row gives for weight row idx[j], j < count (idx in [0, N)); one thread
+ * below PARALLEL_ROWS rows (a parallel region costs more than their dots). */
 int kvrelay_linear_rows_at(const uint16_t* x, const uint16_t* w, int64_t K, const int64_t* idx, int64_t count,
                            uint16_t* y) {
     if (K <= 0 || K % 32 != 0 || count < 0) return -1;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (count >= PARALLEL_ROWS)
     for (int64_t j = 0; j < count; j++) {
         __m512 acc = _mm512_setzero_ps();
         const uint16_t* row = w + idx[j] * K;
         for (int64_t c = 0; c < K; c += 32)
             acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + c), (__m512bh)_mm512_loadu_si512(x + c));
+        y[j] = (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(sum4(acc, acc, acc, acc)), 0);
+    }
+    return 0;
+}
+
+/* y[j] = the output kvrelay_linear_row gives input row x[at[j]] (x [*, K]) for weight row idx[j], j < count:
+ * the chosen rows of several inputs in one call, each exactly as kvrelay_linear_rows_at gives it. */
+int kvrelay_linear_pairs(const uint16_t* x, const uint16_t* w, int64_t K, const int64_t* idx, const int64_t* at,
+                         int64_t count, uint16_t* y) {
+    if (K <= 0 || K % 32 != 0 || count < 0) return -1;
+#pragma omp parallel for schedule(static) if (count >= PARALLEL_ROWS)
+    for (int64_t j = 0; j < count; j++) {
+        __m512 acc = _mm512_setzero_ps();
+        const uint16_t* row = w + idx[j] * K;
+        const uint16_t* in = x + at[j] * K;
+        for (int64_t c = 0; c < K; c += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + c), (__m512bh)_mm512_loadu_si512(in + c));
         y[j] = (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(sum4(acc, acc, acc, acc)), 0);
     }
     return 0;

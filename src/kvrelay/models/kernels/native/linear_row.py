@@ -3,7 +3,9 @@
 ``linear_row.c`` reads each weight row once, with software prefetch. It takes
 single rows only (the LM head row of every prefill), where it beats oneDNN's
 packed kernel; from two rows on oneDNN is as fast or faster (why and how fast:
-docs/performance.md, "Single-row projection"). The numerics are ``F.linear``'s
+docs/performance.md, "Single-row projection"). ``linear_rows_at_native`` and
+``linear_pairs_native`` compute chosen outputs only (the greedy screen's exact
+logits), each as the full GEMV gives it; below 256 outputs on one thread. The numerics are ``F.linear``'s
 in bfloat16 up to summation order (``tests/unit/test_native_linear_row.py``).
 Applies to a bfloat16 ``[1, K]`` row and a contiguous bfloat16 weight on the CPU,
 ``K`` a multiple of 32, no bias, where the kernel is built (``build``).
@@ -21,6 +23,21 @@ _SIGNATURES = (
     (
         "kvrelay_linear_row",
         ((ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p), ctypes.c_int),
+    ),
+    (
+        "kvrelay_linear_pairs",
+        (
+            (
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_void_p,
+            ),
+            ctypes.c_int,
+        ),
     ),
     (
         "kvrelay_linear_rows_at",
@@ -65,3 +82,19 @@ def _library_for(x: torch.Tensor, weight: torch.Tensor) -> ctypes.CDLL | None:
     if not tensors_fit or x.shape[0] != 1 or x.shape[1] != weight.shape[1] or x.shape[1] % 32:
         return None
     return load("linear_row", _SIGNATURES) if weight.is_contiguous() else None
+
+
+def linear_pairs_native(
+    x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, at: torch.Tensor
+) -> torch.Tensor | None:
+    """``linear_rows_at_native(x[at[j]:at[j] + 1], weight, rows[j:j + 1])`` for every ``j``, in one call
+    (``x`` ``[M, K]``; ``rows`` and ``at`` int64 ``[C]``, in range); ``None`` if the kernel does not apply."""
+    lib = _library_for(x[:1], weight) if x.dim() == 2 and x.shape[0] >= 1 else None
+    if lib is None or rows.dtype != torch.int64 or at.dtype != torch.int64 or rows.shape != at.shape:
+        return None
+    x, rows, at = x.contiguous(), rows.contiguous(), at.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.bfloat16)
+    lib.kvrelay_linear_pairs(
+        x.data_ptr(), weight.data_ptr(), weight.shape[1], rows.data_ptr(), at.data_ptr(), rows.shape[0], out.data_ptr()
+    )
+    return out
