@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.kernels.native.build import best_isa
 from kvrelay.models.kernels.native.linear_avx2 import Panels
-from kvrelay.models.kernels.native.linear_row import linear_row_native
+from kvrelay.models.kernels.native.linear_row import linear_row_native, linear_row_pair_native
 
 if TYPE_CHECKING:
     from kvrelay.models.weights import Weights
@@ -131,7 +131,7 @@ class GatedMLP:
     (``tests/unit/test_packed_linear.py``). Gate and up take the post-ops for any
     number of rows, past ``PACKED_MAX_ROWS`` too (a long prefill chunk): the separate
     activation and product cost more than the plain weight's GEMM gains. A single row (one decoding sequence)
-    skips the post-ops: its gate and up are C GEMVs (``PackedLinear``), faster
+    skips the post-ops: its gate and up are C GEMVs (``PackedLinear``'s, in one call), faster
     than oneDNN there. (Why and how fast: docs/performance.md, "MLP gate and up".)
     """
 
@@ -149,4 +149,14 @@ class GatedMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > 1 and self.gate.packed_for(x) and self.up.packed_for(x):
             return self.down(self.up.times(x, self.gate.activated(x, self.act)))
-        return self.down(self.act.fn(self.gate(x)).mul_(self.up(x)))
+        pair = self._gate_up_row(x)
+        gate, up = pair if pair is not None else (self.gate(x), self.up(x))
+        return self.down(self.act.fn(gate).mul_(up))
+
+    def _gate_up_row(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A single row's gate and up through one C call (one wake-up of the thread team, not two), each as
+        ``PackedLinear`` gives it; ``None`` where the C GEMV does not take them."""
+        plain = self.gate.panels is None and self.up.panels is None and self.gate.bias is None and self.up.bias is None
+        if not plain or x.dim() != 2 or x.shape[0] != 1:
+            return None
+        return linear_row_pair_native(x, self.gate.weight, self.up.weight)

@@ -11,7 +11,7 @@
  * Contract: G % 4 == 0, G <= MAX_G, D % 128 == 0, 1 <= n <= keys < MAX_KEYS, q and out contiguous
  * [batch, kv_heads, G, D]; k and v strided alike, with unit strides and row strides given.
  * Units run in parallel on the calling thread's OpenMP team (torch's, when torch's libgomp
- * is loaded first).
+ * is loaded first); a single unit runs on the calling thread alone.
  */
 #include <math.h>
 
@@ -156,7 +156,8 @@ int kvrelay_decode_attention(const uint16_t* q, const uint16_t* k, const uint16_
     for (int64_t b = 0; b < batch; b++)
         if (n[b] < 1 || n[b] > keys) return -1;
     const int64_t units = batch * kv_heads;
-#pragma omp parallel for schedule(static)
+    /* One unit runs on this thread: a team would wake a partner with nothing to do. */
+#pragma omp parallel for schedule(static) if (units > 1)
     for (int64_t u = 0; u < units; u++) {
         const int64_t b = u / kv_heads, h = u % kv_heads, at = b * batch_stride + h * head_stride;
         attend_unit(q + u * G * D, k + at, v + at, (int)n[b], G, D, row_stride, scale, out + u * G * D);

@@ -37,16 +37,35 @@ static inline void one_output(const uint16_t* x, const uint16_t* w, int64_t K, u
     y[n] = (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(sum4(acc, acc, acc, acc)), 0);
 }
 
+/* y[n] for the weight rows n of block b (BLOCK rows, the last block shorter). */
+static inline void block_outputs(const uint16_t* x, const uint16_t* w, int64_t N, int64_t K, uint16_t* y, int64_t b) {
+    const int64_t end = (b + 1) * BLOCK < N ? (b + 1) * BLOCK : N;
+    int64_t n = b * BLOCK;
+    for (; n + 4 <= end; n += 4) four_outputs(x, w, K, y, n);
+    for (; n < end; n++) one_output(x, w, K, y, n);
+}
+
 /* Returns 0, or -1 when the shapes break the contract (nothing is written then). */
 int kvrelay_linear_row(const uint16_t* x, const uint16_t* w, int64_t N, int64_t K, uint16_t* y) {
     if (K <= 0 || K % 32 != 0 || N < 1) return -1;
     const int64_t blocks = (N + BLOCK - 1) / BLOCK;
 #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) block_outputs(x, w, N, K, y, b);
+    return 0;
+}
+
+/* kvrelay_linear_row of one row x against two weights (w1 [N1, K] into y1, w2 [N2, K] into y2), in one
+ * parallel region: each output exactly as kvrelay_linear_row gives it. Returns 0, or -1 on bad shapes. */
+int kvrelay_linear_row_pair(const uint16_t* x, const uint16_t* w1, const uint16_t* w2, int64_t N1, int64_t N2,
+                            int64_t K, uint16_t* y1, uint16_t* y2) {
+    if (K <= 0 || K % 32 != 0 || N1 < 1 || N2 < 1) return -1;
+    const int64_t blocks1 = (N1 + BLOCK - 1) / BLOCK, blocks = blocks1 + (N2 + BLOCK - 1) / BLOCK;
+#pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t end = (b + 1) * BLOCK < N ? (b + 1) * BLOCK : N;
-        int64_t n = b * BLOCK;
-        for (; n + 4 <= end; n += 4) four_outputs(x, w, K, y, n);
-        for (; n < end; n++) one_output(x, w, K, y, n);
+        if (b < blocks1)
+            block_outputs(x, w1, N1, K, y1, b);
+        else
+            block_outputs(x, w2, N2, K, y2, b - blocks1);
     }
     return 0;
 }
