@@ -272,7 +272,7 @@ class PagedModel:
         """The greedy token of each row of ``h``: ``greedy_tokens(self.logits(h))``, through the greedy screen
         where it takes the rows (a row it leaves undecided gets its full logits)."""
         screen = self.greedy_head
-        decided = screen.argmax_rows(h) if screen is not None and h.shape[0] <= screen.max_rows else None
+        decided = screen.argmax_rows(h) if screen is not None else None
         if decided is None:
             return greedy_tokens(self.logits(h)).tolist()
         undecided = [i for i, token in enumerate(decided) if token is None]

@@ -121,7 +121,7 @@ class GreedyHead:
         parts, terms = split
         x_terms = (terms[0, 0].item(), terms[0, 1].item(), terms[0, 2].item(), terms[0, 3].item())
         picked = self._picked_rows(1)[0]
-        count = head_screen.screen_rows((parts[0], parts[1]), self.q, self.row_terms, x_terms, self._upper, picked)
+        count = head_screen.screen_rows(parts, self.q, self.row_terms, x_terms, self._upper, picked)
         if not count:
             return None
         self.last_left = count

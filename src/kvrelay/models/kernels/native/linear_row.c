@@ -70,24 +70,9 @@ int kvrelay_linear_row_pair(const uint16_t* x, const uint16_t* w1, const uint16_
     return 0;
 }
 
-/* y[j] = the output kvrelay_linear_row gives for weight row idx[j], j < count (idx in [0, N)); one thread
- * below PARALLEL_ROWS rows (a parallel region costs more than their dots). */
-int kvrelay_linear_rows_at(const uint16_t* x, const uint16_t* w, int64_t K, const int64_t* idx, int64_t count,
-                           uint16_t* y) {
-    if (K <= 0 || K % 32 != 0 || count < 0) return -1;
-#pragma omp parallel for schedule(static) if (count >= PARALLEL_ROWS)
-    for (int64_t j = 0; j < count; j++) {
-        __m512 acc = _mm512_setzero_ps();
-        const uint16_t* row = w + idx[j] * K;
-        for (int64_t c = 0; c < K; c += 32)
-            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + c), (__m512bh)_mm512_loadu_si512(x + c));
-        y[j] = (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(sum4(acc, acc, acc, acc)), 0);
-    }
-    return 0;
-}
-
-/* y[j] = the output kvrelay_linear_row gives input row x[at[j]] (x [*, K]) for weight row idx[j], j < count:
- * the chosen rows of several inputs in one call, each exactly as kvrelay_linear_rows_at gives it. */
+/* y[j] = the output kvrelay_linear_row gives input row x[at[j]] (x [*, K]; at NULL: row 0) for weight row
+ * idx[j], j < count: chosen outputs of one or several inputs, each exactly as the full GEMV gives it; one
+ * thread below PARALLEL_ROWS outputs (a parallel region costs more than their dots). */
 int kvrelay_linear_pairs(const uint16_t* x, const uint16_t* w, int64_t K, const int64_t* idx, const int64_t* at,
                          int64_t count, uint16_t* y) {
     if (K <= 0 || K % 32 != 0 || count < 0) return -1;
@@ -95,10 +80,16 @@ int kvrelay_linear_pairs(const uint16_t* x, const uint16_t* w, int64_t K, const 
     for (int64_t j = 0; j < count; j++) {
         __m512 acc = _mm512_setzero_ps();
         const uint16_t* row = w + idx[j] * K;
-        const uint16_t* in = x + at[j] * K;
+        const uint16_t* in = at == NULL ? x : x + at[j] * K;
         for (int64_t c = 0; c < K; c += 32)
             acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + c), (__m512bh)_mm512_loadu_si512(in + c));
         y[j] = (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(sum4(acc, acc, acc, acc)), 0);
     }
     return 0;
+}
+
+/* y[j] = the output kvrelay_linear_row gives for weight row idx[j], j < count (idx in [0, N)). */
+int kvrelay_linear_rows_at(const uint16_t* x, const uint16_t* w, int64_t K, const int64_t* idx, int64_t count,
+                           uint16_t* y) {
+    return kvrelay_linear_pairs(x, w, K, idx, NULL, count, y);
 }
