@@ -38,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the network model and router (default 0)")
     parser.add_argument("--rate-scale", type=float, default=1.0, help="replay X times faster (default 1)")
+    parser.add_argument(
+        "--arrival-jitter-ms",
+        type=float,
+        default=0.0,
+        help="move each arrival by a uniform draw within +-this many ms, seeded by --seed (default 0: as traced)",
+    )
     parser.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block (default 512)")
     parser.add_argument("--config", default=None, help="cluster config TOML (default configs/cluster-default.toml)")
     parser.add_argument(
@@ -152,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         load_cluster_config,
     )
     from kvrelay.sim.replay import ReplayOptions, replay, with_workers
-    from kvrelay.sim.trace import TraceError, load_trace
+    from kvrelay.sim.trace import TraceError, jitter_arrivals, load_trace
 
     try:
         if args.workers is not None and args.workers < 1:
@@ -168,7 +174,9 @@ def run(args: argparse.Namespace) -> int:
         if args.calibration is not None:
             cluster = apply_calibration(cluster, load_calibration(args.calibration))
         cluster = with_workers(cluster, args.workers)
-        requests = load_trace(args.trace, args.block_tokens, args.limit)
+        requests = jitter_arrivals(
+            load_trace(args.trace, args.block_tokens, args.limit), args.arrival_jitter_ms, args.seed
+        )
         options = ReplayOptions(
             seed=args.seed,
             rate_scale=args.rate_scale,
@@ -181,9 +189,10 @@ def run(args: argparse.Namespace) -> int:
     except (TraceError, ClusterConfigError, CalibrationError, ValueError) as exc:
         print(f"kvrelay sim: {exc}", file=sys.stderr)
         return 2
+    moved = f", arrivals moved within +-{args.arrival_jitter_ms:g} ms" if args.arrival_jitter_ms else ""
     print(
         f"trace {args.trace}: {len(requests)} requests, {cluster.workers} workers, seed {args.seed}, "
-        f"rate x{args.rate_scale:g}"
+        f"rate x{args.rate_scale:g}{moved}"
     )
     print(format_table(results))
     samples = {name: m.pop("ttft_samples_s") for name, m in results.items()}

@@ -30,8 +30,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -148,6 +149,25 @@ def load_trace(
         raise TraceError(f"trace file {str(p)!r} holds no requests")
     out.sort(key=lambda r: r.timestamp_ms)
     return out
+
+
+def jitter_arrivals(requests: Iterable[TraceRequest], jitter_ms: float, seed: int) -> list[TraceRequest]:
+    """``requests`` with each timestamp moved by a uniform draw from ``[-jitter_ms, jitter_ms]`` (clamped at 0),
+    ordered by the new timestamps (stable); the draws come from ``random.Random(seed)`` in trace order.
+
+    A saturated replay is chaotic: one request routed differently changes every later queue, so a figure
+    of one replay can differ between two policies by more than their routing does. Replays of slightly
+    moved arrivals give the spread of each figure (``bench/sim_spread.py``). ``jitter_ms`` 0 returns the
+    requests unchanged.
+    """
+    if not jitter_ms >= 0.0 or math.isinf(jitter_ms):
+        raise ValueError(f"arrival jitter must be a finite number of milliseconds >= 0, got {jitter_ms}")
+    if jitter_ms == 0.0:
+        return list(requests)
+    rng = random.Random(seed)
+    moved = [replace(r, timestamp_ms=max(0.0, r.timestamp_ms + rng.uniform(-jitter_ms, jitter_ms))) for r in requests]
+    moved.sort(key=lambda r: r.timestamp_ms)
+    return moved
 
 
 def infinite_cache_bound(requests: Iterable[TraceRequest], block_tokens: int) -> CacheBound:
