@@ -93,7 +93,7 @@ def prefill_attention(
     kv_heads = k.shape[0]
     group = heads // kv_heads
     out = torch.empty_like(q)
-    keys = k.float()
+    keys = _dense_float(k)  # _scores needs row-dense keys: see there
     for h in range(kv_heads):
         rows_of_head = q[:, h * group : (h + 1) * group]
         for start in range(0, queries, block):
@@ -109,6 +109,13 @@ def prefill_attention(
     return out
 
 
+def _dense_float(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 and contiguous, in one copy at most (``Tensor.to`` keeps a permuted layout)."""
+    if t.dtype == torch.float32 and t.is_contiguous():
+        return t
+    return torch.empty(t.shape, dtype=torch.float32, device=t.device).copy_(t)
+
+
 def _scores(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``rows keys^T`` in float32: through oneDNN on CPU, else ``torch.mm``.
 
@@ -116,7 +123,9 @@ def _scores(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     device thread's own pool (``worker.runtime.torch_threads.own_pool``), so inside
     the runtime it ran at a fraction of the speed it has on the main thread;
     oneDNN's linear uses the calling thread's OpenMP pool (figures:
-    docs/performance.md, "Prefill attention").
+    docs/performance.md, "Prefill attention"). ``keys`` must be row-dense (row stride
+    = its width): for a strided weight oneDNN falls back to its reference inner product,
+    ~250 times slower (a key window of several KV heads sliced from ``[S, kv_heads, D]``).
     """
     if rows.device.type == "cpu" and _ONEDNN_LINEAR is not None:
         return _ONEDNN_LINEAR(rows, keys, None, "none", [], "")
