@@ -7,7 +7,6 @@ import random
 
 import pytest
 
-from kvrelay.core.policies.kvrelay_ttft import DEADLINE_STRETCH, HOLD_PASS_LIMIT_S, PredictedTTFT
 from kvrelay.core.router.queue import QUEUE_OFF, Limits, RouterQueue
 
 ROOMY = Limits(max_requests=1000, max_wait_s=math.inf)
@@ -181,15 +180,3 @@ def test_random_operations_keep_every_admitted_request_until_it_leaves_once() ->
             del waiting[gone]
         assert sorted(q) == sorted(waiting) and len(q) == len(waiting), f"seed {seed}"
     assert len(left) == len(set(left)), f"seed {seed}: a request left twice"
-
-
-def test_kvrelays_order_lets_a_short_request_pass_a_long_one_only_within_the_pass_limit() -> None:
-    """kvrelay's hold order: shortest-first with aging, but never past ``HOLD_PASS_LIMIT_S`` after an arrival."""
-    policy = PredictedTTFT()
-    long_work = 10 * HOLD_PASS_LIMIT_S / DEADLINE_STRETCH  # its full stretch would be 10 pass limits
-    q = RouterQueue()
-    admit(q, "long", work=long_work, order=policy.hold_order(0.0, long_work))
-    admit(q, "short-soon", work=0.1, order=policy.hold_order(HOLD_PASS_LIMIT_S - 1.0, 0.1))
-    admit(q, "short-late", work=0.1, order=policy.hold_order(HOLD_PASS_LIMIT_S + 0.5, 0.1))
-    assert drain(q) == ["short-soon", "long", "short-late"]
-    assert policy.hold_order(2.0, 0.1) == pytest.approx(2.0 + DEADLINE_STRETCH * 0.1)  # below the limit: the stretch

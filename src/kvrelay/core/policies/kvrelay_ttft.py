@@ -44,13 +44,7 @@ much shorter, so it is never starved). With queues empty the order is moot.
 The peers set no priority (their routers do not), so their workers stay FIFO.
 A started prefill keeps its place (``prefill_order``): preempting it lets long
 prompts starve (the stretch and that choice: docs/performance.md, "Deadline priority").
-A user's requests waiting in the router queue go by the same deadline, except that none is
-passed by a request that reached the router more than ``HOLD_PASS_LIMIT_S`` after it
-(``hold_order``). The router queue holds requests only while no worker would start them
-soon, i.e. on a saturated cluster, where the wait grows with the backlog and a long prompt's
-full stretch (30 s for 60k tokens on a worker of 0.1 ms a token) moved it into the tail: on
-the simulated heterogeneous fleet at 2x the p99 was 0.90x the Conductor's (FIFO) with the full
-stretch, and is ahead of it with the limit (docs/performance.md, "Router queue pass limit").
+A user's requests waiting in the router queue go by the same deadline (``hold_order``).
 """
 
 from __future__ import annotations
@@ -63,7 +57,6 @@ AFFINITY_MARGIN_S = 0.05
 CALM_BUSY_SHARE = 0.5
 AFFINITY_MARGIN_SHARE = 0.25
 DEADLINE_STRETCH = 5.0
-HOLD_PASS_LIMIT_S = 5.0
 
 
 class PredictedTTFT(Policy):
@@ -89,6 +82,5 @@ class PredictedTTFT(Policy):
         return ctx.arrived + DEADLINE_STRETCH * chosen.terms.prefill_s
 
     def hold_order(self, arrived: float, work_s: float) -> float:
-        """The same deadline for a request waiting in the router queue, with the queue's work estimate, at most
-        ``HOLD_PASS_LIMIT_S`` after its arrival."""
-        return arrived + min(DEADLINE_STRETCH * work_s, HOLD_PASS_LIMIT_S)
+        """The same deadline for a request waiting in the router queue, with the queue's work estimate."""
+        return arrived + DEADLINE_STRETCH * work_s
