@@ -206,18 +206,20 @@ def test_directed_partition_offer_times_out_and_the_worker_releases_on_cancel(cl
     prompt = PROMPT * 16
     try:
         cluster.start("pa", model=cluster.home / twin, url=f"ws://127.0.0.1:{proxy.port}/workers")
-        complete(cluster.router.http_url, twin, prompt, 1)  # pa alone: its pages now hold the prompt
-        cluster.start("pb", model=cluster.home / twin)
+        complete(cluster.router.http_url, twin, prompt, 1)  # pa's one-off costs paid
         pa = cluster.workers["pa"]
         epoch = cluster.router.live_workers()["pa"]["epoch"]
         timeouts = cluster.counters().get("offer_timeouts", 0)
         mark = pa.mark()
         proxy.block("upstream")
         request = StreamingRequest(cluster.router.http_url, twin, prompt, LONG_BUDGET)
-        # pa holds the prompt, so the router offers it there by residency (the workers' measured speeds differ
-        # a little, so a tie between two cold workers is not a rule); pa starts decoding, its acceptance held
+        # pa is the only worker serving twinllama, so the router offers it there (not by residency against a
+        # second worker: once a prefill of this prompt is cheap, the workers' measured fixed costs decide that);
+        # pa starts decoding, its acceptance held. pb, started now, is where the request goes after the timeout.
+        cluster.start("pb", model=cluster.home / twin)
         pa.wait_for(r"worker pa holds no reservations \(epoch \d+; assignments finished 1, cancelled 1\)", 30, mark)
-        assert cluster.counters()["offer_timeouts"] == timeouts + 1
+        # until pb is live the router may offer the request to pa again, and that offer times out as well
+        assert cluster.counters()["offer_timeouts"] >= timeouts + 1
         assert proxy.forwarded["downstream"] > 0
         proxy.heal()
         text = request.result(90)
