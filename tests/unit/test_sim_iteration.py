@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvrelay.core.worker import machine
+from kvrelay.core.worker import events as worker_events
 from kvrelay.protocol.messages import Assignment, Offer
 from kvrelay.sim.admission import AdmissionPlan
 from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
@@ -62,7 +62,7 @@ def test_deltas_go_out_at_the_first_token_every_delta_tokens_and_at_the_last() -
         w.generated = generated
         delta = delta_of(float(generated), w, delta_tokens=3)
         if delta is not None:
-            assert isinstance(delta, machine.TokensProduced) and delta.assignment == w.offer.assignment
+            assert isinstance(delta, worker_events.TokensProduced) and delta.assignment == w.offer.assignment
             sent.append(delta.tokens)
     seed = w.offer.sampling.seed
     assert sent == [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.core.worker.machine import (
+from kvrelay.core.worker.events import (
     AdmissionDecided,
     CancelReceived,
     EpochEnded,
@@ -16,9 +16,11 @@ from kvrelay.core.worker.machine import (
     ShutdownRequested,
     StartWork,
     TokensProduced,
-    WorkerState,
     WorkFinished,
     WorkQuiesced,
+)
+from kvrelay.core.worker.machine import (
+    WorkerState,
     holds_reservations,
     new_worker,
     step,

@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import assert_never
 
+from kvrelay.core.worker import events as worker_events
 from kvrelay.core.worker import machine
 from kvrelay.protocol.messages import Assignment, Cancel, Offer, OfferResult, Residency, Result, Tier, WireMessage
 
@@ -55,14 +56,14 @@ class MachineHost(ABC):
 
     def on_offer(self, offer: Offer, reply: Reply) -> None:
         self._replies[offer.assignment] = reply
-        self._step(machine.OfferReceived(self.clock(), offer))
+        self._step(worker_events.OfferReceived(self.clock(), offer))
 
     def on_cancel(self, cancel: Cancel) -> None:
-        self._step(machine.CancelReceived(self.clock(), cancel))
+        self._step(worker_events.CancelReceived(self.clock(), cancel))
 
     def shut_down(self) -> None:
         """Decline every later offer (``shutting_down``); running work continues."""
-        self._step(machine.ShutdownRequested(self.clock()))
+        self._step(worker_events.ShutdownRequested(self.clock()))
 
     def residency(
         self, tier: Tier, stored: tuple[bytes, ...], removed: tuple[bytes, ...] = (), replace: bool = False
@@ -87,7 +88,7 @@ class MachineHost(ABC):
 
     @abstractmethod
     def _admit(self, offer: Offer) -> None:
-        """Decide ``offer`` against the runtime, then step ``machine.AdmissionDecided``."""
+        """Decide ``offer`` against the runtime, then step ``worker_events.AdmissionDecided``."""
 
     @abstractmethod
     def _start(self, offer: Offer) -> None:
@@ -101,23 +102,23 @@ class MachineHost(ABC):
     def _release(self, assignment: Assignment) -> None:
         """Free what ``assignment`` held (its reservation ended)."""
 
-    def _step(self, event: machine.WorkerEvent) -> None:
+    def _step(self, event: worker_events.WorkerEvent) -> None:
         self.state, effects = machine.step(self.state, event)
         for effect in effects:
             match effect:
-                case machine.SendMessage(message=msg):
+                case worker_events.SendMessage(message=msg):
                     reply = self._replies.get(msg.assignment)
                     if reply is not None:
                         reply(msg)
                     if isinstance(msg, Result) or (isinstance(msg, OfferResult) and not msg.accepted):
                         self._replies.pop(msg.assignment, None)
-                case machine.RequestAdmission(offer=offer):
+                case worker_events.RequestAdmission(offer=offer):
                     self._admit(offer)
-                case machine.StartWork(offer=offer):
+                case worker_events.StartWork(offer=offer):
                     self._start(offer)
-                case machine.FenceWork(assignment=a):
+                case worker_events.FenceWork(assignment=a):
                     self._fence(a)
-                case machine.ReleaseReservation(assignment=a):
+                case worker_events.ReleaseReservation(assignment=a):
                     self._release(a)
                 case _:
                     assert_never(effect)

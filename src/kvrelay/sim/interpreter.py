@@ -52,7 +52,7 @@ from kvrelay.core.router.events import (
     WorkerUnavailable,
 )
 from kvrelay.core.router.machine import RouterConfig, new_router, step
-from kvrelay.core.worker import machine
+from kvrelay.core.worker import events as worker_events
 from kvrelay.protocol.messages import (
     Assignment,
     Cancel,
@@ -363,12 +363,12 @@ class Simulation:
             self._note(f"dropped at dead {worker_id}: {describe(message)}")
             return
         self._note(f"{worker_id} <- {describe(message)}")
-        event: machine.WorkerEvent
+        event: worker_events.WorkerEvent
         match message:
             case Offer():
-                event = machine.OfferReceived(self.now, message)
+                event = worker_events.OfferReceived(self.now, message)
             case Cancel():
-                event = machine.CancelReceived(self.now, message)
+                event = worker_events.CancelReceived(self.now, message)
             case Fenced():
                 w.on_fenced(self.now, message)
                 return

@@ -23,7 +23,7 @@
 from __future__ import annotations
 
 from kvrelay.core.planning.prefill_order import queue_position
-from kvrelay.core.worker import machine
+from kvrelay.core.worker import events as worker_events
 from kvrelay.sim.cache import WorkerCaches
 from kvrelay.sim.filling import Filling, rematch
 from kvrelay.sim.tokens import token_value
@@ -83,7 +83,7 @@ def take_prefills(
     return prefill
 
 
-def delta_of(now: float, work: Work, delta_tokens: int) -> machine.TokensProduced | None:
+def delta_of(now: float, work: Work, delta_tokens: int) -> worker_events.TokensProduced | None:
     """The delta of ``work``'s tokens not yet emitted, when one is due (its first token, every ``delta_tokens``
     tokens, and its last); marks them emitted."""
     offer = work.offer
@@ -94,4 +94,4 @@ def delta_of(now: float, work: Work, delta_tokens: int) -> machine.TokensProduce
     base, seed = len(offer.prompt), offer.sampling.seed
     tokens = tuple(token_value(seed, base + i) for i in range(work.emitted, work.generated))
     work.emitted = work.generated
-    return machine.TokensProduced(now, offer.assignment, tokens)
+    return worker_events.TokensProduced(now, offer.assignment, tokens)

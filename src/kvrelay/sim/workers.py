@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import assert_never
 
+from kvrelay.core.worker import events as worker_events
 from kvrelay.core.worker import machine
 from kvrelay.protocol.chunk_keys import prompt_chain
 from kvrelay.protocol.messages import (
@@ -139,7 +140,7 @@ class SimWorker:
             return
         self.epoch += 1
         self.heartbeat_seq = self.residency_seq = 0
-        self.deliver(now, machine.EpochEnded(now, self.epoch))
+        self.deliver(now, worker_events.EpochEnded(now, self.epoch))
 
     def holds_reservations(self) -> bool:
         return machine.holds_reservations(self.state) or self.caches.gpu.reserved > 0 or bool(self.works)
@@ -179,13 +180,13 @@ class SimWorker:
 
     # --- the machine and its effects -------------------------------------------------
 
-    def deliver(self, now: float, event: machine.WorkerEvent) -> None:
+    def deliver(self, now: float, event: worker_events.WorkerEvent) -> None:
         """Feed one event to the machine, carry out its effects, then let the device run."""
         self._feed(now, [event])
         self._maybe_iterate(now)
         self.flush_residency(now)
 
-    def _feed(self, now: float, events: list[machine.WorkerEvent]) -> None:
+    def _feed(self, now: float, events: list[worker_events.WorkerEvent]) -> None:
         queue = list(events)
         while queue:
             self.state, effects = machine.step(self.state, queue.pop(0))
@@ -194,20 +195,20 @@ class SimWorker:
                 if follow is not None:
                     queue.append(follow)
 
-    def _carry(self, now: float, effect: machine.WorkerEffect) -> machine.WorkerEvent | None:
+    def _carry(self, now: float, effect: worker_events.WorkerEffect) -> worker_events.WorkerEvent | None:
         match effect:
-            case machine.SendMessage(message=message):
+            case worker_events.SendMessage(message=message):
                 self.send(now, self.worker_id, message)
-            case machine.RequestAdmission(offer=offer):
+            case worker_events.RequestAdmission(offer=offer):
                 if self.admission_s > 0:
                     self.schedule(now + self.admission_s, self.worker_id, self.incarnation, AdmissionDue(offer))
                     return None
                 return self._admit(now, offer)
-            case machine.StartWork(offer=offer):
+            case worker_events.StartWork(offer=offer):
                 self._start_work(now, offer)
-            case machine.FenceWork(assignment=assignment):
+            case worker_events.FenceWork(assignment=assignment):
                 return self._fence(now, assignment)
-            case machine.ReleaseReservation(assignment=assignment):
+            case worker_events.ReleaseReservation(assignment=assignment):
                 self._release(assignment)
             case _:
                 assert_never(effect)
@@ -226,16 +227,16 @@ class SimWorker:
             )
         return chain
 
-    def _admit(self, now: float, offer: Offer) -> machine.AdmissionDecided:
+    def _admit(self, now: float, offer: Offer) -> worker_events.AdmissionDecided:
         peers = self.peers if "peer" in self.cluster.tiers else {}
         decision = plan_admission(offer, self.chain_of(offer), self.caches, peers, self.cluster, self.rates)
         if isinstance(decision, AdmissionDecline):
-            return machine.AdmissionDecided(now, offer.assignment, False, decision.reason, decision.detail)
+            return worker_events.AdmissionDecided(now, offer.assignment, False, decision.reason, decision.detail)
         for key in decision.gpu_keys:
             self.caches.gpu.pin(key)
         self.caches.reserve(decision.demand_pages)
         self.plans[offer.assignment] = decision
-        return machine.AdmissionDecided(now, offer.assignment, True)
+        return worker_events.AdmissionDecided(now, offer.assignment, True)
 
     def _start_work(self, now: float, offer: Offer) -> None:
         plan = self.plans.pop(offer.assignment)
@@ -254,13 +255,13 @@ class SimWorker:
         else:
             enqueue(self.prefill_queue, work)
 
-    def _fence(self, now: float, assignment: Assignment) -> machine.WorkerEvent | None:
+    def _fence(self, now: float, assignment: Assignment) -> worker_events.WorkerEvent | None:
         work = self.works[assignment]
         work.fenced = True
         if work.in_flight:
             return None
         self._drop(work)
-        return machine.WorkQuiesced(now, assignment)
+        return worker_events.WorkQuiesced(now, assignment)
 
     def _drop(self, work: Work) -> None:
         if work in self.prefill_queue:
@@ -311,7 +312,7 @@ class SimWorker:
         for tier, n in work.plan.restore_bytes.items():
             self.stats.restored_bytes[tier] = self.stats.restored_bytes.get(tier, 0) + n
         if work.fenced:
-            self._feed(now, [machine.WorkQuiesced(now, assignment)])
+            self._feed(now, [worker_events.WorkQuiesced(now, assignment)])
         else:
             enqueue(self.prefill_queue, work)
         self._maybe_iterate(now)
@@ -347,12 +348,12 @@ class SimWorker:
 
     def _iteration_done(self, now: float, decode: list[Work], prefill: list[tuple[Work, int]]) -> None:
         self.busy = False
-        events: list[machine.WorkerEvent] = []
+        events: list[worker_events.WorkerEvent] = []
         for work in decode:
             work.in_flight = False
             if work.fenced:
                 self._drop(work)
-                events.append(machine.WorkQuiesced(now, work.offer.assignment))
+                events.append(worker_events.WorkQuiesced(now, work.offer.assignment))
                 continue
             work.generated += 1
             events += self._progress(now, work)
@@ -361,7 +362,7 @@ class SimWorker:
             work.prefill_left -= take
             if work.fenced:
                 self._drop(work)
-                events.append(machine.WorkQuiesced(now, work.offer.assignment))
+                events.append(worker_events.WorkQuiesced(now, work.offer.assignment))
             elif work.prefill_left == 0:
                 self.prefill_queue.remove(work)
                 self._fill_gpu(work, work.computed, computed=True)
@@ -375,18 +376,20 @@ class SimWorker:
         self._maybe_iterate(now)
         self.flush_residency(now)
 
-    def _progress(self, now: float, work: Work) -> list[machine.WorkerEvent]:
+    def _progress(self, now: float, work: Work) -> list[worker_events.WorkerEvent]:
         """Events for new tokens of ``work`` (a delta when due) and its finish."""
         offer = work.offer
         done = work.generated >= offer.max_new_tokens
         delta = delta_of(now, work, self.delta_tokens)
-        events: list[machine.WorkerEvent] = [] if delta is None else [delta]
+        events: list[worker_events.WorkerEvent] = [] if delta is None else [delta]
         if done:
             self.decoding.remove(work)
             self.stats.finished += 1
             self.stats.generated_tokens += work.generated
             events.append(
-                machine.WorkFinished(now, offer.assignment, FinishReason.LENGTH, self._usage(work), self._timings(work))
+                worker_events.WorkFinished(
+                    now, offer.assignment, FinishReason.LENGTH, self._usage(work), self._timings(work)
+                )
             )
         return events
 

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, assert_never
 
-from kvrelay.core.worker import machine
+from kvrelay.core.worker import events as worker_events
 from kvrelay.engines.machine_host import MachineHost
 from kvrelay.protocol.chunk_keys import chunk_key, root_key
 from kvrelay.protocol.messages import (
@@ -164,7 +164,7 @@ class WorkerController(MachineHost):
         already filled stay resident as cache.
         """
         epoch = max(self.epoch + 1, time.time_ns() // 1_000_000)
-        self._step(machine.EpochEnded(self.clock(), epoch))
+        self._step(worker_events.EpochEnded(self.clock(), epoch))
         self.epoch = epoch
         self.me = dataclasses.replace(self.me, epoch=epoch)
         self._seq = self._residency_seq = 0
@@ -219,7 +219,9 @@ class WorkerController(MachineHost):
         elif self.spans is not None:
             self._trace(self.spans.declined, offer, offered_at, self.clock(), result.reason, result.detail)
         self._step(
-            machine.AdmissionDecided(self.clock(), offer.assignment, result.accepted, result.reason, result.detail)
+            worker_events.AdmissionDecided(
+                self.clock(), offer.assignment, result.accepted, result.reason, result.detail
+            )
         )
 
     def _start(self, offer: Offer) -> None:
@@ -261,7 +263,7 @@ class WorkerController(MachineHost):
             self._register_through(run, run.registered + len(report.tiers), run.offer.prompt)
         waiters = self.filling.filled(run)
         if run.fenced:
-            self._step(machine.WorkQuiesced(self.clock(), run.offer.assignment))
+            self._step(worker_events.WorkQuiesced(self.clock(), run.offer.assignment))
         else:
             self._submit(run)
         self._resubmit(waiters)
@@ -340,7 +342,7 @@ class WorkerController(MachineHost):
         first = not run.generated
         run.token_times.append(now)
         run.generated.append(event.token)
-        self._step(machine.TokensProduced(now, run.offer.assignment, (event.token,)))
+        self._step(worker_events.TokensProduced(now, run.offer.assignment, (event.token,)))
         if first:
             # Its prefill left the queue: tell the routers now, after its first delta, not at the next periodic
             # heartbeat (a router holding requests while the queue looked long sent them up to 0.5 s late).
@@ -352,10 +354,12 @@ class WorkerController(MachineHost):
         run.kv_end = event.kv_end
         run.finish_reason = event.finish_reason
         if event.finish_reason == FinishReason.CANCELLED and run.fenced:
-            self._step(machine.WorkQuiesced(self.clock(), a))
+            self._step(worker_events.WorkQuiesced(self.clock(), a))
             return
         self._step(
-            machine.WorkFinished(self.clock(), a, event.finish_reason, usage_of(run), timings_of(run), event.error)
+            worker_events.WorkFinished(
+                self.clock(), a, event.finish_reason, usage_of(run), timings_of(run), event.error
+            )
         )
 
     def _fence(self, assignment: Assignment) -> None:
@@ -368,7 +372,7 @@ class WorkerController(MachineHost):
         elif self.filling.is_waiting(run):  # no work in flight: quiescent now (after this step's effects)
             self.filling.forget_waiter(run)
             self._queue_tokens(run, 0)
-            asyncio.get_running_loop().call_soon(self._step, machine.WorkQuiesced(self.clock(), assignment))
+            asyncio.get_running_loop().call_soon(self._step, worker_events.WorkQuiesced(self.clock(), assignment))
 
     def _release(self, assignment: Assignment) -> None:
         run = self.runs.pop(assignment, None)

@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from kvrelay.core.worker import machine
+from kvrelay.core.worker import events as worker_events
 from kvrelay.engines.machine_host import MachineHost
 from kvrelay.engines.vllm import kv_events
 from kvrelay.engines.vllm.admission import EngineCapacity, EngineIdentity, admit_offer
@@ -198,7 +198,9 @@ class VllmWorker(MachineHost):
         """Fence every assignment of the current epoch and move to a newer one (see the module docstring)."""
         now = self.clock()
         for assignment in list(self.state.slots):
-            self._step(machine.CancelReceived(now, Cancel(assignment=assignment, worker_id=self.worker_id, reason=why)))
+            self._step(
+                worker_events.CancelReceived(now, Cancel(assignment=assignment, worker_id=self.worker_id, reason=why))
+            )
         if clear_mirror:
             self.mirror.clear()
         self._republish = not clear_mirror
@@ -274,7 +276,9 @@ class VllmWorker(MachineHost):
             run.waited_tokens = self._pending_tokens() + self._uncached(run)
             self.runs[offer.assignment] = run
         self._step(
-            machine.AdmissionDecided(self.clock(), offer.assignment, result.accepted, result.reason, result.detail)
+            worker_events.AdmissionDecided(
+                self.clock(), offer.assignment, result.accepted, result.reason, result.detail
+            )
         )
 
     def _start(self, offer: Offer) -> None:
@@ -308,7 +312,7 @@ class VllmWorker(MachineHost):
                         self.speeds = replace(self.speeds, served=served)
                     run.generated.extend(event.tokens)
                     run.token_times.extend([now] * len(event.tokens))
-                    self._step(machine.TokensProduced(now, a, event.tokens))
+                    self._step(worker_events.TokensProduced(now, a, event.tokens))
                 elif event.finish_reason is not None:
                     finish, run.cached_tokens = event.finish_reason, event.cached_tokens
         except asyncio.CancelledError:
@@ -317,11 +321,11 @@ class VllmWorker(MachineHost):
             error = str(exc)
             log.warning("vLLM worker %s: %s failed: %s", self.worker_id, a, exc)
         if run.fenced:
-            self._step(machine.WorkQuiesced(self.clock(), a))
+            self._step(worker_events.WorkQuiesced(self.clock(), a))
             return
         if finish is FinishReason.ERROR and error is None:
             error = f"the vLLM engine at {self.engine.url} ended the request with an error"
-        self._step(machine.WorkFinished(self.clock(), a, finish, self._usage(run), self._timings(run), error))
+        self._step(worker_events.WorkFinished(self.clock(), a, finish, self._usage(run), self._timings(run), error))
 
     # --- accounting ------------------------------------------------------------------
 
