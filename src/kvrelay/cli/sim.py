@@ -36,7 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy", default=DEFAULT_POLICY, help=f"routing policy name, or 'all' (default {DEFAULT_POLICY})"
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the network model and router (default 0)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the network model, the router and --arrival-jitter-ms (default 0)"
+    )
     parser.add_argument("--rate-scale", type=float, default=1.0, help="replay X times faster (default 1)")
     parser.add_argument(
         "--arrival-jitter-ms",
