@@ -30,10 +30,10 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, Protocol, TypeVar
+from dataclasses import replace
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -44,7 +44,7 @@ from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.models.sampling import sample_next
 from kvrelay.protocol.messages import FinishReason
 from kvrelay.worker.runtime.async_bridge import AsyncJobStream
-from kvrelay.worker.runtime.iteration import LaneState, PolicyConfig, plan_iteration
+from kvrelay.worker.runtime.iteration import PolicyConfig, plan_iteration
 from kvrelay.worker.runtime.jobs import (
     EventCallback,
     Job,
@@ -54,6 +54,7 @@ from kvrelay.worker.runtime.jobs import (
     RuntimeClosedError,
     TokenEvent,
 )
+from kvrelay.worker.runtime.sequences import Row, RunningSequence, validate_job
 from kvrelay.worker.runtime.torch_threads import confine_threads, own_pool
 
 T = TypeVar("T")
@@ -83,58 +84,6 @@ class StepModel(Protocol):
     def greedy(self, h: torch.Tensor) -> list[int]: ...
 
 
-@dataclass(slots=True)
-class _Sequence:
-    """Device-thread state of one job: ``written`` of its input tokens are in pages."""
-
-    handle: JobHandle
-    submitted: float
-    admitted_at: float | None = None
-    first_token_at: float | None = None
-    lane: int = -1
-    ticket: int = 0
-    last_step: int = -1
-    written: int = 0
-    fed: int = 0
-    generated: list[int] = field(default_factory=list)
-
-    @property
-    def job(self) -> Job:
-        return self.handle.job
-
-    @property
-    def prompt_done(self) -> bool:
-        """Every input token is written (prefilled or replayed)."""
-        return self.written == len(self.job.tokens)
-
-    @property
-    def kv_end(self) -> int:
-        """One past the last position whose K/V is written (input tokens, then fed-back samples)."""
-        return self.job.start_pos + self.written + self.fed
-
-    @property
-    def next_position(self) -> int:
-        """The absolute position of the next sampled token."""
-        return self.job.start_pos + len(self.job.tokens) + len(self.generated)
-
-    def lane_state(self) -> LaneState:
-        return LaneState(
-            prompt_left=max(0, self.job.prefill_len - self.written),
-            admitted=self.ticket,
-            last_step=self.last_step,
-            place=self.job.place,
-        )
-
-
-class _Row(NamedTuple):
-    """One sequence's share of a forward: ``tokens`` at positions ``start ..``; ``sample``: draw a token."""
-
-    seq: _Sequence
-    tokens: Sequence[int]
-    start: int
-    sample: bool
-
-
 class PagedRuntime:
     """One device thread running continuously batched jobs over one paged KV pool."""
 
@@ -155,8 +104,8 @@ class PagedRuntime:
         self.policy = policy
         self.queue_capacity = queue_capacity
         self._cond = threading.Condition()
-        self._waiting: deque[_Sequence] = deque()
-        self._lanes: list[_Sequence | None] = [None] * policy.num_lanes
+        self._waiting: deque[RunningSequence] = deque()
+        self._lanes: list[RunningSequence | None] = [None] * policy.num_lanes
         self._closing = False
         self._ids = itertools.count(1)
         self._tickets = itertools.count()
@@ -175,7 +124,7 @@ class PagedRuntime:
     def submit(self, job: Job, on_event: EventCallback | None = None, timeout: float | None = None) -> JobHandle:
         """Queue ``job`` at its priority's place (``prefill_order``); block while the queue is full, raising
         ``QueueFullError`` after ``timeout`` s."""
-        self._validate(job)
+        validate_job(job, self.kv)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while len(self._waiting) >= self.queue_capacity and not self._closing:
@@ -190,7 +139,7 @@ class PagedRuntime:
                 raise RuntimeClosedError("the runtime is closed; it accepts no more jobs")
             handle = JobHandle(next(self._ids), job, on_event, self._wake)
             at = queue_position([w.handle.job.priority for w in self._waiting], 0, job.priority)
-            self._waiting.insert(at, _Sequence(handle, submitted=time.perf_counter()))
+            self._waiting.insert(at, RunningSequence(handle, submitted=time.perf_counter()))
             self._cond.notify_all()
         return handle
 
@@ -257,27 +206,6 @@ class PagedRuntime:
         with self._cond:
             self._cond.notify_all()
 
-    def _validate(self, job: Job) -> None:
-        if not job.tokens:
-            raise ValueError("a job needs at least one input token (the prompt, or the last sampled token)")
-        if job.start_pos < 0 or job.max_new_tokens < 0:
-            raise ValueError(f"start_pos and max_new_tokens must be >= 0; got {job.start_pos}, {job.max_new_tokens}")
-        if not 0 <= job.replay < len(job.tokens):
-            raise ValueError(
-                f"replay must be in 0 .. {len(job.tokens) - 1} (at least one input token is prefilled); "
-                f"got {job.replay}"
-            )
-        capacity = len(job.page_table) * self.kv.page_tokens
-        if job.positions_needed > capacity:
-            raise ValueError(
-                f"the job writes positions up to {job.positions_needed - 1} but its page table of "
-                f"{len(job.page_table)} pages holds {capacity} tokens; give it "
-                f"{-(-job.positions_needed // self.kv.page_tokens)} pages"
-            )
-        bad = [p for p in job.page_table if not 0 <= p < self.kv.num_pages]
-        if bad:
-            raise ValueError(f"page ids {bad[:5]} are outside the pool of {self.kv.num_pages} pages")
-
     # ---- device thread ----
 
     def _run(self) -> None:
@@ -307,7 +235,7 @@ class PagedRuntime:
                 self._iterate(waiting)
         self._shutdown()
 
-    def _iterate(self, waiting: list[_Sequence]) -> None:
+    def _iterate(self, waiting: list[RunningSequence]) -> None:
         lanes = [None if s is None else s.lane_state() for s in self._lanes]
         plan = plan_iteration(self.policy, lanes, [s.job.prefill_len for s in waiting], [s.job.place for s in waiting])
         if plan.admit:
@@ -321,22 +249,22 @@ class PagedRuntime:
                 self._lanes[lane] = admitted
         if plan.idle:
             return
-        rows: list[_Row] = []
+        rows: list[Row] = []
         for lane in plan.decode_lanes:
             seq = self._lanes[lane]
             assert seq is not None
             if seq.prompt_done:
-                rows.append(_Row(seq, seq.generated[-1:], seq.kv_end, True))
+                rows.append(Row(seq, seq.generated[-1:], seq.kv_end, True))
             else:  # a replayed input token: a decode row that samples only after the last one
                 last = seq.written + 1 == len(seq.job.tokens)
                 token = seq.job.tokens[seq.written : seq.written + 1]
-                rows.append(_Row(seq, token, seq.kv_end, last and seq.job.max_new_tokens > 0))
+                rows.append(Row(seq, token, seq.kv_end, last and seq.job.max_new_tokens > 0))
         for chunk in plan.prefill:
             seq = self._lanes[chunk.lane]
             assert seq is not None
             tokens = seq.job.tokens[seq.written : seq.written + chunk.tokens]
             completes = seq.written + chunk.tokens == len(seq.job.tokens)  # never, while tokens are to replay
-            rows.append(_Row(seq, tokens, seq.job.start_pos + seq.written, completes and seq.job.max_new_tokens > 0))
+            rows.append(Row(seq, tokens, seq.job.start_pos + seq.written, completes and seq.job.max_new_tokens > 0))
         self._step += 1
         prefill_tokens = sum(len(r.tokens) for r in rows[len(plan.decode_lanes) :])
         started = time.perf_counter()
@@ -362,7 +290,7 @@ class PagedRuntime:
             elif row.seq.prompt_done and row.seq.job.max_new_tokens == 0:
                 self._finish(row.seq, FinishReason.LENGTH)
 
-    def _forward(self, rows: list[_Row]) -> list[int]:
+    def _forward(self, rows: list[Row]) -> list[int]:
         """Run one forward over ``rows`` and sample the rows that want a token, in row order."""
         batch = ForwardBatch.build(
             [(r.tokens, r.start, r.seq.job.page_table) for r in rows],
@@ -381,7 +309,7 @@ class PagedRuntime:
             return self.model.greedy(h)
         return sample_next(self.model.logits(h), params, [s.next_position for s in seqs])
 
-    def _accept_token(self, seq: _Sequence, token: int) -> None:
+    def _accept_token(self, seq: RunningSequence, token: int) -> None:
         if seq.handle.cancel_requested:
             self._finish(seq, FinishReason.CANCELLED)
             return
@@ -395,7 +323,7 @@ class PagedRuntime:
         elif len(seq.generated) >= seq.job.max_new_tokens:
             self._finish(seq, FinishReason.LENGTH)
 
-    def _finish(self, seq: _Sequence, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(self, seq: RunningSequence, reason: FinishReason, error: str | None = None) -> None:
         if seq.lane >= 0 and self._lanes[seq.lane] is seq:
             self._lanes[seq.lane] = None
         now = time.perf_counter()
