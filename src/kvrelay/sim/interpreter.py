@@ -10,11 +10,8 @@ Faults: directed partitions and per-link loss (``network``), worker crashes with
 an optional restart (a new epoch; the transport reports the lost connection as
 ``WorkerUnavailable`` after ``detect_s``), consumer cancellations.
 
-The consumer side checks, independently of the router, what every delivery
-must satisfy (``violations``): deltas are gapless and duplicate-free, equal the
-deterministic token values, and come from the request's current attempt (the
-last one offered and not cancelled); each request gets exactly one outcome,
-whose tokens are the delivered stream.
+The consumers (``sim.consumers``) check, independently of the router, what every
+delivery must satisfy; what they find is in ``violations``.
 
 With ``log=True`` every input and effect is written to a text log; the same
 seed and input give a byte-identical log.
@@ -25,7 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import assert_never
 
 from kvrelay.core.policies.base import Policy
@@ -37,7 +34,6 @@ from kvrelay.core.router.events import (
     Effect,
     LoadReplicas,
     MessageReceived,
-    Outcome,
     Record,
     Request,
     RequestArrived,
@@ -66,6 +62,7 @@ from kvrelay.protocol.messages import (
 from kvrelay.sim.cache import SharedObjectTier, WorkerCaches
 from kvrelay.sim.chunk_origins import ChunkOrigins
 from kvrelay.sim.cluster_config import ClusterConfig
+from kvrelay.sim.consumers import SimConsumer, receive_delta, receive_outcome
 from kvrelay.sim.events import (
     Arrival,
     ConnectionLost,
@@ -83,21 +80,7 @@ from kvrelay.sim.events import (
 )
 from kvrelay.sim.log import describe
 from kvrelay.sim.network import ROUTER, NetworkModel
-from kvrelay.sim.tokens import token_value
 from kvrelay.sim.workers import SimWorker
-
-
-@dataclass(slots=True)
-class SimConsumer:
-    """What one request's consumer received (the request itself is not kept)."""
-
-    request_id: str
-    submitted_at: float
-    prompt_tokens: int = 0
-    seed: int = 0
-    stream: list[int] = field(default_factory=list)
-    outcomes: list[Outcome] = field(default_factory=list)
-    first_token_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,10 +284,15 @@ class Simulation:
                 self._timers[timer] = self._seq
             case CancelTimer(timer=timer):
                 self._timers.pop(timer, None)
-            case DeliverDelta():
-                self._check_delta(effect, cause)
+            case DeliverDelta(request_id=rid):
+                live = cause is not None and cause == self.current.get(rid) and cause not in self.cancelled
+                self.violations += receive_delta(self.consumers[rid], effect, cause, live, self.now)
             case DeliverResult(outcome=outcome):
-                self._check_result(outcome)
+                consumer = self.consumers[outcome.request_id]
+                self.violations += receive_outcome(consumer, outcome)
+                if len(consumer.outcomes) == 1:
+                    self._open -= 1
+                    self.known_chains.pop(outcome.request_id, None)
             case Record(kind=kind):
                 self.records[kind] = self.records.get(kind, 0) + 1
             case LoadReplicas():
@@ -394,31 +382,3 @@ class Simulation:
             self._push(self.now + self.detect_s, ConnectionLost(worker_id, w.epoch))
         if restart_after is not None:
             self._push(self.now + restart_after, Restart(worker_id))
-
-    # --- the consumer's checks ----------------------------------------------------------
-
-    def _check_delta(self, effect: DeliverDelta, cause: Assignment | None) -> None:
-        c = self.consumers[effect.request_id]
-        rid = effect.request_id
-        if cause is None or cause != self.current.get(rid) or cause in self.cancelled:
-            self.violations.append(f"{rid}: tokens at {effect.index} delivered from stale or no attempt {cause}")
-        if effect.index != len(c.stream):
-            self.violations.append(f"{rid}: delta at index {effect.index}, stream has {len(c.stream)} tokens")
-        base = c.prompt_tokens + effect.index
-        seed = c.seed
-        if list(effect.tokens) != [token_value(seed, base + i) for i in range(len(effect.tokens))]:
-            self.violations.append(f"{rid}: tokens at {effect.index} differ from the deterministic values")
-        if c.first_token_at is None and effect.tokens:
-            c.first_token_at = self.now
-        c.stream.extend(effect.tokens)
-
-    def _check_result(self, outcome: Outcome) -> None:
-        c = self.consumers[outcome.request_id]
-        c.outcomes.append(outcome)
-        if len(c.outcomes) == 1:
-            self._open -= 1
-            self.known_chains.pop(outcome.request_id, None)
-        else:
-            self.violations.append(f"{outcome.request_id}: outcome number {len(c.outcomes)}")
-        if list(outcome.tokens) != c.stream:
-            self.violations.append(f"{outcome.request_id}: outcome tokens differ from the delivered stream")
