@@ -21,9 +21,8 @@ this module only carries effects:
 - ``ReleaseReservation`` -> index the full chunks the sequence filled (they
   stay resident as cache), return the unused reserved pages, drop references.
 
-Pages are consumed from the reservation as the sequence grows: the page
-table lists all reserved pages up front (nobody else can take them), and the
-pool accounts them as taken when a token event shows the position reached.
+Pages are consumed from the reservation as the sequence grows, and its full
+chunks indexed, through ``worker.run_pages``.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from typing import TYPE_CHECKING, assert_never
 
 from kvrelay.core.worker import events as worker_events
 from kvrelay.engines.machine_host import MachineHost
-from kvrelay.protocol.chunk_keys import chunk_key, root_key
+from kvrelay.protocol.chunk_keys import root_key
 from kvrelay.protocol.messages import (
     Assignment,
     Fenced,
@@ -54,6 +53,7 @@ from kvrelay.worker.handlers import Reply, RestoreHandler, Run
 from kvrelay.worker.kv_capture import Checkpointer
 from kvrelay.worker.page_pool import PagePool
 from kvrelay.worker.reports import heartbeat_of, snapshot_parts
+from kvrelay.worker.run_pages import register_chunks, replay_count, take_pages
 from kvrelay.worker.runtime.jobs import Job, JobResult, RuntimeEvent, TokenEvent
 from kvrelay.worker.runtime.loop import PagedRuntime
 from kvrelay.worker.shared_prefill import FillingChunks, rematch
@@ -258,9 +258,9 @@ class WorkerController(MachineHost):
                 run.bytes_by_tier[tier] = run.bytes_by_tier.get(tier, 0) + n
             for tier in report.tiers:
                 run.cached_tokens[tier] = run.cached_tokens.get(tier, 0) + self.me.chunk_tokens
-            self._take(run, run.taken + len(report.tiers) * self.pool.pages_per_chunk)
+            take_pages(self.pool, run, run.taken + len(report.tiers) * self.pool.pages_per_chunk)
             run.kv_end = (run.registered + len(report.tiers)) * self.me.chunk_tokens
-            self._register_through(run, run.registered + len(report.tiers), run.offer.prompt)
+            self._register(run, run.registered + len(report.tiers), run.offer.prompt)
         waiters = self.filling.filled(run)
         if run.fenced:
             self._step(worker_events.WorkQuiesced(self.clock(), run.offer.assignment))
@@ -290,7 +290,7 @@ class WorkerController(MachineHost):
             sampling=offer.sampling,
             priority=offer.priority,
             place=run.accepted_at,
-            replay=self._replay_of(offer, cached),
+            replay=replay_count(offer, cached, self.exact_continuations),
         )
         loop = asyncio.get_running_loop()
         self._queue_tokens(run, job.prefill_len)
@@ -302,15 +302,6 @@ class WorkerController(MachineHost):
         run.handle = self.runtime.submit(job, on_event, timeout=0)
         if self._handing_over:
             run.handle.cancel()
-
-    def _replay_of(self, offer: Offer, cached: int) -> int:
-        """How many of the job's tokens (``offer.prompt[cached:]``) to replay as decode rows: the delivered
-        tokens that are not resident, all but one when no prompt token is left to prefill (a one-token
-        prefill chunk is a decode row already)."""
-        if not self.exact_continuations or offer.generated_before == 0:
-            return 0
-        left = len(offer.prompt) - cached
-        return max(0, min(offer.generated_before, left - 1))
 
     def _on_runtime_event(self, run: Run, event: RuntimeEvent) -> None:
         match event:
@@ -334,10 +325,10 @@ class WorkerController(MachineHost):
 
     def _on_token(self, run: Run, event: TokenEvent) -> None:
         now = self.clock()
-        self._take(run, event.position // self.pool.page_tokens + 1)
+        take_pages(self.pool, run, event.position // self.pool.page_tokens + 1)
         if not run.generated:
             self._queue_tokens(run, 0)
-            self._register_through(run, len(run.offer.prompt) // self.me.chunk_tokens, run.offer.prompt)
+            self._register(run, len(run.offer.prompt) // self.me.chunk_tokens, run.offer.prompt)
             self._resubmit(self.filling.filled(run))
         first = not run.generated
         run.token_times.append(now)
@@ -380,8 +371,8 @@ class WorkerController(MachineHost):
         if run is None:
             return
         written = max(run.kv_end, run.registered * self.me.chunk_tokens)
-        self._take(run, -(-written // self.pool.page_tokens))
-        self._register_through(run, written // self.me.chunk_tokens, run.offer.prompt + tuple(run.generated))
+        take_pages(self.pool, run, -(-written // self.pool.page_tokens))
+        self._register(run, written // self.me.chunk_tokens, run.offer.prompt + tuple(run.generated))
         reservation = run.admission.reservation
         assert reservation is not None
         self.pool.release(reservation)
@@ -397,25 +388,6 @@ class WorkerController(MachineHost):
         except Exception:
             log.exception("tracing an attempt on worker %s failed", self.worker_id)
 
-    # --- pages and chunks ------------------------------------------------------------
-
-    def _take(self, run: Run, pages: int) -> None:
-        pages = min(pages, len(run.page_table))
-        if pages > run.taken:
-            reservation = run.admission.reservation
-            assert reservation is not None
-            self.pool.take(reservation, pages - run.taken)
-            run.taken = pages
-
-    def _register_through(self, run: Run, chunks: int, tokens: tuple[int, ...]) -> None:
-        """Index the sequence's full chunks up to ``chunks`` (their pages must be taken)."""
-        ct, ppc = self.me.chunk_tokens, self.pool.pages_per_chunk
-        chunks = min(chunks, len(tokens) // ct, run.taken // ppc)
-        while run.registered < chunks:
-            i = run.registered
-            key = chunk_key(run.parent_key, tokens[i * ct : (i + 1) * ct])
-            pages = run.page_table[i * ppc : (i + 1) * ppc]
-            if self.pool.register(key, pages) and self.checkpointer is not None:
-                self.checkpointer.capture(key, pages)
-            run.parent_key = key
-            run.registered += 1
+    def _register(self, run: Run, chunks: int, tokens: tuple[int, ...]) -> None:
+        """Index ``run``'s full chunks of ``tokens`` up to ``chunks`` (``run_pages.register_chunks``)."""
+        register_chunks(self.pool, run, chunks, tokens, self.me.chunk_tokens, self.checkpointer)
