@@ -17,14 +17,8 @@ import torch
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.kernels import attention
-from kvrelay.models.kernels.attention import (
-    GROUP_COST_TOKENS,
-    AttentionPlan,
-    GatherBuffers,
-    paged_attention,
-    plan_attention,
-    split_by_length,
-)
+from kvrelay.models.kernels.attention import GatherBuffers, paged_attention
+from kvrelay.models.kernels.attention_plan import GROUP_COST_TOKENS, AttentionPlan, plan_attention, split_by_length
 from kvrelay.models.kernels.kv_pages import KVPages, write_kv
 from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
 

@@ -12,12 +12,8 @@ from __future__ import annotations
 import torch
 
 from kvrelay.models.batch import ForwardBatch, LaneRef
-from kvrelay.models.kernels.attention import (
-    KEPT_PAGE_QUANTUM,
-    GatherBuffers,
-    paged_attention,
-    plan_attention,
-)
+from kvrelay.models.kernels.attention import GatherBuffers, paged_attention
+from kvrelay.models.kernels.attention_plan import KEPT_PAGE_QUANTUM, plan_attention
 from kvrelay.models.kernels.kv_pages import write_kv
 from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
 from tests.unit.test_attention import DIM, HEADS, KV_HEADS, PAGE, SCALE, dense_attention

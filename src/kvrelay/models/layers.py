@@ -22,12 +22,8 @@ import torch.nn.functional as F
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.kernels import native
-from kvrelay.models.kernels.attention import (
-    AttentionPlan,
-    GatherBuffers,
-    paged_attention,
-    plan_attention,
-)
+from kvrelay.models.kernels.attention import GatherBuffers, paged_attention
+from kvrelay.models.kernels.attention_plan import AttentionPlan, plan_attention
 from kvrelay.models.kernels.greedy_head import GreedyHead
 from kvrelay.models.kernels.kv_pages import KVPages, write_kv
 from kvrelay.models.kernels.native.rms_norm import add_rms_norm_native, rms_norm_native
