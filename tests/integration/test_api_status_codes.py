@@ -9,8 +9,9 @@ import httpx
 import pytest
 
 from kvrelay.api.app import create_app
-from kvrelay.api.ingress import Ingress, ServedModel
+from kvrelay.api.ingress import Ingress
 from kvrelay.api.metrics import Metrics
+from kvrelay.api.served_model import ServedModel
 from kvrelay.core.router.machine import RouterConfig, new_router
 from kvrelay.core.router.queue import Limits
 from kvrelay.models.loading.loader import load_artifacts

@@ -16,8 +16,9 @@ import pytest
 from kvrelay.api.app import create_app
 from kvrelay.api.body import body_limit
 from kvrelay.api.errors import APIError
-from kvrelay.api.ingress import CUT_SLACK, PROBE_CHARS_PER_TOKEN, Ingress, Prepared, ServedModel
+from kvrelay.api.ingress import Ingress, Prepared
 from kvrelay.api.metrics import Metrics
+from kvrelay.api.served_model import CUT_SLACK, PROBE_CHARS_PER_TOKEN, ServedModel
 from kvrelay.cli import router as router_cli
 from kvrelay.cli import serve as serve_cli
 from kvrelay.core.router.machine import new_router

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvrelay.api.detokenize import IncrementalText
-from kvrelay.api.ingress import _cut_at_stop
+from kvrelay.api.stop_strings import cut_at_stop
 from kvrelay.models.loading.loader import load_artifacts
 from kvrelay.testing.tiny_models import make_tiny_model
 
@@ -35,4 +35,4 @@ def test_pushes_concatenate_to_the_full_text_and_never_split_a_character(tokeniz
     ],
 )
 def test_stop_strings_cut_and_hold_back(emitted: str, held: str, expected: tuple) -> None:
-    assert _cut_at_stop(emitted, held, ("STOP",)) == expected
+    assert cut_at_stop(emitted, held, ("STOP",)) == expected

@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +42,8 @@ from kvrelay.api.metrics import IngressSeries, Metrics
 from kvrelay.api.openapi import describe
 from kvrelay.api.responses import FinishReason
 from kvrelay.api.schema import ChatRequest, CompletionRequest, SamplingFields
+from kvrelay.api.served_model import ServedModel, encode_prompt, over_context
+from kvrelay.api.stop_strings import cut_at_stop
 from kvrelay.api.templates import TemplateRejected, canonical_turns, render_chat
 from kvrelay.core.router.events import Outcome, Request
 from kvrelay.protocol.messages import Sampling
@@ -50,20 +52,6 @@ from kvrelay.router.cluster_router import ClusterRouter, Consumer
 
 if TYPE_CHECKING:
     from kvrelay.telemetry.tracing import Tracing
-
-
-@dataclass(frozen=True, slots=True)
-class ServedModel:
-    name: str
-    tokenizer: Any
-    architecture: str
-    context_limit: int
-    eos_token_ids: tuple[int, ...] = ()
-    vocab_size: int = field(init=False)
-    """``len(tokenizer)``, taken once: it costs about half a millisecond per call on Gemma 3's tokenizer."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "vocab_size", len(self.tokenizer))
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +86,6 @@ class Final:
 
 PREPARE_THREADS = 4
 """Threads that decode, template and tokenize request bodies, off the event loop."""
-PROBE_CHARS_PER_TOKEN = 8
-CUT_SLACK = 64
 AWAITED_RETRY_S = 2
 """Seconds a client is told to wait (``Retry-After``) when its model's workers have not registered yet."""
 
@@ -187,7 +173,7 @@ class Ingress:
         model = self.model(body.model)
         prompt = body.prompt
         if isinstance(prompt, str):
-            ids = _encode(model, prompt, special=True, param="prompt")
+            ids = encode_prompt(model, prompt, special=True, param="prompt")
         elif all(isinstance(t, int) for t in prompt):
             ids = [t for t in prompt if isinstance(t, int)]
             bad = [t for t in ids if t >= model.vocab_size]
@@ -210,7 +196,7 @@ class Ingress:
         elif not prompt[0]:
             raise invalid("the prompt is empty; send the text to continue", "prompt")
         else:
-            ids = _encode(model, str(prompt[0]), special=True, param="prompt")
+            ids = encode_prompt(model, str(prompt[0]), special=True, param="prompt")
         return self._prepare(body, model, ids, default_max=16, prompt_param="prompt")
 
     def prepare_chat(self, body: ChatRequest) -> Prepared:
@@ -221,7 +207,7 @@ class Ingress:
             text = render_chat(model.tokenizer, model.architecture, turns)
         except TemplateRejected as exc:
             raise invalid(f"the chat template of '{model.name}' rejects these messages: {exc}", "messages") from None
-        ids = _encode(model, text, special=False, param="messages")
+        ids = encode_prompt(model, text, special=False, param="messages")
         return self._prepare(body, model, ids, default_max=None, prompt_param="messages")
 
     def _prepare(
@@ -231,7 +217,7 @@ class Ingress:
             raise invalid("the prompt is empty; send the text to continue", prompt_param)
         room = model.context_limit - len(ids)
         if room < 1:
-            raise _over_context(model, prompt_param, f"{len(ids):,} tokens")
+            raise over_context(model, prompt_param, f"{len(ids):,} tokens")
         asked = body.max_completion_tokens or body.max_tokens
         max_tokens = asked if asked is not None else (default_max or min(room, 1024))
         if len(ids) + max_tokens > model.context_limit:
@@ -312,7 +298,7 @@ class Ingress:
                         self.series.inter_token.observe(now - last_token_at)
                     last_token_at = now
                     held += detok.push(payload)
-                    text, stop_hit, held = _cut_at_stop(emitted, held, p.stop_strings)
+                    text, stop_hit, held = cut_at_stop(emitted, held, p.stop_strings)
                     if text:
                         emitted += text
                         yield TextDelta(text, tuple(payload))
@@ -328,7 +314,7 @@ class Ingress:
                     self.series.errors.labels(reason=outcome.failure.kind).inc()
                     raise from_failure(outcome.failure, p.model.name)
                 held += detok.flush()
-                text, hit, rest = _cut_at_stop(emitted, held, p.stop_strings)
+                text, hit, rest = cut_at_stop(emitted, held, p.stop_strings)
                 text += "" if hit else rest
                 if text:
                     emitted += text
@@ -358,51 +344,5 @@ class Ingress:
                 span.end()
 
 
-def _encode(model: ServedModel, text: str, special: bool, param: str) -> list[int]:
-    """``text``'s token ids, by the tokenizers library's batch encoder: it releases the GIL while it works and,
-    unlike transformers' ``encode``, never reconfigures the shared tokenizer, so threads may call it at once.
-
-    A text longer than ``PROBE_CHARS_PER_TOKEN`` characters per token of the context is first
-    encoded in part: when that head alone has more than ``context_limit + CUT_SLACK`` tokens, the
-    whole cannot fit, and the 413 comes without encoding the rest (a cut changes the tokens only
-    next to it, by far fewer than ``CUT_SLACK``).
-    """
-    encoder = model.tokenizer.backend_tokenizer
-    probe = model.context_limit * PROBE_CHARS_PER_TOKEN
-    if len(text) > probe:
-        head = len(encoder.encode_batch([text[:probe]], add_special_tokens=special)[0].ids)
-        if head > model.context_limit + CUT_SLACK:
-            raise _over_context(model, param, f"more than {head - CUT_SLACK:,} tokens")
-    return list(encoder.encode_batch([text], add_special_tokens=special)[0].ids)
-
-
-def _over_context(model: ServedModel, param: str, size: str) -> APIError:
-    return APIError(
-        413,
-        f"the prompt has {size}; the context limit of '{model.name}' is {model.context_limit:,} tokens; "
-        "send a shorter prompt",
-        "invalid_request_error",
-        param,
-        "context_length_exceeded",
-    )
-
-
 def _since(started: float, at: float | None) -> float | None:
     return None if at is None else at - started
-
-
-def _cut_at_stop(emitted: str, held: str, stops: tuple[str, ...]) -> tuple[str, bool, str]:
-    """Split ``held`` into (text safe to emit, whether a stop string was hit, text still held back)."""
-    if not stops:
-        return held, False, ""
-    window = emitted[-max(len(s) for s in stops) :] + held
-    offset = len(window) - len(held)
-    for stop in stops:
-        at = window.find(stop)
-        if at != -1:
-            return held[: max(0, at - offset)], True, ""
-    keep = max(len(s) for s in stops) - 1
-    for n in range(min(keep, len(held)), 0, -1):
-        if any(s.startswith(held[-n:]) for s in stops):
-            return held[:-n], False, held[-n:]
-    return held, False, ""

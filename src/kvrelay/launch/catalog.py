@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvrelay import paths
-from kvrelay.api.ingress import ServedModel
+from kvrelay.api.served_model import ServedModel
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.loading.default_model import DEFAULT_MODEL_NAME, default_gguf_path
 from kvrelay.models.loading.fingerprint import weights_digest

@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from kvrelay.api.app import create_app
-from kvrelay.api.ingress import Ingress, ServedModel
+from kvrelay.api.ingress import Ingress
 from kvrelay.api.metrics import Metrics
 from kvrelay.api.router_metrics import add_router_metrics
+from kvrelay.api.served_model import ServedModel
 from kvrelay.core.router.machine import RouterConfig, new_router
 from kvrelay.dashboard.routes import add_dashboard
 from kvrelay.dashboard.tap import ClusterTap

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI
 
-from kvrelay.api.ingress import Ingress, ServedModel
+from kvrelay.api.ingress import Ingress
 from kvrelay.api.metrics import Read
+from kvrelay.api.served_model import ServedModel
 from kvrelay.core.router.machine import RouterConfig
 from kvrelay.facts.store import FactStore
 from kvrelay.launch import defaults
