@@ -58,29 +58,49 @@ int kvrelay_head_pack_tiles(const int8_t* q, int64_t N, int64_t K, int8_t* tiles
     return 0;
 }
 
-/* The bounds of weight rows n .. n + 7 against one input row, from their coarse and fine dots; appends the
- * rows whose upper bound reaches the new floor to the candidates (as head_screen_batch.c's keep); returns
- * the floor, or NAN when the candidates overflowed. */
-static inline double bound_eight(const int32_t* coarse_dots, const int32_t* fine_dots, int64_t n,
-                                 const int32_t* rowsum, const double* scale, const double* c1, const double* c2,
+/* The terms of weight rows n .. n + 7 that every input row's bounds use: 128 x their int8 sums, their scales
+ * and their two error coefficients. */
+typedef struct {
+    __m512d r128, scale, c1, c2;
+} EightRows;
+
+static inline EightRows eight_rows(const int32_t* rowsum, const double* scale, const double* c1, const double* c2,
+                                   int64_t n) {
+    EightRows w;
+    w.r128 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(rowsum + n))),
+                           _mm512_set1_pd(128.0));
+    w.scale = _mm512_loadu_pd(scale + n);
+    w.c1 = _mm512_loadu_pd(c1 + n);
+    w.c2 = _mm512_loadu_pd(c2 + n);
+    return w;
+}
+
+/* The bounds of weight rows n .. n + 7 (terms w) against one input row, from their coarse and fine dots;
+ * appends the rows whose upper bound reaches the new floor to the candidates (as head_screen_batch.c's keep);
+ * returns the floor, or NAN when the candidates overflowed. The lower bounds are computed only when some
+ * upper bound reaches the floor: otherwise every lower bound is below it too (lo <= hi <= up) and the floor
+ * stays, so most blocks cost the upper bounds alone. */
+static inline double bound_eight(const int32_t* coarse_dots, const int32_t* fine_dots, int64_t n, const EightRows* w,
                                  const double* t, double floor, double* rows, double* bounds, int64_t* kept,
                                  int64_t room) {
-    const __m512d r128 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(rowsum + n))),
-                                       _mm512_set1_pd(128.0));
-    const __m512d coarse = _mm512_sub_pd(_mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)coarse_dots)), r128);
-    const __m512d fine = _mm512_sub_pd(_mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)fine_dots)), r128);
-    const __m512d est = _mm512_mul_pd(_mm512_loadu_pd(scale + n),
-                                      _mm512_add_pd(_mm512_mul_pd(_mm512_set1_pd(t[0]), coarse),
-                                                    _mm512_mul_pd(_mm512_set1_pd(t[1]), fine)));
-    const __m512d bound = _mm512_add_pd(_mm512_mul_pd(_mm512_loadu_pd(c1 + n), _mm512_set1_pd(t[2])),
-                                        _mm512_mul_pd(_mm512_loadu_pd(c2 + n), _mm512_set1_pd(t[3])));
-    const __m512d hi = _mm512_add_pd(est, bound), lo = _mm512_sub_pd(est, bound);
+    const __m512d coarse = _mm512_sub_pd(_mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)coarse_dots)), w->r128);
+    const __m512d fine = _mm512_sub_pd(_mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)fine_dots)), w->r128);
+    const __m512d est = _mm512_mul_pd(w->scale, _mm512_add_pd(_mm512_mul_pd(_mm512_set1_pd(t[0]), coarse),
+                                                              _mm512_mul_pd(_mm512_set1_pd(t[1]), fine)));
+    const __m512d bound = _mm512_add_pd(_mm512_mul_pd(w->c1, _mm512_set1_pd(t[2])),
+                                        _mm512_mul_pd(w->c2, _mm512_set1_pd(t[3])));
+    const __m512d hi = _mm512_add_pd(est, bound);
     const __m512d margin = _mm512_set1_pd(MARGIN);
     const __m512d up = _mm512_add_pd(hi, _mm512_mul_pd(_mm512_abs_pd(hi), margin));
-    const double low = _mm512_reduce_max_pd(_mm512_sub_pd(lo, _mm512_mul_pd(_mm512_abs_pd(lo), margin)));
-    if (low > floor) floor = low;
     __mmask8 mask = _mm512_cmp_pd_mask(up, _mm512_set1_pd(floor), _CMP_GE_OQ);
     if (!mask) return floor;
+    const __m512d lo = _mm512_sub_pd(est, bound);
+    const double low = _mm512_reduce_max_pd(_mm512_sub_pd(lo, _mm512_mul_pd(_mm512_abs_pd(lo), margin)));
+    if (low > floor) {
+        floor = low;
+        mask = _mm512_cmp_pd_mask(up, _mm512_set1_pd(floor), _CMP_GE_OQ);
+        if (!mask) return floor;
+    }
     double ups[8];
     _mm512_storeu_pd(ups, up);
     while (mask) {
@@ -156,22 +176,23 @@ int kvrelay_head_screen_amx(const uint8_t* parts, const int8_t* tiles, const int
                 _tile_stored(5, dots[1], 64);
                 _tile_stored(6, dots[2], 64);
                 _tile_stored(7, dots[3], 64);
-                for (int64_t i = 0; i < ms; i++) {
-                    const int64_t m = m0 + i;
-                    if (lost[m]) continue;
-                    double* rows = mine + 2 * m * max_picked;
-                    for (int g = 0; g < GROUPS && !lost[m]; g++)
-                        for (int h = 0; h < 16; h += 8) {
-                            const double f = bound_eight(&dots[g][i][h], &dots[g][ms + i][h], n0 + 16 * g + h, rowsum,
-                                                         scale, c1, c2, terms + 4 * m, floor[m], rows,
-                                                         rows + max_picked, &kept[t][m], max_picked);
-                            if (isnan(f)) {
+                /* Each input row meets the weight rows in ascending order, as in head_screen_batch.c. */
+                for (int g = 0; g < GROUPS; g++)
+                    for (int h = 0; h < 16; h += 8) {
+                        const int64_t n = n0 + 16 * g + h;
+                        const EightRows w = eight_rows(rowsum, scale, c1, c2, n);
+                        for (int64_t i = 0; i < ms; i++) {
+                            const int64_t m = m0 + i;
+                            if (lost[m]) continue;
+                            double* rows = mine + 2 * m * max_picked;
+                            const double f = bound_eight(&dots[g][i][h], &dots[g][ms + i][h], n, &w, terms + 4 * m,
+                                                         floor[m], rows, rows + max_picked, &kept[t][m], max_picked);
+                            if (isnan(f))
                                 lost[m] = 1;
-                                break;
-                            }
-                            floor[m] = f;
+                            else
+                                floor[m] = f;
                         }
-                }
+                    }
             }
         }
         if (configured) _tile_release();
