@@ -16,7 +16,6 @@ from kvrelay.models.kernels.native.linear_row import (
     _SIGNATURES,
     linear_pairs_native,
     linear_row_native,
-    linear_row_pair_native,
     linear_rows_at_native,
 )
 from kvrelay.models.mlp import PackedLinear
@@ -80,13 +79,3 @@ def test_pairs_give_each_inputs_chosen_rows_as_its_own_gemv_does(count: int) -> 
         alone = linear_rows_at_native(x[int(at[j]) : int(at[j]) + 1], w, rows[j : j + 1])
         assert alone is not None and torch.equal(got[j : j + 1], alone)
     assert linear_pairs_native(x, w, rows, at[:-1]) is None
-
-
-@needs_kernel
-def test_a_row_against_two_weights_in_one_call_gives_each_gemv() -> None:
-    x, first, second = tensor(1, 640, seed=5), tensor(2048, 640, seed=6), tensor(100, 640, seed=7)
-    pair = linear_row_pair_native(x, first, second)
-    alone = (linear_row_native(x, first), linear_row_native(x, second))
-    assert pair is not None and alone[0] is not None and alone[1] is not None
-    assert torch.equal(pair[0], alone[0]) and torch.equal(pair[1], alone[1])
-    assert linear_row_pair_native(x, first, tensor(100, 64, seed=8)) is None  # widths differ: not taken

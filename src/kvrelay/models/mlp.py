@@ -4,7 +4,8 @@
 weight for up to ``PACKED_MAX_ROWS`` rows, the C GEMV of ``native.linear_row`` for a
 single row; on CPUs without bfloat16 arithmetic, the AVX2 panels of
 ``native.linear_avx2``); ``GatedMLP`` is ``down(act(gate(x)) * up(x))``, whose activation
-and product become oneDNN post-ops when the rows go through packed weights.
+and product become oneDNN post-ops when the rows go through packed weights, and which takes a
+decode step's few rows through one call of ``native.mlp_rows``.
 """
 
 from __future__ import annotations
@@ -19,28 +20,36 @@ import torch.nn.functional as F
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.kernels.native.build import best_isa
 from kvrelay.models.kernels.native.linear_avx2 import Panels
-from kvrelay.models.kernels.native.linear_row import linear_row_native, linear_row_pair_native
+from kvrelay.models.kernels.native.linear_row import linear_row_native
+from kvrelay.models.kernels.native.mlp_rows import mlp_rows_native
 
 if TYPE_CHECKING:
     from kvrelay.models.weights import Weights
 
 
 class Activation(NamedTuple):
-    """An MLP activation: the function, and the same function as oneDNN's post-op (attribute, algorithm)."""
+    """An MLP activation: the function, the same function as oneDNN's post-op (attribute, algorithm), and its
+    name in ``native.mlp_rows``."""
 
     fn: Callable[[torch.Tensor], torch.Tensor]
     onednn_attr: str
     onednn_algorithm: str
+    native: str
 
 
 ACTIVATIONS: dict[str, Activation] = {
-    "silu": Activation(F.silu, "swish", ""),
-    "gelu_pytorch_tanh": Activation(partial(F.gelu, approximate="tanh"), "gelu", "tanh"),
-    "gelu_new": Activation(partial(F.gelu, approximate="tanh"), "gelu", "tanh"),
-    "gelu": Activation(F.gelu, "gelu", "none"),
+    "silu": Activation(F.silu, "swish", "", "silu"),
+    "gelu_pytorch_tanh": Activation(partial(F.gelu, approximate="tanh"), "gelu", "tanh", "gelu_tanh"),
+    "gelu_new": Activation(partial(F.gelu, approximate="tanh"), "gelu", "tanh", "gelu_tanh"),
+    "gelu": Activation(F.gelu, "gelu", "none", "gelu"),
 }
 """The activations of ``config.json``'s ``hidden_act`` that kvrelay runs, by name."""
 
+
+FEW_ROWS = 8
+"""``GatedMLP`` takes at most this many rows (a decode step's) through ``native.mlp_rows``, where it is built:
+one parallel region for the whole MLP; from about 16 rows on oneDNN's kernels compute faster than it does
+(the figures behind the value: docs/performance.md, "Decode MLP in one region")."""
 
 PACKED_MAX_ROWS = 256
 """Projections of at most this many rows use the packed weight; larger ones the plain one, which is
@@ -130,9 +139,10 @@ class GatedMLP:
     bfloat16 once instead of twice and the product once instead of three times
     (``tests/unit/test_packed_linear.py``). Gate and up take the post-ops for any
     number of rows, past ``PACKED_MAX_ROWS`` too (a long prefill chunk): the separate
-    activation and product cost more than the plain weight's GEMM gains. A single row (one decoding sequence)
-    skips the post-ops: its gate and up are C GEMVs (``PackedLinear``'s, in one call), faster
-    than oneDNN there. (Why and how fast: docs/performance.md, "MLP gate and up".)
+    activation and product cost more than the plain weight's GEMM gains. Up to ``FEW_ROWS``
+    bfloat16 rows (a decode step's) take the whole MLP in one C call with the same roundings
+    (``native.mlp_rows``: one wake-up of the thread team, not three). (Why and how fast:
+    docs/performance.md, "MLP gate and up" and "Decode MLP in one region".)
     """
 
     def __init__(self, w: Weights, prefix: str, config: ModelConfig) -> None:
@@ -145,18 +155,14 @@ class GatedMLP:
         self.gate = PackedLinear(w.take(f"{prefix}.gate_proj.weight", (inner, hidden)))
         self.up = PackedLinear(w.take(f"{prefix}.up_proj.weight", (inner, hidden)))
         self.down = PackedLinear(w.take(f"{prefix}.down_proj.weight", (hidden, inner)))
+        self.native = all(p.panels is None and p.bias is None for p in (self.gate, self.up, self.down))
+        """Whether few rows may take ``native.mlp_rows`` (no AVX2 panels, no biases)."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > 1 and self.gate.packed_for(x) and self.up.packed_for(x):
+        if self.native and x.dim() == 2 and x.shape[0] <= FEW_ROWS:
+            out = mlp_rows_native(x, self.gate.weight, self.up.weight, self.down.weight, self.act.native)
+            if out is not None:
+                return out
+        if self.gate.packed_for(x) and self.up.packed_for(x):
             return self.down(self.up.times(x, self.gate.activated(x, self.act)))
-        pair = self._gate_up_row(x)
-        gate, up = pair if pair is not None else (self.gate(x), self.up(x))
-        return self.down(self.act.fn(gate).mul_(up))
-
-    def _gate_up_row(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A single row's gate and up through one C call (one wake-up of the thread team, not two), each as
-        ``PackedLinear`` gives it; ``None`` where the C GEMV does not take them."""
-        plain = self.gate.panels is None and self.up.panels is None and self.gate.bias is None and self.up.bias is None
-        if not plain or x.dim() != 2 or x.shape[0] != 1:
-            return None
-        return linear_row_pair_native(x, self.gate.weight, self.up.weight)
+        return self.down(self.act.fn(self.gate(x)).mul_(self.up(x)))

@@ -2,7 +2,8 @@
 PyTorch path that serves wherever it does not apply.
 
 ``attention`` (batched decode attention), ``rms_norm`` (RMS norm, with the residual add or the rope that
-follows it) and ``linear_row`` (a single-row projection, AVX-512 only) wrap their ``.c`` sources, which
+follows it), ``linear_row`` (a single-row projection, AVX-512 only) and ``mlp_rows`` (a decode step's
+gated MLP in one parallel region, AVX-512 only) wrap their ``.c`` sources, which
 ``build`` compiles on first use for the instruction set it picks (``build.best_isa``); ``head_screen.c`` is
 ``models.greedy_head``'s screen (``head_screen``, with ``head_screen_amx.c`` for CPUs with AMX);
 ``linear_avx2`` holds the projections of CPUs without bfloat16 arithmetic, where oneDNN has none.
@@ -10,7 +11,7 @@ follows it) and ``linear_row`` (a single-row projection, AVX-512 only) wrap thei
 
 from __future__ import annotations
 
-from kvrelay.models.kernels.native import attention, head_screen, linear_avx2, linear_row, rms_norm
+from kvrelay.models.kernels.native import attention, head_screen, linear_avx2, linear_row, mlp_rows, rms_norm
 from kvrelay.models.kernels.native.build import best_isa, load, load_best
 
 
@@ -25,6 +26,7 @@ def load_all() -> bool:
     loaded = [load_best(name, signatures) is not None for name, signatures in ported]
     if best_isa() == "avx512":
         loaded.append(load("linear_row", linear_row._SIGNATURES) is not None)
+        loaded.append(mlp_rows.library() is not None)
         head_screen.amx_built()  # where the CPU has AMX; else nothing to load
     else:
         loaded.append(linear_avx2.library() is not None)

@@ -54,22 +54,6 @@ int kvrelay_linear_row(const uint16_t* x, const uint16_t* w, int64_t N, int64_t 
     return 0;
 }
 
-/* kvrelay_linear_row of one row x against two weights (w1 [N1, K] into y1, w2 [N2, K] into y2), in one
- * parallel region: each output exactly as kvrelay_linear_row gives it. Returns 0, or -1 on bad shapes. */
-int kvrelay_linear_row_pair(const uint16_t* x, const uint16_t* w1, const uint16_t* w2, int64_t N1, int64_t N2,
-                            int64_t K, uint16_t* y1, uint16_t* y2) {
-    if (K <= 0 || K % 32 != 0 || N1 < 1 || N2 < 1) return -1;
-    const int64_t blocks1 = (N1 + BLOCK - 1) / BLOCK, blocks = blocks1 + (N2 + BLOCK - 1) / BLOCK;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        if (b < blocks1)
-            block_outputs(x, w1, N1, K, y1, b);
-        else
-            block_outputs(x, w2, N2, K, y2, b - blocks1);
-    }
-    return 0;
-}
-
 /* y[j] = the output kvrelay_linear_row gives input row x[at[j]] (x [*, K]; at NULL: row 0) for weight row
  * idx[j], j < count: chosen outputs of one or several inputs, each exactly as the full GEMV gives it; one
  * thread below PARALLEL_ROWS outputs (a parallel region costs more than their dots). */

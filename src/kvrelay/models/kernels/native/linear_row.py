@@ -25,22 +25,6 @@ _SIGNATURES = (
         ((ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p), ctypes.c_int),
     ),
     (
-        "kvrelay_linear_row_pair",
-        (
-            (
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_int64,
-                ctypes.c_int64,
-                ctypes.c_int64,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-            ),
-            ctypes.c_int,
-        ),
-    ),
-    (
         "kvrelay_linear_pairs",
         (
             (
@@ -75,30 +59,6 @@ def linear_row_native(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | N
     out = torch.empty(1, weight.shape[0], dtype=torch.bfloat16)
     lib.kvrelay_linear_row(x.data_ptr(), weight.data_ptr(), weight.shape[0], weight.shape[1], out.data_ptr())
     return out
-
-
-def linear_row_pair_native(
-    x: torch.Tensor, first: torch.Tensor, second: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(linear_row_native(x, first), linear_row_native(x, second))`` in one parallel region (one wake-up of
-    the thread team instead of two); ``None`` if the kernel does not take both (nothing computed)."""
-    lib = _library_for(x, first)
-    if lib is None or _library_for(x, second) is None or first.shape[0] == 0 or second.shape[0] == 0:
-        return None
-    x = x.contiguous()
-    a = torch.empty(1, first.shape[0], dtype=torch.bfloat16)
-    b = torch.empty(1, second.shape[0], dtype=torch.bfloat16)
-    lib.kvrelay_linear_row_pair(
-        x.data_ptr(),
-        first.data_ptr(),
-        second.data_ptr(),
-        first.shape[0],
-        second.shape[0],
-        first.shape[1],
-        a.data_ptr(),
-        b.data_ptr(),
-    )
-    return a, b
 
 
 def linear_rows_at_native(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,164 @@
+/*
+ * The gated MLP of a few bfloat16 rows, down(act(gate x) * up x), in ONE parallel region, AVX-512 BF16.
+ *
+ * A decode step's MLP through oneDNN is three parallel regions (gate with its activation, up with the
+ * product, down); with passive OpenMP threads each wakes the sleeping partner (about 100 us on the
+ * machines measured), which a few rows' projections do not amortize. Here phase 1 splits the intermediate
+ * rows over the team (gate and up rows read once each, every input row's dots from L1), a spin barrier
+ * inside the region waits for the whole intermediate, and phase 2 splits the output rows of down.
+ *
+ * Numerics are the post-op path's (mlp.GatedMLP): the activation applies to the gate's float32 sum and is
+ * rounded once to bfloat16; the product with the up projection's float32 sum is rounded once; down's sums
+ * are rounded once. Each float32 sum is linear_row.c's (sixteen lanes of dot-product pairs per 32 columns,
+ * then four-way horizontal sums), so a row's output does not depend on the other rows or on M.
+ *
+ * Contract: 1 <= M <= MAX_ROWS, H % 32 == 0, I % 32 == 0, I % 4 == 0, H % 4 == 0, x [M, H], gate and up
+ * [I, H], down [H, I], mid [M, I] (scratch), y [M, H], all contiguous bfloat16; act 0 = SiLU, 1 = GELU with
+ * the tanh approximation, 2 = GELU with erf. Returns 0, or -1 when the shapes break the contract (nothing is written then).
+ */
+#include <omp.h>
+#include <stdatomic.h>
+
+#include "bf16_simd.h"
+
+#define MAX_ROWS 16
+
+/* exp(x) for float32 lanes: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], a degree-6 polynomial
+ * (relative error about 2e-7); inputs are clamped to [-87, 88]. */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* erf(x) for float32 lanes: Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7), odd in x. */
+static inline __m512 erf_ps(__m512 x) {
+    const __m512 a = _mm512_abs_ps(x);
+    const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), a, _mm512_set1_ps(1.0f)));
+    __m512 p = _mm512_set1_ps(1.061405429f);
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.453152027f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.284496736f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.254829592f));
+    p = _mm512_mul_ps(p, t);
+    const __m512 e = _mm512_fnmadd_ps(p, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(a, a))), _mm512_set1_ps(1.0f));
+    return _mm512_mask_sub_ps(e, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), e);
+}
+
+/* act(g) for float32 lanes: 0 SiLU g / (1 + e^-g); 1 GELU 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), with
+ * tanh(u) = 1 - 2 / (e^(2u) + 1); 2 GELU 0.5 g (1 + erf(g / sqrt 2)). */
+static inline __m512 activate(__m512 g, int act) {
+    const __m512 one = _mm512_set1_ps(1.0f), half_g = _mm512_mul_ps(_mm512_set1_ps(0.5f), g);
+    if (act == 0) return _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    if (act == 2) return _mm512_mul_ps(half_g, _mm512_add_ps(one, erf_ps(_mm512_mul_ps(g, _mm512_set1_ps(0.7071067811865476f)))));
+    const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+    const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
+    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(exp_ps(_mm512_add_ps(u, u)), one)));
+    return _mm512_mul_ps(half_g, _mm512_add_ps(one, t));
+}
+
+/* The float32 sums of input row x (K columns) against weight rows w .. w + 3K, as four lanes. */
+static inline __m128 four_sums(const uint16_t* x, const uint16_t* w, int64_t K) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t c = 0; c < K; c += 32) {
+        const __m512bh xc = (__m512bh)_mm512_loadu_si512(x + c);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + c), xc);
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + K + c), xc);
+        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + 2 * K + c), xc);
+        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w + 3 * K + c), xc);
+    }
+    return sum4(a0, a1, a2, a3);
+}
+
+/* four_sums of x against w and against v at once (eight independent chains of dot products, so the
+ * instruction's latency is hidden), each sum as four_sums gives it. */
+static inline void four_sums_twice(const uint16_t* x, const uint16_t* w, const uint16_t* v, int64_t K, __m128* sw,
+                                   __m128* sv) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t c = 0; c < K; c += 32) {
+        const __m512bh xc = (__m512bh)_mm512_loadu_si512(x + c);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + c), xc);
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + K + c), xc);
+        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + 2 * K + c), xc);
+        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w + 3 * K + c), xc);
+        b0 = _mm512_dpbf16_ps(b0, (__m512bh)_mm512_loadu_si512(v + c), xc);
+        b1 = _mm512_dpbf16_ps(b1, (__m512bh)_mm512_loadu_si512(v + K + c), xc);
+        b2 = _mm512_dpbf16_ps(b2, (__m512bh)_mm512_loadu_si512(v + 2 * K + c), xc);
+        b3 = _mm512_dpbf16_ps(b3, (__m512bh)_mm512_loadu_si512(v + 3 * K + c), xc);
+    }
+    *sw = sum4(a0, a1, a2, a3);
+    *sv = sum4(b0, b1, b2, b3);
+}
+
+/* four_sums of two input rows x and z against the same weight rows w .. w + 3K. */
+static inline void four_sums_two_rows(const uint16_t* x, const uint16_t* z, const uint16_t* w, int64_t K, __m128* sx,
+                                      __m128* sz) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t c = 0; c < K; c += 32) {
+        const __m512bh xc = (__m512bh)_mm512_loadu_si512(x + c), zc = (__m512bh)_mm512_loadu_si512(z + c);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + c), w1 = (__m512bh)_mm512_loadu_si512(w + K + c);
+        const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 2 * K + c), w3 = (__m512bh)_mm512_loadu_si512(w + 3 * K + c);
+        a0 = _mm512_dpbf16_ps(a0, w0, xc);
+        a1 = _mm512_dpbf16_ps(a1, w1, xc);
+        a2 = _mm512_dpbf16_ps(a2, w2, xc);
+        a3 = _mm512_dpbf16_ps(a3, w3, xc);
+        b0 = _mm512_dpbf16_ps(b0, w0, zc);
+        b1 = _mm512_dpbf16_ps(b1, w1, zc);
+        b2 = _mm512_dpbf16_ps(b2, w2, zc);
+        b3 = _mm512_dpbf16_ps(b3, w3, zc);
+    }
+    *sx = sum4(a0, a1, a2, a3);
+    *sz = sum4(b0, b1, b2, b3);
+}
+
+/* Rows [lo, hi) of the team's share of n rows in steps of four: thread t of nt. */
+static inline void share(int64_t n, int t, int nt, int64_t* lo, int64_t* hi) {
+    const int64_t quads = n / 4;
+    *lo = quads * t / nt * 4;
+    *hi = quads * (t + 1) / nt * 4;
+}
+
+int kvrelay_mlp_rows(const uint16_t* x, int64_t M, int64_t H, const uint16_t* gate, const uint16_t* up, int64_t I,
+                     const uint16_t* down, int act, uint16_t* mid, uint16_t* y) {
+    if (M < 1 || M > MAX_ROWS || H <= 0 || I <= 0 || H % 32 || I % 32 || act < 0 || act > 2) return -1;
+    atomic_int arrived = 0;
+#pragma omp parallel
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t lo, hi;
+        share(I, t, nt, &lo, &hi);
+        for (int64_t j = lo; j < hi; j += 4)
+            for (int64_t m = 0; m < M; m++) {
+                __m128 g, u;
+                four_sums_twice(x + m * H, gate + j * H, up + j * H, H, &g, &u);
+                const __m512 a = round_bf16(activate(_mm512_castps128_ps512(g), act));
+                const __m512 p = _mm512_mul_ps(a, _mm512_castps128_ps512(u));
+                _mm_storel_epi64((__m128i*)(mid + m * I + j), (__m128i)_mm_cvtneps_pbh(_mm512_castps512_ps128(p)));
+            }
+        /* Every thread has run, so a spin is short: waiting on a futex would cost the wake-up this saves. */
+        atomic_fetch_add_explicit(&arrived, 1, memory_order_acq_rel);
+        while (atomic_load_explicit(&arrived, memory_order_acquire) < nt) _mm_pause();
+        share(H, t, nt, &lo, &hi);
+        for (int64_t h = lo; h < hi; h += 4) {
+            int64_t m = 0;
+            for (; m + 2 <= M; m += 2) {
+                __m128 s0, s1;
+                four_sums_two_rows(mid + m * I, mid + (m + 1) * I, down + h * I, I, &s0, &s1);
+                _mm_storel_epi64((__m128i*)(y + m * H + h), (__m128i)_mm_cvtneps_pbh(s0));
+                _mm_storel_epi64((__m128i*)(y + (m + 1) * H + h), (__m128i)_mm_cvtneps_pbh(s1));
+            }
+            if (m < M)
+                _mm_storel_epi64((__m128i*)(y + m * H + h), (__m128i)_mm_cvtneps_pbh(four_sums(mid + m * I, down + h * I, I)));
+        }
+    }
+    return 0;
+}
