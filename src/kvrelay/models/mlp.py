@@ -21,7 +21,7 @@ from kvrelay.models.config import ModelConfig
 from kvrelay.models.kernels.native.build import best_isa
 from kvrelay.models.kernels.native.linear_avx2 import Panels
 from kvrelay.models.kernels.native.linear_row import linear_row_native
-from kvrelay.models.kernels.native.mlp_rows import mlp_rows_native
+from kvrelay.models.kernels.native.mlp_rows import DecodeMLP
 
 if TYPE_CHECKING:
     from kvrelay.models.weights import Weights
@@ -45,11 +45,6 @@ ACTIVATIONS: dict[str, Activation] = {
 }
 """The activations of ``config.json``'s ``hidden_act`` that kvrelay runs, by name."""
 
-
-FEW_ROWS = 8
-"""``GatedMLP`` takes at most this many rows (a decode step's) through ``native.mlp_rows``, where it is built:
-one parallel region for the whole MLP; from about 16 rows on oneDNN's kernels compute faster than it does
-(the figures behind the value: docs/performance.md, "Decode MLP in one region")."""
 
 PACKED_MAX_ROWS = 256
 """Projections of at most this many rows use the packed weight; larger ones the plain one, which is
@@ -139,9 +134,9 @@ class GatedMLP:
     bfloat16 once instead of twice and the product once instead of three times
     (``tests/unit/test_packed_linear.py``). Gate and up take the post-ops for any
     number of rows, past ``PACKED_MAX_ROWS`` too (a long prefill chunk): the separate
-    activation and product cost more than the plain weight's GEMM gains. Up to ``FEW_ROWS``
-    bfloat16 rows (a decode step's) take the whole MLP in one C call with the same roundings
-    (``native.mlp_rows``: one wake-up of the thread team, not three). (Why and how fast:
+    activation and product cost more than the plain weight's GEMM gains. A decode step's few
+    bfloat16 rows (up to ``few_rows``) take the whole MLP in one C call with the same roundings
+    (``native.mlp_rows.DecodeMLP``: one wake-up of the thread team, not three). (Why and how fast:
     docs/performance.md, "MLP gate and up" and "Decode MLP in one region".)
     """
 
@@ -155,12 +150,15 @@ class GatedMLP:
         self.gate = PackedLinear(w.take(f"{prefix}.gate_proj.weight", (inner, hidden)))
         self.up = PackedLinear(w.take(f"{prefix}.up_proj.weight", (inner, hidden)))
         self.down = PackedLinear(w.take(f"{prefix}.down_proj.weight", (hidden, inner)))
-        self.native = all(p.panels is None and p.bias is None for p in (self.gate, self.up, self.down))
-        """Whether few rows may take ``native.mlp_rows`` (no AVX2 panels, no biases)."""
+        self.decode: DecodeMLP | None = None
+        """The decode kernel's view of the weights, where it runs (none with AVX2 panels)."""
+        if all(p.panels is None and p.bias is None for p in (self.gate, self.up, self.down)):
+            self.decode = DecodeMLP.build(self.gate.weight, self.up.weight, self.down.weight, self.act.native)
+        self.few_rows = 0 if self.decode is None else self.decode.max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native and x.dim() == 2 and x.shape[0] <= FEW_ROWS:
-            out = mlp_rows_native(x, self.gate.weight, self.up.weight, self.down.weight, self.act.native)
+        if self.decode is not None and x.dim() == 2 and x.shape[0] <= self.few_rows:
+            out = self.decode(x)
             if out is not None:
                 return out
         if self.gate.packed_for(x) and self.up.packed_for(x):

@@ -3,7 +3,7 @@ PyTorch path that serves wherever it does not apply.
 
 ``attention`` (batched decode attention), ``rms_norm`` (RMS norm, with the residual add or the rope that
 follows it), ``linear_row`` (a single-row projection, AVX-512 only) and ``mlp_rows`` (a decode step's
-gated MLP in one parallel region, AVX-512 only) wrap their ``.c`` sources, which
+gated MLP in one parallel region, AVX-512 only, with ``mlp_rows_amx.c`` for CPUs with AMX) wrap their ``.c`` sources, which
 ``build`` compiles on first use for the instruction set it picks (``build.best_isa``); ``head_screen.c`` is
 ``models.greedy_head``'s screen (``head_screen``, with ``head_screen_amx.c`` for CPUs with AMX);
 ``linear_avx2`` holds the projections of CPUs without bfloat16 arithmetic, where oneDNN has none.
@@ -28,6 +28,7 @@ def load_all() -> bool:
         loaded.append(load("linear_row", linear_row._SIGNATURES) is not None)
         loaded.append(mlp_rows.library() is not None)
         head_screen.amx_built()  # where the CPU has AMX; else nothing to load
+        mlp_rows.amx_library()
     else:
         loaded.append(linear_avx2.library() is not None)
     return all(loaded)

@@ -47,14 +47,15 @@ ISA_FLAGS = {
     "avx2": ("-mavx2", "-mfma"),
 }
 """The compiler flags of each instruction set the kernels are written for."""
-AMX_FLAGS = (*ISA_FLAGS["avx512"], "-mamx-tile", "-mamx-int8")
-"""The compiler flags of the AMX kernels (``load_amx``): AVX-512's and AMX's tiles with their int8 product."""
+AMX_FLAGS = (*ISA_FLAGS["avx512"], "-mamx-tile", "-mamx-int8", "-mamx-bf16")
+"""The compiler flags of the AMX kernels (``load_amx``): AVX-512's and AMX's tiles with their int8 and bfloat16
+products."""
 AMX_ENV = "KVRELAY_NATIVE_AMX"
 _AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni")
 _CPU_FLAGS = {
     "avx512": _AVX512_CPU_FLAGS,
     "avx2": ("avx2", "fma"),
-    "amx": (*_AVX512_CPU_FLAGS, "amx_tile", "amx_int8"),
+    "amx": (*_AVX512_CPU_FLAGS, "amx_tile", "amx_int8", "amx_bf16"),
 }
 
 Signature = tuple[tuple[Any, ...], Any]

@@ -20,51 +20,9 @@
 #include <stdatomic.h>
 
 #include "bf16_simd.h"
+#include "mlp_activations.h"
 
 #define MAX_ROWS 16
-
-/* exp(x) for float32 lanes: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], a degree-6 polynomial
- * (relative error about 2e-7); inputs are clamped to [-87, 88]. */
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* erf(x) for float32 lanes: Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7), odd in x. */
-static inline __m512 erf_ps(__m512 x) {
-    const __m512 a = _mm512_abs_ps(x);
-    const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), a, _mm512_set1_ps(1.0f)));
-    __m512 p = _mm512_set1_ps(1.061405429f);
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.453152027f));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.284496736f));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.254829592f));
-    p = _mm512_mul_ps(p, t);
-    const __m512 e = _mm512_fnmadd_ps(p, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(a, a))), _mm512_set1_ps(1.0f));
-    return _mm512_mask_sub_ps(e, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), e);
-}
-
-/* act(g) for float32 lanes: 0 SiLU g / (1 + e^-g); 1 GELU 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), with
- * tanh(u) = 1 - 2 / (e^(2u) + 1); 2 GELU 0.5 g (1 + erf(g / sqrt 2)). */
-static inline __m512 activate(__m512 g, int act) {
-    const __m512 one = _mm512_set1_ps(1.0f), half_g = _mm512_mul_ps(_mm512_set1_ps(0.5f), g);
-    if (act == 0) return _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    if (act == 2) return _mm512_mul_ps(half_g, _mm512_add_ps(one, erf_ps(_mm512_mul_ps(g, _mm512_set1_ps(0.7071067811865476f)))));
-    const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
-    const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
-    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(exp_ps(_mm512_add_ps(u, u)), one)));
-    return _mm512_mul_ps(half_g, _mm512_add_ps(one, t));
-}
 
 /* The float32 sums of input row x (K columns) against weight rows w .. w + 3K, as four lanes. */
 static inline __m128 four_sums(const uint16_t* x, const uint16_t* w, int64_t K) {

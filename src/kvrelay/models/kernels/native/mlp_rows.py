@@ -1,86 +1,147 @@
-"""The gated MLP of a few bfloat16 rows in one parallel region: a C kernel (``mlp_rows.c``).
+"""The gated MLP of a decode step's few bfloat16 rows in one parallel region: C kernels.
 
-``mlp_rows_native(x, gate, up, down, activation)`` is ``down(act(gate x) * up x)`` for ``x`` of 1 to
-``MAX_ROWS`` rows, with ``mlp.GatedMLP``'s post-op numerics up to summation order (the file states them;
-``tests/unit/test_native_mlp_rows.py``). Through oneDNN the same MLP is three parallel regions, each a
-wake-up of a passive OpenMP partner; here it is one, with a spin barrier between the intermediate and
-the output (why and how fast: docs/performance.md, "Decode MLP in one region"). Applies to bfloat16
-rows and contiguous bfloat16 weights without bias on the CPU, widths multiples of 32, the activations
-of ``ACTIVATION_CODES``, where the kernel is built (``build``); else ``None`` and nothing is computed.
+``DecodeMLP.build(gate, up, down, activation)`` holds what the kernel reads; ``mlp(x)`` is
+``down(act(gate x) * up x)`` for ``x`` of 1 to ``mlp.max_rows`` rows, with ``mlp.GatedMLP``'s post-op
+numerics up to summation order (``mlp_rows.c`` states them; ``tests/unit/test_native_mlp_rows.py``).
+Through oneDNN the same MLP is three parallel regions, each a wake-up of a passive OpenMP partner;
+here it is one, with a spin barrier between the intermediate and the output (why and how fast:
+docs/performance.md, "Decode MLP in one region"). Where the CPU has AMX the dot products run in
+bfloat16 tiles (``mlp_rows_amx.c``) over a copy of the weights laid out once in tile order, for up to
+``AMX_ROWS`` rows; elsewhere on AVX-512 BF16 as ``vdpbf16ps`` chains over the weights as they are
+(``mlp_rows.c``), for up to ``AVX512_ROWS`` rows, beyond which oneDNN computes faster.
+``mlp_rows_native`` runs the latter once, without building anything. Applies to bfloat16 rows and
+contiguous bfloat16 weights without bias on the CPU, widths multiples of 32, the activations of
+``ACTIVATION_CODES``, where the kernel is built (``build``); else ``None`` and nothing is computed.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
-from kvrelay.models.kernels.native.build import load
+from kvrelay.models.kernels.huge_pages import huge_page_empty
+from kvrelay.models.kernels.native.build import load, load_amx
 
-MAX_ROWS = 16
-"""The most rows the kernel takes (``mlp_rows.c``'s bound)."""
+AVX512_ROWS = 8
+"""The most rows ``mlp_rows.c`` is given (it takes 16): from about 16 rows oneDNN's kernels compute faster."""
+AMX_ROWS = 32
+"""The most rows ``mlp_rows_amx.c`` takes (two A tiles of 16 rows)."""
 
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
-"""The activations the kernel computes, by the name ``mlp_rows_native`` takes, and their code in C."""
+"""The activations the kernels compute, by the name they are given, and their code in C."""
 
-_SIGNATURES = (
-    (
-        "kvrelay_mlp_rows",
-        (
-            (
-                ctypes.c_void_p,
-                ctypes.c_int64,
-                ctypes.c_int64,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_int64,
-                ctypes.c_void_p,
-                ctypes.c_int,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-            ),
-            ctypes.c_int,
-        ),
-    ),
+_ARGS = (
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+)
+_SIGNATURES = (("kvrelay_mlp_rows", (_ARGS, ctypes.c_int)),)
+_AMX_SIGNATURES = (
+    ("kvrelay_amx_request", ((), ctypes.c_int)),
+    ("kvrelay_bf16_pack_tiles", ((ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p), ctypes.c_int)),
+    ("kvrelay_mlp_rows_amx", (_ARGS, ctypes.c_int)),
 )
 
 
 def library() -> ctypes.CDLL | None:
-    """The kernel, built and loaded (``None`` where it cannot run)."""
+    """The AVX-512 kernel, built and loaded (``None`` where it cannot run)."""
     return load("mlp_rows", _SIGNATURES)
+
+
+def amx_library() -> ctypes.CDLL | None:
+    """The AMX kernel, where it is built and this process may use the tiles; else ``None``."""
+    lib = load_amx("mlp_rows_amx", _AMX_SIGNATURES)
+    return lib if lib is not None and _tiles_granted(lib) else None
+
+
+@functools.cache
+def _tiles_granted(lib: ctypes.CDLL) -> bool:
+    return bool(lib.kvrelay_amx_request() == 0)
+
+
+class DecodeMLP:
+    """One MLP's weights as a decode kernel reads them (see the module docstring); ``max_rows`` per call."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        entry: str,
+        weights: tuple[torch.Tensor, ...],
+        shape: tuple[int, int],
+        code: int,
+        rows: int,
+    ) -> None:
+        """``weights``: gate, up and down as ``entry`` reads them; ``shape``: ``(hidden, inner)``."""
+        self._call = getattr(lib, entry)
+        self.weights = weights
+        self.hidden, self.inner = shape
+        self.code = code
+        self.max_rows = rows
+
+    @classmethod
+    def build(
+        cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation: str, amx: bool = True
+    ) -> DecodeMLP | None:
+        """The kernel's view of ``gate``, ``up`` (``[I, H]``) and ``down`` (``[H, I]``): with AMX tiles where they
+        run (a tile-order copy of each weight) unless ``amx`` is False, else the AVX-512 kernel over the weights
+        as they are; ``None`` where neither takes them."""
+        code = ACTIVATION_CODES.get(activation)
+        if code is None or not _weights_fit(gate, up, down):
+            return None
+        shape = (gate.shape[1], gate.shape[0])
+        lib = amx_library() if amx else None
+        if lib is not None:
+            tiles = tuple(_tiles(lib, w) for w in (gate, up, down))
+            return cls(lib, "kvrelay_mlp_rows_amx", tiles, shape, code, AMX_ROWS)
+        lib = library()
+        return None if lib is None else cls(lib, "kvrelay_mlp_rows", (gate, up, down), shape, code, AVX512_ROWS)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The MLP of ``x`` (``[M, H]`` bfloat16, ``1 <= M <= max_rows``) as ``[M, H]``; ``None`` where ``x`` does
+        not fit (nothing computed)."""
+        fits = x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[1] == self.hidden
+        if not fits or not 1 <= x.shape[0] <= self.max_rows:
+            return None
+        x = x.contiguous()
+        rows = x.shape[0]
+        mid = torch.empty(rows, self.inner, dtype=torch.bfloat16)
+        out = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
+        gate, up, down = (w.data_ptr() for w in self.weights)
+        status = self._call(
+            x.data_ptr(), rows, self.hidden, gate, up, self.inner, down, self.code, mid.data_ptr(), out.data_ptr()
+        )
+        return None if status else out
 
 
 def mlp_rows_native(
     x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation: str
 ) -> torch.Tensor | None:
-    """``down(act(gate x) * up x)`` for ``x`` ``[M, H]`` (``1 <= M <= MAX_ROWS``), ``gate`` and ``up`` ``[I, H]``,
-    ``down`` ``[H, I]``: ``[M, H]`` bfloat16, or ``None`` where the kernel does not apply."""
-    code = ACTIVATION_CODES.get(activation)
-    if code is None or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
-        return None
-    rows, hidden = x.shape
-    inner = gate.shape[0]
-    tensors = (x, gate, up, down)
-    fits = all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.dim() == 2 for t in tensors)
-    shapes = gate.shape == up.shape == (inner, hidden) and down.shape == (hidden, inner)
-    if not fits or not shapes or hidden % 32 or inner % 32 or not all(w.is_contiguous() for w in tensors[1:]):
-        return None
-    lib = library()
-    if lib is None:
-        return None
-    x = x.contiguous()
-    mid = torch.empty(rows, inner, dtype=torch.bfloat16)
-    out = torch.empty(rows, hidden, dtype=torch.bfloat16)
-    failed = lib.kvrelay_mlp_rows(
-        x.data_ptr(),
-        rows,
-        hidden,
-        gate.data_ptr(),
-        up.data_ptr(),
-        inner,
-        down.data_ptr(),
-        code,
-        mid.data_ptr(),
-        out.data_ptr(),
-    )
-    return None if failed else out
+    """``down(act(gate x) * up x)`` through the AVX-512 kernel (``DecodeMLP.build(..., amx=False)``), once."""
+    mlp = DecodeMLP.build(gate, up, down, activation, amx=False)
+    return None if mlp is None else mlp(x)
+
+
+def _weights_fit(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> bool:
+    tensors = (gate, up, down)
+    if not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.dim() == 2 for t in tensors):
+        return False
+    inner, hidden = gate.shape
+    shapes = up.shape == (inner, hidden) and down.shape == (hidden, inner)
+    return shapes and hidden % 32 == 0 and inner % 32 == 0 and all(t.is_contiguous() for t in tensors)
+
+
+def _tiles(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in the tile order ``mlp_rows_amx.c`` reads (as many values, laid out once)."""
+    tiles = huge_page_empty(tuple(weight.shape), torch.bfloat16)
+    if lib.kvrelay_bf16_pack_tiles(weight.data_ptr(), weight.shape[0], weight.shape[1], tiles.data_ptr()):
+        raise ValueError(f"a weight of shape {tuple(weight.shape)} does not pack into 16 x 32 tiles")
+    return tiles
