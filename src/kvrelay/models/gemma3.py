@@ -3,7 +3,8 @@
 Per layer: input norm, attention (QK RMS norm before rope; rope base 10,000 on
 sliding layers and 1,000,000 on global ones; sliding layers see a window of
 ``sliding_window`` tokens including the query), post-attention norm, residual;
-pre-feedforward norm, GELU-tanh MLP, post-feedforward norm, residual. Every
+pre-feedforward norm, GELU-tanh MLP, post-feedforward norm, residual (everything
+after the attention in one kernel call for a decode step's rows, ``layers.decode_tail``). Every
 RMSNorm is ``x_hat * (1 + w)`` in float32. Embeddings are scaled by
 ``sqrt(hidden)`` cast to the weight dtype; the LM head is tied.
 """
@@ -19,6 +20,7 @@ from kvrelay.models.layers import (
     RMSNorm,
     Rotary,
     StepContext,
+    decode_tail,
 )
 from kvrelay.models.mlp import GatedMLP
 from kvrelay.models.weights import Weights
@@ -40,9 +42,14 @@ class Gemma3Layer:
         self.post_feedforward_norm = norm("post_feedforward_layernorm")
         self.attention = PagedSelfAttention(w, f"{prefix}.self_attn", config, layer, qk_norm_unit_offset=True)
         self.mlp = GatedMLP(w, f"{prefix}.mlp", config)
+        norms = (self.post_attention_norm, self.pre_feedforward_norm, self.post_feedforward_norm)
+        self.tail = decode_tail(self.attention, self.mlp, norms, eps, unit_offset=True)
 
     def __call__(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        h = self.post_attention_norm.add_to(h, self.attention(self.input_norm(h), ctx))
+        attended = self.attention.attend(self.input_norm(h), ctx)
+        if self.tail is not None and self.tail(attended, h):
+            return h
+        h = self.post_attention_norm.add_to(h, self.attention.o(attended))
         return self.post_feedforward_norm.add_to(h, self.mlp(self.pre_feedforward_norm(h)))
 
 

@@ -26,9 +26,10 @@ from kvrelay.models.kernels.attention import GatherBuffers, paged_attention
 from kvrelay.models.kernels.attention_plan import AttentionPlan, plan_attention
 from kvrelay.models.kernels.greedy_head import GreedyHead
 from kvrelay.models.kernels.kv_pages import KVPages, write_kv
+from kvrelay.models.kernels.native.mlp_rows import LayerTail
 from kvrelay.models.kernels.native.rms_norm import add_rms_norm_native, rms_norm_native
 from kvrelay.models.kernels.window_mirror import MirrorStep, WindowMirror
-from kvrelay.models.mlp import PackedLinear
+from kvrelay.models.mlp import GatedMLP, PackedLinear
 from kvrelay.models.sampling import greedy_tokens
 from kvrelay.models.weights import Weights
 
@@ -145,7 +146,11 @@ class PagedSelfAttention:
             self.qk_norm = RMSNorm(per_head, config.rms_norm_eps, qk_norm_unit_offset)
 
     def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """q and k heads are normed and rotated together, as one ``[T, heads + kv_heads, D]`` tensor."""
+        return self.o(self.attend(x, ctx))
+
+    def attend(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The attention before the output projection, ``[T, heads * D]``: q and k heads are normed and rotated
+        together, as one ``[T, heads + kv_heads, D]`` tensor."""
         tokens = x.shape[0]
         qkv = self.qkv(x)
         qk_width = (self.heads + self.kv_heads) * self.head_dim
@@ -162,7 +167,7 @@ class PagedSelfAttention:
             out = paged_attention(q, k_pool, v_pool, ctx.plan.sliding, self.scale, ctx.buffers)
         else:
             out = self._attend_mirrored(q, k, v, k_pool, v_pool, ctx, ctx.mirror, ctx.mirror_step)
-        return self.o(out.reshape(tokens, -1))
+        return out.reshape(tokens, -1)
 
     def _attend_mirrored(
         self,
@@ -181,6 +186,24 @@ class PagedSelfAttention:
             return mirror.attend(self.layer, step, q, self.scale)
         out = paged_attention(q, k_pool, v_pool, ctx.plan.sliding, self.scale, ctx.buffers)
         return out.index_copy_(0, step.rows, mirror.attend(self.layer, step, q.index_select(0, step.rows), self.scale))
+
+
+def decode_tail(
+    attention: PagedSelfAttention,
+    mlp: GatedMLP,
+    norms: tuple[RMSNorm | None, RMSNorm, RMSNorm | None],
+    eps: float,
+    unit_offset: bool,
+) -> LayerTail | None:
+    """A layer's work after its attention as one kernel call for a decode step's rows (``native.mlp_rows.LayerTail``:
+    output projection, the norms as given (post-attention, pre-feedforward, post-feedforward; ``None``: none) with
+    their residual adds, and the MLP); ``None`` where it does not run (no AMX, a bias, float32)."""
+    if attention.o.bias is not None or mlp.decode is None:
+        return None
+    weights = tuple(None if n is None else n.kernel_weight for n in norms)
+    pre_ff = weights[1]
+    assert pre_ff is not None
+    return LayerTail.build(attention.o.weight, mlp.decode, (weights[0], pre_ff, weights[2]), eps, unit_offset)
 
 
 DecoderLayer = Callable[[torch.Tensor, StepContext], torch.Tensor]

@@ -20,6 +20,7 @@ from kvrelay.models.layers import (
     RMSNorm,
     Rotary,
     StepContext,
+    decode_tail,
 )
 from kvrelay.models.mlp import GatedMLP
 from kvrelay.models.weights import Weights
@@ -37,9 +38,13 @@ class LlamaLayer:
         )
         self.attention = PagedSelfAttention(w, f"{prefix}.self_attn", config, layer)
         self.mlp = GatedMLP(w, f"{prefix}.mlp", config)
+        self.tail = decode_tail(self.attention, self.mlp, (None, self.post_attention_norm, None), eps, False)
 
     def __call__(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        h = h.add_(self.attention(self.input_norm(h), ctx))
+        attended = self.attention.attend(self.input_norm(h), ctx)
+        if self.tail is not None and self.tail(attended, h):
+            return h
+        h = h.add_(self.attention.o(attended))
         return h.add_(self.mlp(self.post_attention_norm(h)))
 
 

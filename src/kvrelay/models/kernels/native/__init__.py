@@ -3,7 +3,8 @@ PyTorch path that serves wherever it does not apply.
 
 ``attention`` (batched decode attention), ``rms_norm`` (RMS norm, with the residual add or the rope that
 follows it), ``linear_row`` (a single-row projection, AVX-512 only) and ``mlp_rows`` (a decode step's
-gated MLP in one parallel region, AVX-512 only, with ``mlp_rows_amx.c`` for CPUs with AMX) wrap their ``.c`` sources, which
+gated MLP, or a layer's whole work after its attention, in one parallel region; AVX-512 only, with
+``mlp_rows_amx.c`` for CPUs with AMX) wrap their ``.c`` sources, which
 ``build`` compiles on first use for the instruction set it picks (``build.best_isa``); ``head_screen.c`` is
 ``models.greedy_head``'s screen (``head_screen``, with ``head_screen_amx.c`` for CPUs with AMX);
 ``linear_avx2`` holds the projections of CPUs without bfloat16 arithmetic, where oneDNN has none.

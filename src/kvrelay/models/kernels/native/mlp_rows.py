@@ -49,6 +49,31 @@ _AMX_SIGNATURES = (
     ("kvrelay_amx_request", ((), ctypes.c_int)),
     ("kvrelay_bf16_pack_tiles", ((ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p), ctypes.c_int)),
     ("kvrelay_mlp_rows_amx", (_ARGS, ctypes.c_int)),
+    (
+        "kvrelay_layer_tail_amx",
+        (
+            (
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_int64,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_float,
+                ctypes.c_int,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_void_p,
+                ctypes.c_int,
+                ctypes.c_void_p,
+            ),
+            ctypes.c_int,
+        ),
+    ),
 )
 
 
@@ -81,6 +106,9 @@ class DecodeMLP:
         rows: int,
     ) -> None:
         """``weights``: gate, up and down as ``entry`` reads them; ``shape``: ``(hidden, inner)``."""
+        self.lib = lib
+        self.tiled = entry == "kvrelay_mlp_rows_amx"
+        """Whether ``weights`` are AMX tiles (which ``LayerTail`` needs)."""
         self._call = getattr(lib, entry)
         self.weights = weights
         self.hidden, self.inner = shape
@@ -145,3 +173,82 @@ def _tiles(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
     if lib.kvrelay_bf16_pack_tiles(weight.data_ptr(), weight.shape[0], weight.shape[1], tiles.data_ptr()):
         raise ValueError(f"a weight of shape {tuple(weight.shape)} does not pack into 16 x 32 tiles")
     return tiles
+
+
+class LayerTail:
+    """A decoder layer after its attention, for a decode step's rows, in one parallel region (AMX):
+    ``h += N_post_attn(o(attn))``, ``x = N_pre_ff(h)``, ``h += N_post_ff(mlp(x))``, each step rounded as the
+    separate kernels round it (``mlp_rows_amx.c``'s ``kvrelay_layer_tail_amx``). A norm given as ``None`` is the
+    identity (Llama has no post-attention or post-feedforward norm); norms are ``RMSNorm.kernel_weight``s.
+    Through separate calls the same work is four parallel regions (the output projection and the MLP's three)
+    or two with ``DecodeMLP``, plus three norm calls (why and how fast: docs/performance.md, "Decode MLP in one
+    region")."""
+
+    def __init__(
+        self,
+        o_tiles: torch.Tensor,
+        mlp: DecodeMLP,
+        norms: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None],
+        eps: float,
+        unit_offset: bool,
+    ) -> None:
+        self.o_tiles = o_tiles
+        self.mlp = mlp
+        self.norms = norms
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.width = o_tiles.shape[1]
+        self.max_rows = mlp.max_rows
+
+    @classmethod
+    def build(
+        cls,
+        o_weight: torch.Tensor,
+        mlp: DecodeMLP | None,
+        norms: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None],
+        eps: float,
+        unit_offset: bool,
+    ) -> LayerTail | None:
+        """The tail of ``o_weight`` (``[H, A]`` bfloat16, contiguous, no bias) and ``mlp`` (on AMX tiles) with the
+        three norms' float32 weights (``[H]``, contiguous); ``None`` where it does not apply."""
+        if mlp is None or not mlp.tiled or o_weight.dtype != torch.bfloat16 or not o_weight.is_contiguous():
+            return None
+        hidden, width = o_weight.shape
+        given = [n for n in norms if n is not None]
+        norms_fit = all(n.dtype == torch.float32 and n.shape == (hidden,) and n.is_contiguous() for n in given)
+        if hidden != mlp.hidden or width % 32 or not norms_fit:
+            return None
+        return cls(_tiles(mlp.lib, o_weight), mlp, norms, eps, unit_offset)
+
+    def __call__(self, attn: torch.Tensor, h: torch.Tensor) -> bool:
+        """Apply the tail to ``h`` (``[M, H]`` bfloat16, contiguous) in place from ``attn`` (``[M, A]``); False
+        where they do not fit (nothing computed)."""
+        rows = h.shape[0]
+        fits = attn.dim() == 2 and attn.shape == (rows, self.width) and attn.dtype == h.dtype == torch.bfloat16
+        if not fits or not 1 <= rows <= self.max_rows or not h.is_contiguous() or h.shape[1] != self.mlp.hidden:
+            return False
+        attn = attn.contiguous()
+        hidden, inner = self.mlp.hidden, self.mlp.inner
+        scratch = torch.empty(rows * (3 * hidden + inner), dtype=torch.bfloat16)
+        post_attn, pre_ff, post_ff = (0 if n is None else n.data_ptr() for n in self.norms)
+        gate, up, down = (w.data_ptr() for w in self.mlp.weights)
+        status = self.mlp.lib.kvrelay_layer_tail_amx(
+            attn.data_ptr(),
+            self.width,
+            self.o_tiles.data_ptr(),
+            h.data_ptr(),
+            rows,
+            hidden,
+            post_attn,
+            pre_ff,
+            post_ff,
+            self.eps,
+            int(self.unit_offset),
+            gate,
+            up,
+            inner,
+            down,
+            self.mlp.code,
+            scratch.data_ptr(),
+        )
+        return status == 0

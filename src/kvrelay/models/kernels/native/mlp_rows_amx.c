@@ -24,6 +24,7 @@
 
 #include "bf16_simd.h"
 #include "mlp_activations.h"
+#include "rms_row.h"
 
 #define MAX_ROWS 32
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -127,6 +128,44 @@ static inline void pair_sums(const uint16_t* x, int64_t H, int64_t M, const uint
     }
 }
 
+/* Thread t's share of y = a W^T (a [M, K] with row stride K, W's tiles [N, K]): its 16-column blocks of y
+ * [M, N], each rounded once to bfloat16. */
+static void projection_share(const uint16_t* a, int64_t K, int64_t M, const uint16_t* tiles, int64_t N, uint16_t* y,
+                             int t, int nt) {
+    float c[MAX_ROWS][16];
+    const int64_t blocks = N / 16;
+    for (int64_t b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
+        block_sums(a, K, M, tiles, b, K / 32, c);
+        for (int64_t m = 0; m < M; m++)
+            _mm256_storeu_si256((__m256i*)(y + m * N + 16 * b), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c[m])));
+    }
+}
+
+/* Wait until nt threads have arrived at *arrived (one use per counter): every thread is running, so a spin
+ * waits only for the slower share, where a futex would cost the wake-up these kernels save. */
+static inline void arrive_and_wait(atomic_int* arrived, int nt) {
+    atomic_fetch_add_explicit(arrived, 1, memory_order_acq_rel);
+    while (atomic_load_explicit(arrived, memory_order_acquire) < nt) _mm_pause();
+}
+
+/* Thread t's share of the MLP of x into y (the intermediate in mid); one arrival at *arrived between phases. */
+static void mlp_share(const uint16_t* x, int64_t M, int64_t H, const uint16_t* gate_tiles, const uint16_t* up_tiles,
+                      int64_t I, const uint16_t* down_tiles, int act, uint16_t* mid, uint16_t* y, int t, int nt,
+                      atomic_int* arrived) {
+    float g[MAX_ROWS][16], u[MAX_ROWS][16];
+    const int64_t blocks1 = I / 16;
+    for (int64_t b = blocks1 * t / nt; b < blocks1 * (t + 1) / nt; b++) {
+        pair_sums(x, H, M, gate_tiles, up_tiles, b, H / 32, g, u);
+        for (int64_t m = 0; m < M; m++) {
+            const __m512 a = round_bf16(activate(_mm512_loadu_ps(g[m]), act));
+            const __m512 p = _mm512_mul_ps(a, _mm512_loadu_ps(u[m]));
+            _mm256_storeu_si256((__m256i*)(mid + m * I + 16 * b), (__m256i)_mm512_cvtneps_pbh(p));
+        }
+    }
+    arrive_and_wait(arrived, nt);
+    projection_share(mid, I, M, down_tiles, H, y, t, nt);
+}
+
 int kvrelay_mlp_rows_amx(const uint16_t* x, int64_t M, int64_t H, const uint16_t* gate_tiles,
                          const uint16_t* up_tiles, int64_t I, const uint16_t* down_tiles, int act, uint16_t* mid,
                          uint16_t* y) {
@@ -135,26 +174,58 @@ int kvrelay_mlp_rows_amx(const uint16_t* x, int64_t M, int64_t H, const uint16_t
 #pragma omp parallel
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        float g[MAX_ROWS][16], u[MAX_ROWS][16];
         configure(M);
-        const int64_t blocks1 = I / 16;
-        for (int64_t b = blocks1 * t / nt; b < blocks1 * (t + 1) / nt; b++) {
-            pair_sums(x, H, M, gate_tiles, up_tiles, b, H / 32, g, u);
-            for (int64_t m = 0; m < M; m++) {
-                const __m512 a = round_bf16(activate(_mm512_loadu_ps(g[m]), act));
-                const __m512 p = _mm512_mul_ps(a, _mm512_loadu_ps(u[m]));
-                _mm256_storeu_si256((__m256i*)(mid + m * I + 16 * b), (__m256i)_mm512_cvtneps_pbh(p));
-            }
+        mlp_share(x, M, H, gate_tiles, up_tiles, I, down_tiles, act, mid, y, t, nt, &arrived);
+        _tile_release();
+    }
+    return 0;
+}
+
+/* h = h + N2(o), with N2 the norm of w2 (NULL: no norm), rounded as kvrelay_add_rms_norm rounds it; rows of
+ * thread t's share. */
+static void add_normed_rows(uint16_t* h, const uint16_t* o, int64_t M, int64_t H, const float* w, float eps,
+                            int unit_offset, int t, int nt) {
+    for (int64_t m = t; m < M; m += nt) {
+        if (w != 0) {
+            norm_row(o + m * H, w, H, eps, unit_offset, h + m * H, h + m * H);
+            continue;
         }
-        /* Every thread has run, so a spin is short: waiting on a futex would cost the wake-up this saves. */
-        atomic_fetch_add_explicit(&arrived, 1, memory_order_acq_rel);
-        while (atomic_load_explicit(&arrived, memory_order_acquire) < nt) _mm_pause();
-        const int64_t blocks2 = H / 16;
-        for (int64_t b = blocks2 * t / nt; b < blocks2 * (t + 1) / nt; b++) {
-            block_sums(mid, I, M, down_tiles, b, I / 32, g);
-            for (int64_t m = 0; m < M; m++)
-                _mm256_storeu_si256((__m256i*)(y + m * H + 16 * b), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(g[m])));
+        for (int64_t c = 0; c < H; c += 16) {
+            const __m512 sum = _mm512_add_ps(load_bf16(h + m * H + c), load_bf16(o + m * H + c));
+            _mm256_storeu_si256((__m256i*)(h + m * H + c), (__m256i)_mm512_cvtneps_pbh(sum));
         }
+    }
+}
+
+/*
+ * A decoder layer after its attention, for M <= 32 rows, in one parallel region:
+ *   h += N_post_attn(attn Wo^T);  x = N_pre_ff(h);  h += N_post_ff(down(act(gate x) * up x))
+ * where an N whose weight is NULL is the identity (Llama: post_attn_w and post_ff_w NULL). Each step rounds
+ * as the separate kernels do (the projection's sums once, kvrelay_add_rms_norm, kvrelay_rms_norm, the MLP
+ * above). attn [M, A], h [M, H] (in place), o_tiles from Wo [H, A]; scratch holds 3 M H + M I values.
+ * Returns 0, or -1 when the shapes break the contract (nothing is written then).
+ */
+int kvrelay_layer_tail_amx(const uint16_t* attn, int64_t A, const uint16_t* o_tiles, uint16_t* h, int64_t M,
+                           int64_t H, const float* post_attn_w, const float* pre_ff_w, const float* post_ff_w,
+                           float eps, int unit_offset, const uint16_t* gate_tiles, const uint16_t* up_tiles,
+                           int64_t I, const uint16_t* down_tiles, int act, uint16_t* scratch) {
+    if (M < 1 || M > MAX_ROWS || H < 32 || I < 32 || A < 32 || H % 32 || I % 32 || A % 32 || act < 0 || act > 2 ||
+        pre_ff_w == 0)
+        return -1;
+    uint16_t *o = scratch, *x = o + M * H, *mlp = x + M * H, *mid = mlp + M * H;
+    atomic_int arrived[4] = {0, 0, 0, 0};
+#pragma omp parallel
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        configure(M);
+        projection_share(attn, A, M, o_tiles, H, o, t, nt);
+        arrive_and_wait(&arrived[0], nt);
+        add_normed_rows(h, o, M, H, post_attn_w, eps, unit_offset, t, nt);
+        for (int64_t m = t; m < M; m += nt) norm_row(h + m * H, pre_ff_w, H, eps, unit_offset, 0, x + m * H);
+        arrive_and_wait(&arrived[1], nt);
+        mlp_share(x, M, H, gate_tiles, up_tiles, I, down_tiles, act, mid, mlp, t, nt, &arrived[2]);
+        arrive_and_wait(&arrived[3], nt);
+        add_normed_rows(h, mlp, M, H, post_ff_w, eps, unit_offset, t, nt);
         _tile_release();
     }
     return 0;
