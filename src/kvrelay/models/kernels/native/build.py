@@ -104,13 +104,21 @@ def load_best(name: str, signatures: tuple[tuple[str, Signature], ...]) -> ctype
     return load(source, signatures, isa)
 
 
+_AMX_REQUEST: tuple[str, Signature] = ("kvrelay_amx_request", ((), ctypes.c_int))
+"""What every AMX kernel exports (``amx_tiles.h``): the request for the process's tile state."""
+
+
 @functools.cache
 def load_amx(name: str, signatures: tuple[tuple[str, Signature], ...]) -> ctypes.CDLL | None:
-    """Kernel ``name`` built with AMX (``<name>.c``), where the kernels take AVX-512, the CPU has AMX's int8 tiles
-    and ``KVRELAY_NATIVE_AMX`` is not ``0``; else ``None``. The caller asks Linux for the tile state before use."""
+    """Kernel ``name`` built with AMX (``<name>.c``), where the kernels take AVX-512, the CPU has AMX's int8 and
+    bfloat16 tiles, ``KVRELAY_NATIVE_AMX`` is not ``0`` and Linux granted this process the tile state (asked
+    here); else ``None``."""
     if best_isa() != "avx512" or os.environ.get(AMX_ENV) == "0":
         return None
-    return load(name, signatures, "amx")
+    lib = load(name, (_AMX_REQUEST, *signatures), "amx")
+    if lib is None or lib.kvrelay_amx_request() != 0:
+        return None
+    return lib
 
 
 @functools.cache

@@ -9,7 +9,6 @@ tiles by ``pack_tiles``.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -24,7 +23,6 @@ _SIGNATURES = (
     ("kvrelay_head_quantize", ((_PTR, _I64, _I64, _F64, _F64, _PTR, _PTR, _PTR, _PTR, _PTR), ctypes.c_int)),
 )
 _AMX_SIGNATURES = (
-    ("kvrelay_amx_request", ((), ctypes.c_int)),
     ("kvrelay_head_pack_tiles", ((_PTR, _I64, _I64, _PTR), ctypes.c_int)),
     (
         "kvrelay_head_screen_amx",
@@ -167,12 +165,4 @@ def screen_amx(
 
 def _amx() -> ctypes.CDLL | None:
     """The AMX kernel, where it is built and this process may use the tiles; else ``None``."""
-    lib = load_amx("head_screen_amx", _AMX_SIGNATURES)
-    if lib is None or not _tiles_granted(lib):
-        return None
-    return lib
-
-
-@functools.cache
-def _tiles_granted(lib: ctypes.CDLL) -> bool:
-    return bool(lib.kvrelay_amx_request() == 0)
+    return load_amx("head_screen_amx", _AMX_SIGNATURES)

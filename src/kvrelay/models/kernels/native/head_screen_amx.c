@@ -12,36 +12,21 @@
  *
  * Contract: K % 64 == 0, K < 66,000, N % 64 == 0, 1 <= M <= 64, 1 <= threads <= 64, parts [2M, K],
  * terms [M, 4], picked [M, max_picked], count [M], tiles (N * K bytes) from kvrelay_head_pack_tiles, all
- * contiguous. The caller has been granted the AMX tile state (kvrelay_amx_request). Returns 0, or -1 when
+ * contiguous. The caller has been granted the AMX tile state (amx_tiles.h). Returns 0, or -1 when
  * the shapes break the contract (nothing is picked then).
  */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
 
 #define MAX_M 64
 #define MAX_THREADS 64
 #define SLICE 8   /* input rows per A tile: their two parts fill its 16 rows */
 #define GROUPS 4  /* 16-row weight groups per block: one C tile each */
 #define MARGIN (0.00390625 * 1.001)
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* 0 when this process may use the AMX tile state (asks Linux for it; granted once per process). */
-int kvrelay_amx_request(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
-}
 
 /* Q [N, K] (row-major int8) into tiles (N * K bytes, tile order above). Returns 0, or -1 on bad shapes. */
 int kvrelay_head_pack_tiles(const int8_t* q, int64_t N, int64_t K, int8_t* tiles) {

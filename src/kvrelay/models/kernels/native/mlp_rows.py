@@ -17,7 +17,6 @@ contiguous bfloat16 weights without bias on the CPU, widths multiples of 32, the
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -46,7 +45,6 @@ _ARGS = (
 )
 _SIGNATURES = (("kvrelay_mlp_rows", (_ARGS, ctypes.c_int)),)
 _AMX_SIGNATURES = (
-    ("kvrelay_amx_request", ((), ctypes.c_int)),
     ("kvrelay_bf16_pack_tiles", ((ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p), ctypes.c_int)),
     ("kvrelay_mlp_rows_amx", (_ARGS, ctypes.c_int)),
     (
@@ -84,13 +82,7 @@ def library() -> ctypes.CDLL | None:
 
 def amx_library() -> ctypes.CDLL | None:
     """The AMX kernel, where it is built and this process may use the tiles; else ``None``."""
-    lib = load_amx("mlp_rows_amx", _AMX_SIGNATURES)
-    return lib if lib is not None and _tiles_granted(lib) else None
-
-
-@functools.cache
-def _tiles_granted(lib: ctypes.CDLL) -> bool:
-    return bool(lib.kvrelay_amx_request() == 0)
+    return load_amx("mlp_rows_amx", _AMX_SIGNATURES)
 
 
 class DecodeMLP:

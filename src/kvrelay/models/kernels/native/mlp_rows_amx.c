@@ -14,34 +14,18 @@
  *
  * Contract: 1 <= M <= 32, H % 32 == 0, I % 32 == 0, x [M, H], gate_tiles and up_tiles from [I, H] weights,
  * down_tiles from [H, I], mid [M, I] (scratch), y [M, H], all contiguous bfloat16; act as in mlp_rows.c. The
- * caller has been granted the AMX tile state (kvrelay_amx_request). Returns 0, or -1 when the shapes break the
+ * caller has been granted the AMX tile state (amx_tiles.h). Returns 0, or -1 when the shapes break the
  * contract (nothing is written then).
  */
 #include <omp.h>
 #include <stdatomic.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx_tiles.h"
 #include "bf16_simd.h"
 #include "mlp_activations.h"
 #include "rms_row.h"
 
 #define MAX_ROWS 32
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* 0 when this process may use the AMX tile state (asks Linux for it; granted once per process). */
-int kvrelay_amx_request(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
-}
 
 /* W [N, K] (row-major bfloat16) into tiles (N * K values, the order above). Returns 0, or -1 on bad shapes. */
 int kvrelay_bf16_pack_tiles(const uint16_t* w, int64_t N, int64_t K, uint16_t* tiles) {
