@@ -98,25 +98,60 @@ def test_rows_it_does_not_take_are_left_untouched() -> None:
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "llama"])
-def test_a_decode_step_of_a_model_takes_the_tail_and_keeps_its_logits(arch: str, tmp_path: Path) -> None:
-    """A tiny model in bfloat16: a decode step's logits with the tails equal those of the separate calls to
-    bfloat16 rounding, and every layer's tail ran."""
+def test_a_decode_step_of_a_model_takes_the_tails_and_keeps_its_logits(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny model in bfloat16: a decode step's logits through the tails (Gemma 3's linked, each computing the
+    next layer's start) equal those of the separate calls to bfloat16 rounding, and every tail ran."""
     directory = make_tiny_model(arch, tmp_path / "model", seed=2)
     config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
     model = build_model(config, load_file(directory / "model.safetensors"), dtype=torch.bfloat16)
-    tails = [layer.tail for layer in model.layers]  # type: ignore[attr-defined]
-    assert all(t is not None for t in tails)
+    layers: list = model.layers  # type: ignore[type-arg]
+    assert all(layer.tail is not None for layer in layers)
+    linked = [layer.next_rope is not None for layer in layers]
+    assert linked == ([True] * (len(layers) - 1) + [False] if arch == "gemma3" else [False] * len(layers))
     kv = KVPages.allocate(config, 8, 16, dtype=torch.bfloat16)
-    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
-    for i, p in enumerate(prompts):
-        model.hidden(ForwardBatch.build([(p, 0, [2 * i, 2 * i + 1])]), kv)
+    for i, prompt in enumerate([[5, 6, 7, 8, 9], [10, 11, 12]]):
+        model.hidden(ForwardBatch.build([(prompt, 0, [2 * i, 2 * i + 1])]), kv)
     step = ForwardBatch.build([([13], 5, [0, 1]), ([14], 3, [2, 3])])
-    calls = []
-    for layer, tail in zip(model.layers, tails, strict=True):
-        layer.tail = lambda a, h, tail=tail: calls.append(1) or tail(a, h)  # type: ignore[attr-defined]
+    runs: list[bool] = []
+    run = LayerTail._run
+
+    def counted(self: LayerTail, attn: torch.Tensor, h: torch.Tensor, head: object) -> torch.Tensor | None:
+        runs.append(head is not None)
+        return run(self, attn, h, head)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LayerTail, "_run", counted)
     with_tails = model.logits(model.hidden(step, kv)).float()
-    for layer in model.layers:
-        layer.tail = None  # type: ignore[attr-defined]
+    assert runs == linked
+    for layer in layers:
+        layer.tail, layer.next_rope = None, None
     without = model.logits(model.hidden(step, kv)).float()
-    assert len(calls) == len(tails)
     assert (with_tails - without).abs().max() <= 5e-2 * without.abs().max()
+
+
+def test_the_next_layers_start_equals_what_its_attention_computes(tmp_path: Path) -> None:
+    """``through_next``'s q, k, v rows equal the next layer's own input norm, projection, q and k norms and rope
+    on the updated ``h``, to bfloat16 rounding (the projection's sums may run in another order)."""
+    directory = make_tiny_model("gemma3", tmp_path / "model", seed=3)
+    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    model = build_model(config, load_file(directory / "model.safetensors"), dtype=torch.bfloat16)
+    first, second = model.layers[0], model.layers[1]  # type: ignore[attr-defined]
+    attention = second.attention
+    gen = torch.Generator().manual_seed(6)
+    rows = 5
+    attn = torch.randn(rows, first.tail.width, generator=gen).bfloat16()
+    h = torch.randn(rows, config.hidden_size, generator=gen).bfloat16()
+    positions = torch.arange(rows) * 7
+    assert first.next_rope == attention.layer_type
+    cos, sin = model.rotaries[attention.layer_type].cos_sin(positions, torch.bfloat16)
+    fused_h = h.clone()
+    start = first.tail.through_next(attn, fused_h, cos, sin)
+    assert start is not None
+    plain_h = h.clone()
+    assert first.tail(attn, plain_h) and torch.equal(fused_h, plain_h)
+    qkv = attention.qkv(second.input_norm(plain_h))
+    width = (attention.heads + attention.kv_heads) * attention.head_dim
+    qk = attention.qk_norm.then_rope(qkv[:, :width].view(rows, -1, attention.head_dim), cos, sin).reshape(rows, -1)
+    want = torch.cat((qk, qkv[:, width:]), dim=1).float()
+    assert (start.float() - want).abs().max() <= 2e-2 * want.abs().max()

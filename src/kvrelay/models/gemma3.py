@@ -20,7 +20,9 @@ from kvrelay.models.layers import (
     RMSNorm,
     Rotary,
     StepContext,
+    attention_then_tail,
     decode_tail,
+    link_tails,
 )
 from kvrelay.models.mlp import GatedMLP
 from kvrelay.models.weights import Weights
@@ -44,10 +46,12 @@ class Gemma3Layer:
         self.mlp = GatedMLP(w, f"{prefix}.mlp", config)
         norms = (self.post_attention_norm, self.pre_feedforward_norm, self.post_feedforward_norm)
         self.tail = decode_tail(self.attention, self.mlp, norms, eps, unit_offset=True)
+        self.index = layer
+        self.next_rope: str | None = None
 
     def __call__(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        attended = self.attention.attend(self.input_norm(h), ctx)
-        if self.tail is not None and self.tail(attended, h):
+        attended, done = attention_then_tail(self, h, ctx)
+        if done:
             return h
         h = self.post_attention_norm.add_to(h, self.attention.o(attended))
         return self.post_feedforward_norm.add_to(h, self.mlp(self.pre_feedforward_norm(h)))
@@ -62,7 +66,9 @@ class Gemma3Model(PagedModel):
             raise ValueError("a Gemma 3 config needs rope_local_theta and sliding_window")
         self.embedding = w.take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(device=w.device, dtype=w.dtype)
-        self.layers = [Gemma3Layer(w, config, i) for i in range(config.num_layers)]
+        layers = [Gemma3Layer(w, config, i) for i in range(config.num_layers)]
+        link_tails(layers)
+        self.layers = list(layers)
         self.norm = RMSNorm(w.take("model.norm.weight", (config.hidden_size,)), config.rms_norm_eps, unit_offset=True)
         self.rotaries = {
             "full_attention": Rotary(config.head_dim, config.rope_theta, w.device),

@@ -13,8 +13,9 @@ greedy row takes its token from ``greedy_head``. The MLP block is
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +112,9 @@ class StepContext:
     buffers: GatherBuffers
     mirror: WindowMirror | None = None
     mirror_step: MirrorStep | None = None
+    handoff: dict[int, torch.Tensor] = field(default_factory=dict)
+    """A layer's q, k, v rows (q and k normed and rotated) that the layer before it computed in its tail
+    (``LayerTail.through_next``), by layer index; each is taken once."""
 
 
 class PagedSelfAttention:
@@ -151,13 +155,21 @@ class PagedSelfAttention:
     def attend(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """The attention before the output projection, ``[T, heads * D]``: q and k heads are normed and rotated
         together, as one ``[T, heads + kv_heads, D]`` tensor."""
-        tokens = x.shape[0]
-        qkv = self.qkv(x)
+        return self._attend_qkv(self.qkv(x), ctx, rotated=False)
+
+    def attend_rotated(self, qkv: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``attend`` from the q, k, v rows ``[T, (heads + 2 kv_heads) D]`` whose q and k heads are already normed and
+        rotated (``StepContext.handoff``)."""
+        return self._attend_qkv(qkv, ctx, rotated=True)
+
+    def _attend_qkv(self, qkv: torch.Tensor, ctx: StepContext, rotated: bool) -> torch.Tensor:
+        tokens = qkv.shape[0]
         qk_width = (self.heads + self.kv_heads) * self.head_dim
         qk = qkv[:, :qk_width].view(tokens, self.heads + self.kv_heads, self.head_dim)
         v = qkv[:, qk_width:].view(tokens, self.kv_heads, self.head_dim)
-        cos, sin = ctx.rope[self.layer_type]
-        qk = apply_rope(qk, cos, sin) if self.qk_norm is None else self.qk_norm.then_rope(qk, cos, sin)
+        if not rotated:
+            cos, sin = ctx.rope[self.layer_type]
+            qk = apply_rope(qk, cos, sin) if self.qk_norm is None else self.qk_norm.then_rope(qk, cos, sin)
         q, k = qk[:, : self.heads], qk[:, self.heads :]
         k_pool, v_pool = ctx.kv.k[self.layer], ctx.kv.v[self.layer]
         write_kv(k_pool, v_pool, ctx.plan.slots, k, v)
@@ -204,6 +216,54 @@ def decode_tail(
     pre_ff = weights[1]
     assert pre_ff is not None
     return LayerTail.build(attention.o.weight, mlp.decode, (weights[0], pre_ff, weights[2]), eps, unit_offset)
+
+
+class TailedLayer(Protocol):
+    """What ``attention_then_tail`` and ``link_tails`` need of a decoder layer."""
+
+    index: int
+    input_norm: RMSNorm
+    attention: PagedSelfAttention
+    tail: LayerTail | None
+    next_rope: str | None
+    """The next layer's rope kind where this layer's tail computes its start (``link_tails``), else ``None``."""
+
+
+def attention_then_tail(layer: TailedLayer, h: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, bool]:
+    """The layer's attention output (from the rows its predecessor's tail handed over, else from ``h``), and
+    whether its tail then did the rest of the layer on ``h`` in place (and, where linked, the next layer's start)."""
+    handed = ctx.handoff.pop(layer.index, None)
+    if handed is not None and handed.shape[0] == h.shape[0]:
+        attended = layer.attention.attend_rotated(handed, ctx)
+    else:
+        attended = layer.attention.attend(layer.input_norm(h), ctx)
+    tail = layer.tail
+    if tail is None:
+        return attended, False
+    if layer.next_rope is not None:
+        cos, sin = ctx.rope[layer.next_rope]
+        start = tail.through_next(attended, h, cos, sin)
+        if start is not None:
+            ctx.handoff[layer.index + 1] = start
+            return attended, True
+    return attended, tail(attended, h)
+
+
+def link_tails(layers: Sequence[TailedLayer]) -> None:
+    """Let each layer's tail also compute the next layer's start (its input norm, q, k, v projection, q and k
+    norms and rope) where both run the decode kernels and the next layer norms its q and k heads."""
+    for layer, after in zip(layers, layers[1:], strict=False):
+        attention = after.attention
+        if layer.tail is None or attention.qk_norm is None or attention.qkv.bias is not None:
+            continue
+        qk_heads = attention.heads + attention.kv_heads
+        norm_w = attention.qk_norm.kernel_weight
+        if norm_w.shape != (qk_heads, attention.head_dim) or after.input_norm.eps != layer.tail.eps:
+            continue
+        if layer.tail.with_next(
+            after.input_norm.kernel_weight, attention.qkv.weight, qk_heads, attention.head_dim, norm_w
+        ):
+            layer.next_rope = attention.layer_type
 
 
 DecoderLayer = Callable[[torch.Tensor, StepContext], torch.Tensor]

@@ -20,7 +20,9 @@ from kvrelay.models.layers import (
     RMSNorm,
     Rotary,
     StepContext,
+    attention_then_tail,
     decode_tail,
+    link_tails,
 )
 from kvrelay.models.mlp import GatedMLP
 from kvrelay.models.weights import Weights
@@ -39,10 +41,12 @@ class LlamaLayer:
         self.attention = PagedSelfAttention(w, f"{prefix}.self_attn", config, layer)
         self.mlp = GatedMLP(w, f"{prefix}.mlp", config)
         self.tail = decode_tail(self.attention, self.mlp, (None, self.post_attention_norm, None), eps, False)
+        self.index = layer
+        self.next_rope: str | None = None
 
     def __call__(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        attended = self.attention.attend(self.input_norm(h), ctx)
-        if self.tail is not None and self.tail(attended, h):
+        attended, done = attention_then_tail(self, h, ctx)
+        if done:
             return h
         h = h.add_(self.attention.o(attended))
         return h.add_(self.mlp(self.post_attention_norm(h)))
@@ -54,7 +58,9 @@ class LlamaModel(PagedModel):
     def __init__(self, config: ModelConfig, w: Weights) -> None:
         super().__init__(config, w.dtype, w.device)
         self.embedding = w.take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
-        self.layers = [LlamaLayer(w, config, i) for i in range(config.num_layers)]
+        layers = [LlamaLayer(w, config, i) for i in range(config.num_layers)]
+        link_tails(layers)
+        self.layers = list(layers)
         self.norm = RMSNorm(w.take("model.norm.weight", (config.hidden_size,)), config.rms_norm_eps, unit_offset=False)
         self.rotaries = {"full_attention": Rotary(config.head_dim, config.rope_theta, w.device)}
         self.set_lm_head(w)

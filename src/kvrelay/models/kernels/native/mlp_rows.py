@@ -17,6 +17,7 @@ contiguous bfloat16 weights without bias on the CPU, widths multiples of 32, the
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -68,11 +69,41 @@ _AMX_SIGNATURES = (
                 ctypes.c_void_p,
                 ctypes.c_int,
                 ctypes.c_void_p,
+                ctypes.c_void_p,
             ),
             ctypes.c_int,
         ),
     ),
 )
+
+
+class _NextHead(ctypes.Structure):
+    """``mlp_rows_amx.c``'s ``NextHead``."""
+
+    _fields_ = (
+        ("in_norm_w", ctypes.c_void_p),
+        ("qkv_tiles", ctypes.c_void_p),
+        ("N", ctypes.c_int64),
+        ("qk_heads", ctypes.c_int64),
+        ("D", ctypes.c_int64),
+        ("qk_norm_w", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("qkv", ctypes.c_void_p),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class NextHead:
+    """The start of the next layer that a ``LayerTail`` may compute in its region: its input norm's weight
+    (float32 ``[H]``), its fused q, k, v projection as tiles (``[N, H]``), and its q and k heads' norm weights
+    (float32 ``[qk_heads, D]``); the rope tables come with each call."""
+
+    in_norm_w: torch.Tensor
+    qkv_tiles: torch.Tensor
+    qk_heads: int
+    head_dim: int
+    qk_norm_w: torch.Tensor
 
 
 def library() -> ctypes.CDLL | None:
@@ -191,6 +222,32 @@ class LayerTail:
         self.unit_offset = unit_offset
         self.width = o_tiles.shape[1]
         self.max_rows = mlp.max_rows
+        self.next: NextHead | None = None
+        """The next layer's start, computed in the same region where set (``with_next``)."""
+
+    def with_next(
+        self, in_norm_w: torch.Tensor, qkv_weight: torch.Tensor, qk_heads: int, head_dim: int, qk_norm_w: torch.Tensor
+    ) -> bool:
+        """Also compute the next layer's normed input, its q, k, v projection (``qkv_weight`` ``[N, H]``) and its q
+        and k heads' norm and rope (see ``NextHead``); False where they do not fit (nothing changes)."""
+        hidden = self.mlp.hidden
+        fits = (
+            qkv_weight.dtype == torch.bfloat16
+            and qkv_weight.is_contiguous()
+            and qkv_weight.dim() == 2
+            and qkv_weight.shape[1] == hidden
+            and qkv_weight.shape[0] % 32 == 0
+            and head_dim % 32 == 0
+            and head_dim <= 1024
+            and qk_heads * head_dim <= qkv_weight.shape[0]
+            and in_norm_w.shape == (hidden,)
+            and qk_norm_w.shape == (qk_heads, head_dim)
+            and all(w.dtype == torch.float32 and w.is_contiguous() for w in (in_norm_w, qk_norm_w))
+        )
+        if fits:
+            tiles = _tiles(self.mlp.lib, qkv_weight)
+            self.next = NextHead(in_norm_w, tiles, qk_heads, head_dim, qk_norm_w)
+        return fits
 
     @classmethod
     def build(
@@ -215,10 +272,41 @@ class LayerTail:
     def __call__(self, attn: torch.Tensor, h: torch.Tensor) -> bool:
         """Apply the tail to ``h`` (``[M, H]`` bfloat16, contiguous) in place from ``attn`` (``[M, A]``); False
         where they do not fit (nothing computed)."""
+        return self._run(attn, h, None) is not None
+
+    def through_next(
+        self, attn: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``self(attn, h)``, then the next layer's ``[M, N]`` q, k, v rows (q and k heads normed and rotated by
+        ``cos`` and signed ``sin``, ``[M, 1, D]``), as its attention would compute them from ``h``; ``None``
+        where they do not fit or no next layer is set (nothing computed)."""
+        nxt = self.next
+        rows = h.shape[0]
+        if nxt is None or cos.shape != (rows, 1, nxt.head_dim) or sin.shape != cos.shape:
+            return None
+        if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:
+            return None
+        qkv = torch.empty(rows, nxt.qkv_tiles.shape[0], dtype=torch.bfloat16)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        head = _NextHead(
+            nxt.in_norm_w.data_ptr(),
+            nxt.qkv_tiles.data_ptr(),
+            nxt.qkv_tiles.shape[0],
+            nxt.qk_heads,
+            nxt.head_dim,
+            nxt.qk_norm_w.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            qkv.data_ptr(),
+        )
+        return qkv if self._run(attn, h, head) is not None else None
+
+    def _run(self, attn: torch.Tensor, h: torch.Tensor, head: _NextHead | None) -> torch.Tensor | None:
+        """The kernel call; ``h`` when it ran, else ``None``."""
         rows = h.shape[0]
         fits = attn.dim() == 2 and attn.shape == (rows, self.width) and attn.dtype == h.dtype == torch.bfloat16
         if not fits or not 1 <= rows <= self.max_rows or not h.is_contiguous() or h.shape[1] != self.mlp.hidden:
-            return False
+            return None
         attn = attn.contiguous()
         hidden, inner = self.mlp.hidden, self.mlp.inner
         scratch = torch.empty(rows * (3 * hidden + inner), dtype=torch.bfloat16)
@@ -242,5 +330,6 @@ class LayerTail:
             down,
             self.mlp.code,
             scratch.data_ptr(),
+            None if head is None else ctypes.addressof(head),
         )
-        return status == 0
+        return h if status == 0 else None
