@@ -18,6 +18,7 @@
  * contract (nothing is written then).
  */
 #include <omp.h>
+#include <sched.h>
 #include <stdatomic.h>
 
 #include "amx_tiles.h"
@@ -27,6 +28,7 @@
 
 #define MAX_ROWS 32
 #define MAX_HEAD_DIM 1024
+#define SPIN_TURNS 4096 /* about 20-100 us of pause before a waiting thread yields its core */
 
 /* W [N, K] (row-major bfloat16) into tiles (N * K values, the order above). Returns 0, or -1 on bad shapes. */
 int kvrelay_bf16_pack_tiles(const uint16_t* w, int64_t N, int64_t K, uint16_t* tiles) {
@@ -130,7 +132,12 @@ static void projection_share(const uint16_t* a, int64_t K, int64_t M, const uint
  * waits only for the slower share, where a futex would cost the wake-up these kernels save. */
 static inline void arrive_and_wait(atomic_int* arrived, int nt) {
     atomic_fetch_add_explicit(arrived, 1, memory_order_acq_rel);
-    while (atomic_load_explicit(arrived, memory_order_acquire) < nt) _mm_pause();
+    for (int turns = 0; atomic_load_explicit(arrived, memory_order_acquire) < nt; turns++) {
+        if (turns < SPIN_TURNS)
+            _mm_pause();
+        else
+            sched_yield();
+    }
 }
 
 /* Thread t's share of the MLP of x into y (the intermediate in mid); one arrival at *arrived between phases. */
