@@ -21,7 +21,6 @@ from kvrelay.models.kernels.native.mlp_rows import (
     DecodeMLP,
     amx_library,
     library,
-    mlp_rows_native,
 )
 from kvrelay.models.layers import Weights
 from kvrelay.models.mlp import ACTIVATIONS, GatedMLP
@@ -30,6 +29,16 @@ HIDDEN, INNER = 128, 320
 needs_kernel = pytest.mark.skipif(
     library() is None, reason="the native kernel does not run here (no AVX-512 BF16 or no C compiler)"
 )
+
+
+def mlp_rows_native(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation: str
+) -> torch.Tensor | None:
+    """The AVX-512 kernel's MLP of ``x``, built for one call."""
+    mlp = DecodeMLP.build(gate, up, down, activation, amx=False)
+    return None if mlp is None else mlp(x)
+
+
 needs_amx = pytest.mark.skipif(amx_library() is None, reason="the AMX kernel does not run here (no AMX tiles)")
 KERNELS = [
     pytest.param(False, AVX512_ROWS, marks=needs_kernel, id="avx512"),

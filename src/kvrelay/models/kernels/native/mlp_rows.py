@@ -1,4 +1,5 @@
-"""The gated MLP of a decode step's few bfloat16 rows in one parallel region: C kernels.
+"""The gated MLP of a decode step's few bfloat16 rows in one parallel region, and on AMX a decoder layer's
+whole work after its attention: C kernels.
 
 ``DecodeMLP.build(gate, up, down, activation)`` holds what the kernel reads; ``mlp(x)`` is
 ``down(act(gate x) * up x)`` for ``x`` of 1 to ``mlp.max_rows`` rows, with ``mlp.GatedMLP``'s post-op
@@ -9,11 +10,13 @@ docs/performance.md, "Decode MLP in one region"). Where the CPU has AMX the dot 
 bfloat16 tiles (``mlp_rows_amx.c``) over a copy of the weights laid out once in tile order, for up to
 ``AMX_ROWS`` rows; elsewhere on AVX-512 BF16 as ``vdpbf16ps`` chains over the weights as they are
 (``mlp_rows.c``), for up to ``AVX512_ROWS`` rows, beyond which oneDNN computes faster.
-``mlp_rows_native`` runs the latter once, without building anything. Applies to bfloat16 rows and
-contiguous bfloat16 weights without bias on the CPU, widths multiples of 32, the activations of
-``ACTIVATION_CODES``, where the kernel is built (``build``); else ``None`` and nothing is computed.
-"""
 
+``LayerTail`` (AMX only) adds the output projection and the norms with their residual adds to that
+region, and where linked (``LayerTail.with_next``) the next layer's input norm, q/k/v projection and
+q/k norms with rope (``NextHead``). Everything applies to bfloat16 rows and contiguous bfloat16
+weights without bias on the CPU, widths multiples of 32, the activations of ``ACTIVATION_CODES``,
+where the kernel is built (``build``); else ``None`` (or False) and nothing is computed.
+"""
 from __future__ import annotations
 
 import ctypes
@@ -171,14 +174,6 @@ class DecodeMLP:
             x.data_ptr(), rows, self.hidden, gate, up, self.inner, down, self.code, mid.data_ptr(), out.data_ptr()
         )
         return None if status else out
-
-
-def mlp_rows_native(
-    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation: str
-) -> torch.Tensor | None:
-    """``down(act(gate x) * up x)`` through the AVX-512 kernel (``DecodeMLP.build(..., amx=False)``), once."""
-    mlp = DecodeMLP.build(gate, up, down, activation, amx=False)
-    return None if mlp is None else mlp(x)
 
 
 def _weights_fit(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> bool:
