@@ -8,7 +8,10 @@ head are ``mlp.PackedLinear``s, norms (with the rope after the q/k norm, and
 the residual add after Gemma's output norms) run in ``native.rms_norm``,
 sliding layers of laned decode rows read ``window_mirror`` rings, and a single
 greedy row takes its token from ``greedy_head``. The MLP block is
-``mlp.GatedMLP``.
+``mlp.GatedMLP``. On a CPU with AMX a decode step's rows take a layer's work
+after its attention in one kernel call (``decode_tail``), which also computes
+the next layer's q, k, v where ``link_tails`` linked the two
+(``attention_then_tail``).
 """
 
 from __future__ import annotations
