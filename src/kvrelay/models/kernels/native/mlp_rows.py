@@ -17,6 +17,7 @@ q/k norms with rope (``NextHead``). Everything applies to bfloat16 rows and cont
 weights without bias on the CPU, widths multiples of 32, the activations of ``ACTIVATION_CODES``,
 where the kernel is built (``build``); else ``None`` (or False) and nothing is computed.
 """
+
 from __future__ import annotations
 
 import ctypes
