@@ -16,28 +16,11 @@
 #include <math.h>
 
 #include "bf16_simd.h"
+#include "exp_simd.h"
 
 #define MAX_KEYS 4096
 #define MAX_G 16
 #define PREFETCH_ROWS 8
-
-/* exp(x) for x <= 0: Cephes' single-precision range reduction and polynomial. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
 
 /* p[g][j] = bf16(q[g] . k[j]) for four query rows starting at g0; key rows are `stride` apart. */
 static void scores4(const uint16_t* q, const uint16_t* k, int n, int D, int64_t stride, int g0, float (*p)[MAX_KEYS]) {
@@ -78,12 +61,12 @@ static void softmax_row(float* p, int n, float scale) {
     const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
     __m512 total = _mm512_setzero_ps();
     for (j = 0; j + 16 <= n; j += 16) {
-        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(p + j), top));
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(p + j), top));
         _mm512_storeu_ps(p + j, e);
         total = _mm512_add_ps(total, e);
     }
     if (j < n) {
-        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, p + j), top));
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, p + j), top));
         _mm512_mask_storeu_ps(p + j, tail, e);
         total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
     }

@@ -1,28 +1,13 @@
 /*
- * The MLP activations of mlp_rows.c and mlp_rows_amx.c on float32 lanes (AVX-512), with the exp and erf they
- * are built of.
+ * The MLP activations of mlp_rows.c and mlp_rows_amx.c on float32 lanes (AVX-512), with the erf they are built
+ * of (exp: exp_simd.h).
  */
 #ifndef KVRELAY_MLP_ACTIVATIONS_H
 #define KVRELAY_MLP_ACTIVATIONS_H
 
 #include <immintrin.h>
 
-/* exp(x) for float32 lanes: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], a degree-6 polynomial
- * (relative error about 2e-7); inputs are clamped to [-87, 88]. */
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
+#include "exp_simd.h"
 
 /* erf(x) for float32 lanes: Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7), odd in x. */
 static inline __m512 erf_ps(__m512 x) {

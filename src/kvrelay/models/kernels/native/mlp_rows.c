@@ -24,21 +24,9 @@
 
 #define MAX_ROWS 16
 
-/* The float32 sums of input row x (K columns) against weight rows w .. w + 3K, as four lanes. */
-static inline __m128 four_sums(const uint16_t* x, const uint16_t* w, int64_t K) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t c = 0; c < K; c += 32) {
-        const __m512bh xc = (__m512bh)_mm512_loadu_si512(x + c);
-        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + c), xc);
-        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + K + c), xc);
-        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + 2 * K + c), xc);
-        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w + 3 * K + c), xc);
-    }
-    return sum4(a0, a1, a2, a3);
-}
-
-/* four_sums of x against w and against v at once (eight independent chains of dot products, so the
- * instruction's latency is hidden), each sum as four_sums gives it. */
+/* The float32 sums of input row x (K columns) against weight rows w .. w + 3K and against v .. v + 3K, four
+ * lanes each: sixteen lanes of dot-product pairs per 32 columns, then sum4, in eight independent chains (so the
+ * instruction's latency is hidden). A sum depends on its row and weight row alone. */
 static inline void four_sums_twice(const uint16_t* x, const uint16_t* w, const uint16_t* v, int64_t K, __m128* sw,
                                    __m128* sv) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
@@ -57,7 +45,7 @@ static inline void four_sums_twice(const uint16_t* x, const uint16_t* w, const u
     *sv = sum4(b0, b1, b2, b3);
 }
 
-/* four_sums of two input rows x and z against the same weight rows w .. w + 3K. */
+/* The same sums of two input rows x and z against the same weight rows w .. w + 3K. */
 static inline void four_sums_two_rows(const uint16_t* x, const uint16_t* z, const uint16_t* w, int64_t K, __m128* sx,
                                       __m128* sz) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
@@ -114,8 +102,11 @@ int kvrelay_mlp_rows(const uint16_t* x, int64_t M, int64_t H, const uint16_t* ga
                 _mm_storel_epi64((__m128i*)(y + m * H + h), (__m128i)_mm_cvtneps_pbh(s0));
                 _mm_storel_epi64((__m128i*)(y + (m + 1) * H + h), (__m128i)_mm_cvtneps_pbh(s1));
             }
-            if (m < M)
-                _mm_storel_epi64((__m128i*)(y + m * H + h), (__m128i)_mm_cvtneps_pbh(four_sums(mid + m * I, down + h * I, I)));
+            if (m < M) { /* the last of an odd count, as its own pair */
+                __m128 s0, s1;
+                four_sums_two_rows(mid + m * I, mid + m * I, down + h * I, I, &s0, &s1);
+                _mm_storel_epi64((__m128i*)(y + m * H + h), (__m128i)_mm_cvtneps_pbh(s0));
+            }
         }
     }
     return 0;

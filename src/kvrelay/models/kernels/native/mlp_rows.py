@@ -36,48 +36,16 @@ AMX_ROWS = 32
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 """The activations the kernels compute, by the name they are given, and their code in C."""
 
-_ARGS = (
-    ctypes.c_void_p,
-    ctypes.c_int64,
-    ctypes.c_int64,
-    ctypes.c_void_p,
-    ctypes.c_void_p,
-    ctypes.c_int64,
-    ctypes.c_void_p,
-    ctypes.c_int,
-    ctypes.c_void_p,
-    ctypes.c_void_p,
-)
-_SIGNATURES = (("kvrelay_mlp_rows", (_ARGS, ctypes.c_int)),)
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_ARGS = (_P, _I64, _I64, _P, _P, _I64, _P, _INT, _P, _P)
+"""x, M, H, gate, up, I, down, act, mid, y (``mlp_rows.c``, ``mlp_rows_amx.c``)."""
+_TAIL_ARGS = (_P, _I64, _P, _P, _I64, _I64, _P, _P, _P, ctypes.c_float, _INT, _P, _P, _I64, _P, _INT, _P, _P)
+"""attn, A, o_tiles, h, M, H, the three norms, eps, unit_offset, gate, up, I, down, act, scratch, next."""
+_SIGNATURES = (("kvrelay_mlp_rows", (_ARGS, _INT)),)
 _AMX_SIGNATURES = (
-    ("kvrelay_bf16_pack_tiles", ((ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p), ctypes.c_int)),
-    ("kvrelay_mlp_rows_amx", (_ARGS, ctypes.c_int)),
-    (
-        "kvrelay_layer_tail_amx",
-        (
-            (
-                ctypes.c_void_p,
-                ctypes.c_int64,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_int64,
-                ctypes.c_int64,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_float,
-                ctypes.c_int,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_int64,
-                ctypes.c_void_p,
-                ctypes.c_int,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-            ),
-            ctypes.c_int,
-        ),
-    ),
+    ("kvrelay_bf16_pack_tiles", ((_P, _I64, _I64, _P), _INT)),
+    ("kvrelay_mlp_rows_amx", (_ARGS, _INT)),
+    ("kvrelay_layer_tail_amx", (_TAIL_ARGS, _INT)),
 )
 
 
