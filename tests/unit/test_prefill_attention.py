@@ -22,27 +22,8 @@ from kvrelay.models.kernels.prefill_attention import (
     prefill_attention_auto,
     prefill_kernel,
 )
+from tests.support.masked_attention import SCALE, masked_attention
 from tests.support.torch_threads import one_thread  # noqa: F401  (autouse: torch on one thread)
-
-SCALE = 0.2
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
-    """Attention by its definition, in float64: each query's softmax over the keys it sees (``span``), with the
-    query heads of a KV head sharing it. Independent of both kernels under test."""
-    queries, heads, _ = q.shape
-    group = heads // k.shape[0]
-    seen = [
-        [
-            span.first_key + i <= p and (span.window is None or span.first_key + i > p - span.window)
-            for i in range(k.shape[1])
-        ]
-        for p in range(span.first_query, span.first_query + queries)
-    ]
-    keys, values = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
-    scores = torch.einsum("qhd,hkd->hqk", q.double(), keys) * SCALE
-    scores = scores.masked_fill(~torch.tensor(seen), float("-inf"))
-    return torch.einsum("hqk,hkd->qhd", torch.softmax(scores, dim=-1), values).to(q.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,121 @@
+"""Prefill attention on AMX tiles (``prefill_attention_amx.c``), compiled on first use.
+
+One prefilling sequence's queries over its gathered keys, causal with an optional
+sliding window, as ``models.kernels.prefill_attention`` defines it: per KV head the
+query heads sharing it are rows of one matrix, and each 16 rows score only the
+32-key blocks some of them sees (torch's fused kernel with a mask scores every
+pair of its key range: a 256-query block of a 512-key sliding window scored 767
+keys a query). Scores, softmax and sums in float32, the probabilities rounded to
+bfloat16 for the second product as torch's fused kernel rounds them; only the
+order of float summation differs. A row's output depends on its own query and
+keys alone, whichever rows share its tile.
+
+It applies to bfloat16 on CPU where the AMX kernels load (``build.load_amx``), with
+a head dim a multiple of 64 up to 512 and keys of unit stride along the head dim;
+``None`` elsewhere, and the caller takes torch's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from kvrelay.models.kernels.native.build import load_amx
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = (
+    ("kvrelay_prefill_attention_scratch", ((_I64,) * 6, _I64)),
+    (
+        "kvrelay_prefill_attention_amx",
+        ((_P,) * 4 + (_I64,) * 10 + (ctypes.c_float, _P, _I64), ctypes.c_int),
+    ),
+)
+MAX_HEAD_DIM = 512
+
+
+class _Scratch(threading.local):
+    """Each thread's reused scratch (grown, never shrunk): a fresh one per call faulted in its pages every time."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, size: int) -> torch.Tensor:
+        if self.buffer.numel() < size:
+            self.buffer = torch.empty(size + 63, dtype=torch.uint8)
+        return self.buffer
+
+
+_scratch = _Scratch()
+
+
+def prefill_attention_amx(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    first_query: int,
+    first_key: int,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor | None:
+    """Attention ``[Q, heads, D]`` of queries ``q`` (``[Q, heads, D]``, query ``t`` at ``first_query + t``) over
+    ``k``, ``v`` (``[kv_heads, S, D]``, key ``i`` at ``first_key + i``), causal and, with a ``window``, sliding;
+    ``None`` where the kernel does not apply (nothing computed then).
+
+    The keys must reach the last query's position and start at or before the first query's.
+    """
+    if not _applies(q, k, v):
+        return None
+    lib = load_amx("prefill_attention_amx", _SIGNATURES)
+    if lib is None:
+        return None
+    queries, heads, dim = q.shape
+    kv_heads, keys, _ = k.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    threads = torch.get_num_threads()
+    size = lib.kvrelay_prefill_attention_scratch(queries, heads, kv_heads, dim, keys, threads)
+    buffer = _scratch.take(size)
+    aligned = buffer.data_ptr() + (-buffer.data_ptr() % 64)
+    status = lib.kvrelay_prefill_attention_amx(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        queries,
+        heads,
+        kv_heads,
+        dim,
+        keys,
+        k.stride(0),
+        k.stride(1),
+        first_query,
+        first_key,
+        window or 0,
+        scale,
+        aligned,
+        threads,
+    )
+    if status != 0:
+        raise ValueError(
+            f"prefill attention rejected {queries} queries from position {first_query} over {keys} keys from "
+            f"position {first_key}: the keys must start at or before the first query and reach the last"
+        )
+    return out
+
+
+def _applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    if any(t.device.type != "cpu" or t.dtype != torch.bfloat16 or t.dim() != 3 for t in (q, k, v)):
+        return False
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[0]
+    return (
+        k.shape == v.shape
+        and k.shape[2] == dim
+        and k.stride() == v.stride()
+        and k.stride(2) == 1
+        and heads % kv_heads == 0
+        and dim % 64 == 0
+        and dim <= MAX_HEAD_DIM
+    )

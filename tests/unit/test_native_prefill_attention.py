@@ -1,0 +1,92 @@
+"""Prefill attention on AMX tiles equals attention by its definition, row by row whatever shares its tile.
+
+Random queries, keys and values in bfloat16; full and sliding layers, chunks with and
+without keys before them, GQA and not, chunk lengths that end mid-tile. The reference
+is float64 attention (``tests.support.masked_attention``); the kernel may differ from it
+only by bfloat16 rounding, and by no more than torch's fused kernel does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrelay.models.kernels.native.build import load_amx
+from kvrelay.models.kernels.native.prefill_attention import _SIGNATURES, prefill_attention_amx
+from kvrelay.models.kernels.prefill_attention import PrefillSpan, fused_prefill_attention, prefill_attention_auto
+from tests.support.masked_attention import SCALE, masked_attention
+
+pytestmark = pytest.mark.skipif(
+    load_amx("prefill_attention_amx", _SIGNATURES) is None, reason="the AMX kernel does not run here (no AMX tiles)"
+)
+
+
+def _inputs(
+    seed: int, queries: int, heads: int, kv_heads: int, dim: int, keys: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``[Q, heads, D]``; k, v ``[kv_heads, S, D]`` as the engine gathers them (views of ``[S, kv_heads, D]``)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(queries, heads, dim, generator=gen).bfloat16()
+    k = torch.randn(keys, kv_heads, dim, generator=gen).bfloat16().transpose(0, 1)
+    v = torch.randn(keys, kv_heads, dim, generator=gen).bfloat16().transpose(0, 1)
+    return q, k, v
+
+
+def _amx(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+    out = prefill_attention_amx(q, k, v, span.first_query, span.first_key, span.window, SCALE)
+    assert out is not None
+    return out
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 1, 256), (4, 2, 64), (3, 3, 128)])
+@pytest.mark.parametrize("window", [None, 37, 512])
+@pytest.mark.parametrize(("first_query", "first_key", "queries"), [(0, 0, 1), (0, 0, 75), (600, 0, 43), (600, 200, 21)])
+def test_the_kernel_equals_attention_by_its_definition(
+    heads: int, kv_heads: int, dim: int, window: int | None, first_query: int, first_key: int, queries: int
+) -> None:
+    if window is not None:
+        first_key = max(first_key, first_query - window + 1) if first_key else 0
+    keys = first_query + queries - first_key
+    q, k, v = _inputs(first_query + queries + dim, queries, heads, kv_heads, dim, keys)
+    span = PrefillSpan(first_query, first_key, window)
+    want = masked_attention(q.double(), k.double(), v.double(), span)
+    got = _amx(q, k, v, span)
+    fused = fused_prefill_attention(q, k, v, span, SCALE)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    error = (got.double() - want).abs().max().item()
+    assert error <= max(2e-2, 1.5 * (fused.double() - want).abs().max().item()), error
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
+    """The last 5 queries alone (a tile of their own) give the bits they got as the tail of 70 (other tile
+    mates, another first key block), on one thread and on two."""
+    q, k, v = _inputs(5, 70, 4, 1, 256, 700)
+    span = PrefillSpan(630, 0, 300)
+    whole = _amx(q, k, v, span)
+    tail = _amx(q[65:], k, v, PrefillSpan(695, 0, 300))
+    assert torch.equal(whole[65:], tail)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if before > 1 else 2)
+        assert torch.equal(_amx(q, k, v, span), whole)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_keys_that_miss_a_query_are_refused_with_the_positions() -> None:
+    q, k, v = _inputs(1, 8, 4, 1, 64, 10)
+    with pytest.raises(ValueError, match="8 queries from position 5 over 10 keys from position 0"):
+        prefill_attention_amx(q, k, v, 5, 0, None, SCALE)
+
+
+def test_it_does_not_apply_where_the_kernel_cannot_run() -> None:
+    q, k, v = _inputs(2, 4, 4, 1, 64, 4)
+    assert prefill_attention_amx(q.float(), k.float(), v.float(), 0, 0, None, SCALE) is None
+    assert prefill_attention_amx(q[..., :32], k[..., :32], v[..., :32], 0, 0, None, SCALE) is None
+
+
+def test_the_engine_attends_sliding_layers_through_it() -> None:
+    q, k, v = _inputs(3, 50, 4, 1, 256, 120)
+    sliding, full = PrefillSpan(70, 0, 64), PrefillSpan(70, 0, None)
+    assert torch.equal(prefill_attention_auto(q, k, v, sliding, SCALE), _amx(q, k, v, sliding))
+    assert torch.equal(prefill_attention_auto(q, k, v, full, SCALE), fused_prefill_attention(q, k, v, full, SCALE))
