@@ -135,23 +135,38 @@ def test_single_sequence_decode_and_prefill() -> None:
     run_case(starts=[0], new=[23], window=23, seed=5)
 
 
+MASKED = torch.device("meta")
+"""A device other than the CPU, for the plans of devices that attend a prefill through its mask (no tensor data
+is needed to check which groups carry one)."""
+
+
 def test_fresh_prefill_uses_the_plain_causal_path_only_where_the_window_does_not_bind() -> None:
     batch = ForwardBatch.build([([7] * 12, 0, [0, 1, 2]), ([7] * 5, 3, [3, 4])])
-    plan = plan_attention(batch, PAGE, 12, torch.device("cpu"), torch.float32)
+    plan = plan_attention(batch, PAGE, 12, MASKED, torch.float32)
     assert plan.full[0].mask is None and plan.sliding[0].mask is None
     assert plan.full[1].mask is not None
-    narrow = plan_attention(batch, PAGE, 11, torch.device("cpu"), torch.float32)
+    narrow = plan_attention(batch, PAGE, 11, MASKED, torch.float32)
     assert narrow.full[0].mask is None
     assert narrow.sliding[0].mask is None and narrow.sliding[0].queries_per_seq == 11
     assert narrow.sliding[1].mask is not None and narrow.sliding[1].queries_per_seq == 1
 
 
+def test_a_cpu_attends_every_prefill_by_its_span_without_a_mask() -> None:
+    batch = ForwardBatch.build([([7] * 12, 0, [0, 1, 2]), ([7] * 5, 3, [3, 4])])
+    plan = plan_attention(batch, PAGE, 11, torch.device("cpu"), torch.float32)
+    for group in (*plan.full, *plan.sliding):
+        assert group.mask is None and group.span is not None
+    assert [g.queries_per_seq for g in plan.sliding] == [12, 5]
+
+
 def test_long_prefill_attends_window_by_window_in_sliding_layers() -> None:
     run_case(starts=[0, 5], new=[37, 29], window=8, seed=9)
     batch = ForwardBatch.build([([7] * 37, 0, list(range(10)))])
-    plan = plan_attention(batch, PAGE, 8, torch.device("cpu"), torch.float32)
+    plan = plan_attention(batch, PAGE, 8, MASKED, torch.float32)
     assert [g.queries_per_seq for g in plan.sliding] == [8, 8, 8, 8, 5]
     assert max(g.pages.shape[1] * PAGE for g in plan.sliding) <= 2 * 8 + PAGE
+    on_cpu = plan_attention(batch, PAGE, 8, torch.device("cpu"), torch.float32)
+    assert [g.queries_per_seq for g in on_cpu.sliding] == [37]
 
 
 def test_plan_names_a_short_page_table() -> None:

@@ -3,9 +3,11 @@
 Per forward pass ``plan_attention`` turns a ``ForwardBatch`` into an ``AttentionPlan``: the pool slot
 of every new token, and per layer type the groups of queries that attend together. Decoding sequences
 (one new token each) form a few groups of similar length (``split_by_length``; often one), whose
-padded key windows span the pages each member needs; a prefilling sequence is a group of its own, in
-sliding layers one group per ``sliding_window`` queries. Key windows of sliding layers start at the
-oldest page the window can reach. Decoding sequences that the model mirrors per lane
+padded key windows span the pages each member needs; a prefilling sequence is a group of its own. On CPU
+that group is attended by its span (``prefill_attention``: each query block over the keys it sees), so it
+carries no mask and a sliding layer's group holds the whole chunk; elsewhere it attends through a mask of
+queries by keys, and sliding layers split it into groups of ``sliding_window`` queries. Key windows of
+sliding layers start at the oldest page the window can reach. Decoding sequences that the model mirrors per lane
 (``window_mirror``) are left out of the sliding-layer groups (``mirrored``); full-attention decode
 groups of batches whose decode rows all have lanes are marked to be kept between steps
 (``kept_gathers``).
@@ -47,9 +49,10 @@ class AttentionGroup:
     ``query_rows`` (``[G * Q]``) are the rows of the batch's new tokens, or
     ``None`` when the group is all of them, in order. ``pages`` is ``[G, n]``;
     ``mask`` is ``[G, 1, Q, n * page_tokens]``, additive: 0 where the query sees the
-    key, ``-inf`` elsewhere; or ``None`` for a prefill from position 0 whose
-    window does not bind, where the first ``Q`` keys are attended with a plain
-    causal mask (which lets the attention kernel skip the masked blocks).
+    key, ``-inf`` elsewhere; or ``None`` for a prefill group on CPU (attended by its ``span``)
+    and for a prefill from position 0 whose window does not bind, where the first ``Q``
+    keys are attended with a plain causal mask (which lets the attention kernel skip the
+    masked blocks).
     ``kept`` identifies a full-attention decode group of a batch whose decode rows all have
     lanes, so its gathered window can be kept between steps (``kept_gathers``); else ``None``.
     ``span`` places the queries and gathered keys of a prefill group (one sequence, ``Q > 1``),
@@ -133,7 +136,7 @@ def plan_attention(
             groups[kind].append(group)
         for i in prefilling:
             first, stop = starts[i], starts[i] + batch.query_lens[i]
-            step = stop - first if window is None else window
+            step = stop - first if window is None or device.type == "cpu" else window
             for lo in range(first, stop, step):
                 hi = min(stop, lo + step)
                 rows = None if batch.num_seqs == 1 and hi - lo == stop - first else torch.arange(lo, hi)
@@ -237,7 +240,8 @@ def _group(
     span = None
     if q_pos.shape[0] == 1 and queries > 1:
         span = PrefillSpan(int(q_pos[0, 0]), int(page_idx[0, 0]) * page_tokens, window)
-    if q_pos.shape[0] == 1 and int(q_pos[0, 0]) == 0 and queries > 1 and (window is None or queries <= window):
+    plain_causal = q_pos.shape[0] == 1 and int(q_pos[0, 0]) == 0 and (window is None or queries <= window)
+    if span is not None and (plain_causal or device.type == "cpu"):
         rows = None if query_rows is None else query_rows.to(device)
         return AttentionGroup(rows, pages.to(device), mask=None, queries_per_seq=queries, page_run=run, span=span)
     offsets = torch.arange(page_tokens)
