@@ -65,7 +65,7 @@ def run_case(
     plan = plan_attention(batch, PAGE, window, torch.device("cpu"), torch.float32)
     new_k = torch.cat([k[s:] for (k, _), s in zip(histories, starts, strict=True)])
     new_v = torch.cat([v[s:] for (_, v), s in zip(histories, starts, strict=True)])
-    write_kv(pool_k, pool_v, plan.slots, new_k, new_v)
+    write_kv(pool_k, pool_v, plan.slots, new_k, new_v, plan.slot_run)
     q = torch.randn(batch.num_tokens, HEADS, DIM, generator=gen)
     groups = plan.sliding if window else plan.full
     out = paged_attention(q, pool_k, pool_v, groups, SCALE, GatherBuffers())
@@ -239,3 +239,20 @@ def test_decode_attention_equals_dense_attention_under_a_mask() -> None:
     scores = torch.einsum("bhgd,bhsd->bhgs", q, k) * SCALE + mask
     want = torch.einsum("bhgs,bhsd->bhgd", scores.softmax(-1), v)
     torch.testing.assert_close(attention.decode_attention(q, k, v, mask, SCALE), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefill_in_consecutive_pages_is_written_as_one_slice() -> None:
+    """``slot_run`` names the first slot where a step's slots are consecutive; written there as a slice, the
+    pool holds what the indexed write gives."""
+    plan = run_case(starts=[5], new=[11], window=None, seed=12, consecutive=True)
+    assert plan.slot_run is not None and torch.equal(
+        plan.slots, torch.arange(plan.slot_run, plan.slot_run + plan.num_tokens)
+    )
+    assert run_case(starts=[0, 3], new=[6, 1], window=None, seed=12).slot_run is None
+    gen = torch.Generator().manual_seed(13)
+    k, v = torch.randn(2, 11, KV_HEADS, DIM, generator=gen)
+    sliced, indexed = torch.zeros(2, 6, PAGE, KV_HEADS, DIM), torch.zeros(2, 6, PAGE, KV_HEADS, DIM)
+    slots = torch.arange(9, 20)
+    write_kv(sliced[0], sliced[1], slots, k, v, slot_run=9)
+    write_kv(indexed[0], indexed[1], slots, k, v)
+    assert torch.equal(sliced, indexed) and sliced.count_nonzero() > 0

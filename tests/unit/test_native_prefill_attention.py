@@ -90,3 +90,12 @@ def test_the_engine_attends_sliding_layers_through_it() -> None:
     sliding, full = PrefillSpan(70, 0, 64), PrefillSpan(70, 0, None)
     assert torch.equal(prefill_attention_auto(q, k, v, sliding, SCALE), _amx(q, k, v, sliding))
     assert torch.equal(prefill_attention_auto(q, k, v, full, SCALE), fused_prefill_attention(q, k, v, full, SCALE))
+
+
+def test_queries_may_be_rows_of_a_wider_projection() -> None:
+    """The engine's queries are a view of the q/k/v projection's rows: the same bits as a contiguous copy."""
+    q, k, v = _inputs(4, 40, 4, 1, 64, 40)
+    wide = torch.cat([q, torch.zeros(40, 2, 64, dtype=q.dtype)], dim=1)[:, :4]
+    span = PrefillSpan(0, 0, 16)
+    assert not wide.is_contiguous()
+    assert torch.equal(_amx(wide, k, v, span), _amx(q, k, v, span))

@@ -175,7 +175,7 @@ class PagedSelfAttention:
             qk = apply_rope(qk, cos, sin) if self.qk_norm is None else self.qk_norm.then_rope(qk, cos, sin)
         q, k = qk[:, : self.heads], qk[:, self.heads :]
         k_pool, v_pool = ctx.kv.k[self.layer], ctx.kv.v[self.layer]
-        write_kv(k_pool, v_pool, ctx.plan.slots, k, v)
+        write_kv(k_pool, v_pool, ctx.plan.slots, k, v, ctx.plan.slot_run)
         if self.layer_type != "sliding_attention":
             out = paged_attention(q, k_pool, v_pool, ctx.plan.full, self.scale, ctx.buffers)
         elif ctx.mirror is None or ctx.mirror_step is None:

@@ -75,12 +75,14 @@ class AttentionGroup:
 
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
-    """Where one step's new tokens go (``slots``: ``page * page_tokens + offset``) and how they attend."""
+    """Where one step's new tokens go (``slots``: ``page * page_tokens + offset``; ``slot_run``: the first
+    slot when they are consecutive, ascending, else ``None``) and how they attend."""
 
     slots: torch.Tensor
     full: tuple[AttentionGroup, ...]
     sliding: tuple[AttentionGroup, ...]
     num_tokens: int
+    slot_run: int | None = None
 
 
 def plan_attention(
@@ -147,6 +149,7 @@ def plan_attention(
         full=tuple(groups["full"]),
         sliding=tuple(groups["sliding"]),
         num_tokens=batch.num_tokens,
+        slot_run=_run_start(slots),
     )
 
 
@@ -263,7 +266,12 @@ def _group(
 
 def _page_run(pages: torch.Tensor) -> int | None:
     """The first page of ``pages`` (``[G, n]``) when ``G == 1`` and they are consecutive, ascending; else None."""
-    if pages.shape[0] != 1 or pages.shape[1] == 0:
+    return _run_start(pages[0]) if pages.shape[0] == 1 else None
+
+
+def _run_start(values: torch.Tensor) -> int | None:
+    """The first of ``values`` (1-D, on the CPU) when they are consecutive, ascending; else None."""
+    if values.shape[0] == 0:
         return None
-    first = int(pages[0, 0])
-    return first if torch.equal(pages[0], torch.arange(first, first + pages.shape[1])) else None
+    first = int(values[0])
+    return first if torch.equal(values, torch.arange(first, first + values.shape[0])) else None

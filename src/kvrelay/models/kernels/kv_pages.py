@@ -85,7 +85,21 @@ def gather_pages(
     torch.index_select(v_pool.flatten(1), 0, flat, out=v_out.view(flat.shape[0], -1))
 
 
-def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store new keys and values (``[T, kv_heads, head_dim]``) of one layer at ``slots`` of its pool."""
-    k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, k.to(k_pool.dtype))
-    v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, v.to(v_pool.dtype))
+def write_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_run: int | None = None,
+) -> None:
+    """Store new keys and values (``[T, kv_heads, head_dim]``) of one layer at ``slots`` of its pool; where
+    the slots are consecutive from ``slot_run``, as one slice copy (a prefill chunk in consecutive pages: an
+    indexed copy of strided rows took three times as long)."""
+    k_rows, v_rows = k_pool.view(-1, *k_pool.shape[2:]), v_pool.view(-1, *v_pool.shape[2:])
+    if slot_run is not None:
+        k_rows[slot_run : slot_run + k.shape[0]].copy_(k)
+        v_rows[slot_run : slot_run + v.shape[0]].copy_(v)
+        return
+    k_rows.index_copy_(0, slots, k.to(k_pool.dtype))
+    v_rows.index_copy_(0, slots, v.to(v_pool.dtype))

@@ -29,7 +29,7 @@ _SIGNATURES = (
     ("kvrelay_prefill_attention_scratch", ((_I64,) * 6, _I64)),
     (
         "kvrelay_prefill_attention_amx",
-        ((_P,) * 4 + (_I64,) * 10 + (ctypes.c_float, _P, _I64), ctypes.c_int),
+        ((_P,) * 4 + (_I64,) * 11 + (ctypes.c_float, _P, _I64), ctypes.c_int),
     ),
 )
 MAX_HEAD_DIM = 512
@@ -59,9 +59,9 @@ def prefill_attention_amx(
     window: int | None,
     scale: float,
 ) -> torch.Tensor | None:
-    """Attention ``[Q, heads, D]`` of queries ``q`` (``[Q, heads, D]``, query ``t`` at ``first_query + t``) over
-    ``k``, ``v`` (``[kv_heads, S, D]``, key ``i`` at ``first_key + i``), causal and, with a ``window``, sliding;
-    ``None`` where the kernel does not apply (nothing computed then).
+    """Attention ``[Q, heads, D]`` of queries ``q`` (``[Q, heads, D]``, each query's heads contiguous; query ``t``
+    at ``first_query + t``) over ``k``, ``v`` (``[kv_heads, S, D]``, key ``i`` at ``first_key + i``), causal and,
+    with a ``window``, sliding; ``None`` where the kernel does not apply (nothing computed then).
 
     The keys must reach the last query's position and start at or before the first query's.
     """
@@ -72,8 +72,7 @@ def prefill_attention_amx(
         return None
     queries, heads, dim = q.shape
     kv_heads, keys, _ = k.shape
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)
     threads = torch.get_num_threads()
     size = lib.kvrelay_prefill_attention_scratch(queries, heads, kv_heads, dim, keys, threads)
     buffer = _scratch.take(size)
@@ -84,6 +83,7 @@ def prefill_attention_amx(
         v.data_ptr(),
         out.data_ptr(),
         queries,
+        q.stride(0),
         heads,
         kv_heads,
         dim,
@@ -111,7 +111,9 @@ def _applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[0]
     return (
-        k.shape == v.shape
+        q.stride(2) == 1
+        and q.stride(1) == dim
+        and k.shape == v.shape
         and k.shape[2] == dim
         and k.stride() == v.stride()
         and k.stride(2) == 1

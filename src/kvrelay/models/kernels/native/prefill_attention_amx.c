@@ -17,7 +17,7 @@
  * each key n its dims 2r, 2r + 1 (TDPBF16PS's second operand for rows K^T); V in tiles of 32 keys x 16 dims, row r
  * holding for each dim j keys 2r, 2r + 1; the rows of one KV head packed [rows padded to 16, D].
  *
- * Contract: q [Q, H, D] contiguous; k, v: key i of KV head h at k + h * head_stride + i * key_stride (unit stride
+ * Contract: q [Q, H, D] with query t's heads at q + t * q_stride, contiguous; k, v: key i of KV head h at k + h * head_stride + i * key_stride (unit stride
  * along D), the same strides for v; H % kv_heads == 0; D % 64 == 0, D <= 512; 1 <= Q; 1 <= S; query t sits at
  * position first_query + t, key i at first_key + i; query t sees key i iff first_key + i <= first_query + t and
  * (window == 0 or first_key + i > first_query + t - window); every query sees at least one key;
@@ -191,7 +191,7 @@ static void attend_tile(const uint16_t* rows, int64_t row0, int64_t nrows, int64
 }
 
 int kvrelay_prefill_attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t Q,
-                                  int64_t H, int64_t kv_heads, int64_t D, int64_t S, int64_t head_stride,
+                                  int64_t q_stride, int64_t H, int64_t kv_heads, int64_t D, int64_t S, int64_t head_stride,
                                   int64_t key_stride, int64_t first_query, int64_t first_key, int64_t window,
                                   float scale, uint8_t* scratch, int64_t threads) {
     if (Q < 1 || S < 1 || kv_heads < 1 || H % kv_heads || D % 64 || D > MAX_D || window < 0 || threads < 1) return -1;
@@ -218,7 +218,7 @@ int kvrelay_prefill_attention_amx(const uint16_t* q, const uint16_t* k, const ui
                     memset(dst, 0, D * 2);
                     continue;
                 }
-                memcpy(dst, q + ((row / G) * H + head * G + row % G) * D, D * 2);
+                memcpy(dst, q + (row / G) * q_stride + (head * G + row % G) * D, D * 2);
             }
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
