@@ -30,7 +30,7 @@ LANES = 16
 """Concurrent sequences on a worker's device."""
 TOKEN_BUDGET = 512
 """Tokens per device iteration (the chunked prefill budget)."""
-PREFILL_ONLY_BUDGET = 2048
+PREFILL_ONLY_BUDGET = 4096
 """Tokens of a device iteration with no decoding lane: no decode step waits behind it, and a cold prompt
 runs in fewer, larger forwards (docs/performance.md, "Prefill-only forwards")."""
 RAM_BYTES = 1 << 30
