@@ -228,12 +228,11 @@ def prefill_kernel(dtype: torch.dtype) -> PrefillKernel:
 def prefill_attention_auto(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan, scale: float
 ) -> torch.Tensor:
-    """``prefill_attention`` through the kernel this CPU runs faster for ``q``'s dtype (``prefill_kernel``); a
-    sliding layer's through the AMX tile kernel where ``FUSED`` runs and that kernel loads
-    (``native.prefill_attention``: it scores only the key blocks a query sees, where the fused kernel with a
-    mask scores the whole block's range)."""
+    """``prefill_attention`` through the kernel this CPU runs faster for ``q``'s dtype (``prefill_kernel``); where
+    that is ``FUSED``, through the AMX tile kernel when it loads (``native.prefill_attention``: it scores only the
+    key blocks a query sees, where the fused kernel with a mask scores the whole block's range)."""
     kernel = prefill_kernel(q.dtype)
-    if kernel is PrefillKernel.FUSED and span.window is not None:
+    if kernel is PrefillKernel.FUSED:
         out = prefill_attention_amx(q, k, v, span.first_query, span.first_key, span.window, scale)
         if out is not None:
             return out

@@ -3,7 +3,8 @@
  * optional sliding window, bfloat16 in and out, in one OpenMP region.
  *
  * Per KV head, the query heads sharing it are folded into rows (row t * G + j: query t, head j of the head's G),
- * and each 16 rows attend together over the 32-key blocks any of them sees:
+ * and each 32 rows (two A tiles sharing every K and V tile loaded) attend together over the 32-key blocks any of
+ * them sees:
  *   scores = rows K^T (TDPBF16PS, float32 sums), times scale, in float32;
  *   per row, over the keys that row sees (its causal and window limits), exp(score - max) and its sum, in float32
  *   (exp_simd.h); the probabilities rounded to bfloat16 (as torch's fused CPU kernel rounds them for its second
@@ -15,7 +16,7 @@
  *
  * Layouts (the kernel makes them, in scratch): K of one KV head in tiles of 16 keys x 32 dims, row r holding for
  * each key n its dims 2r, 2r + 1 (TDPBF16PS's second operand for rows K^T); V in tiles of 32 keys x 16 dims, row r
- * holding for each dim j keys 2r, 2r + 1; the rows of one KV head packed [rows padded to 16, D].
+ * holding for each dim j keys 2r, 2r + 1; the rows of one KV head packed [rows padded to 32, D].
  *
  * Contract: q [Q, H, D] with query t's heads at q + t * q_stride, contiguous; k, v: key i of KV head h at k + h * head_stride + i * key_stride (unit stride
  * along D), the same strides for v; H % kv_heads == 0; D % 64 == 0, D <= 512; 1 <= Q; 1 <= S; query t sits at
@@ -33,14 +34,14 @@
 #include "amx_tiles.h"
 #include "exp_simd.h"
 
-#define ROWS 16
+#define ROWS 32 /* rows attended together: two A tiles share every K and V tile loaded */
 #define KEY_BLOCK 32
 #define MAX_D 512
 
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 /* Bytes of the scratch: packed K and V of one KV head, the packed rows, and per thread the float32 scores, the
- * bfloat16 probabilities and the float32 outputs of 16 rows. */
+ * bfloat16 probabilities and the float32 outputs of ROWS rows. */
 int64_t kvrelay_prefill_attention_scratch(int64_t Q, int64_t H, int64_t kv_heads, int64_t D, int64_t S,
                                           int64_t threads) {
     const int64_t keys = round_up(S, KEY_BLOCK), rows = round_up(Q * (H / kv_heads), ROWS);
@@ -49,7 +50,7 @@ int64_t kvrelay_prefill_attention_scratch(int64_t Q, int64_t H, int64_t kv_heads
     return round_up(shared, 64) + threads * round_up(per_thread, 64);
 }
 
-/* Tiles 0: rows (A); 1: probabilities (A); 2, 3: K or V (B); 4..7: sums (C). */
+/* Eight tiles of 16 rows x 64 bytes (their use: attend_tile). */
 static void configure(void) {
     TileConfig config = {0};
     config.palette = 1;
@@ -125,28 +126,38 @@ static float softmax_row(const float* s, uint16_t* p, int64_t width, int64_t lo,
     return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
-/* 16 folded rows from row0 of one KV head: scores, softmax, probabilities times values, into out. */
+/* ROWS folded rows from row0 of one KV head (nrows of them real): scores, softmax, probabilities times values,
+ * into out. Tiles 0, 1: rows 0..15 and 16..31 (their queries, then their probabilities); 2, 3: K or V; 4..7: the
+ * sums of rows 0..15 (4, 5) and 16..31 (6, 7) against two key groups, or two 16-dim slices. */
 static void attend_tile(const uint16_t* rows, int64_t row0, int64_t nrows, int64_t G, int64_t D, const uint32_t* kt,
                         const uint16_t* vt, int64_t first_query, int64_t first_key, int64_t window, float scale,
                         float* s, uint16_t* p, float* o, uint16_t* out, int64_t H, int64_t head) {
     int64_t lo_first, hi_first, lo_last, hi_last;
     row_keys(row0, G, first_query, first_key, window, &lo_first, &hi_first);
     row_keys(row0 + nrows - 1, G, first_query, first_key, window, &lo_last, &hi_last);
-    const int64_t b0 = lo_first / KEY_BLOCK, b1 = hi_last / KEY_BLOCK + 1, width = (b1 - b0) * KEY_BLOCK;
+    const int64_t b0 = lo_first / KEY_BLOCK, b1 = hi_last / KEY_BLOCK + 1, ld = (b1 - b0) * KEY_BLOCK;
     const int64_t chunks = D / 32, dim_tiles = D / 16;
-    const int64_t ld = width;
+    const uint16_t* upper = rows + row0 * D;
     for (int64_t b = b0; b < b1; b++) {
         _tile_zero(4);
         _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
         for (int64_t c = 0; c < chunks; c++) {
-            _tile_loadd(0, rows + row0 * D + 32 * c, D * 2);
             _tile_loadd(2, kt + ((2 * b) * chunks + c) * 256, 64);
             _tile_loadd(3, kt + ((2 * b + 1) * chunks + c) * 256, 64);
+            _tile_loadd(0, upper + 32 * c, D * 2);
             _tile_dpbf16ps(4, 0, 2);
             _tile_dpbf16ps(5, 0, 3);
+            _tile_loadd(1, upper + 16 * D + 32 * c, D * 2);
+            _tile_dpbf16ps(6, 1, 2);
+            _tile_dpbf16ps(7, 1, 3);
         }
-        _tile_stored(4, s + (b - b0) * KEY_BLOCK, ld * 4);
-        _tile_stored(5, s + (b - b0) * KEY_BLOCK + 16, ld * 4);
+        float* at = s + (b - b0) * KEY_BLOCK;
+        _tile_stored(4, at, ld * 4);
+        _tile_stored(5, at + 16, ld * 4);
+        _tile_stored(6, at + 16 * ld, ld * 4);
+        _tile_stored(7, at + 16 * ld + 16, ld * 4);
     }
     float inv[ROWS];
     for (int64_t r = 0; r < ROWS; r++) {
@@ -156,29 +167,28 @@ static void attend_tile(const uint16_t* rows, int64_t row0, int64_t nrows, int64
         }
         int64_t lo, hi;
         row_keys(row0 + r, G, first_query, first_key, window, &lo, &hi);
-        inv[r] = softmax_row(s + r * ld, p + r * ld, width, lo - b0 * KEY_BLOCK, hi - b0 * KEY_BLOCK, scale);
+        inv[r] = softmax_row(s + r * ld, p + r * ld, ld, lo - b0 * KEY_BLOCK, hi - b0 * KEY_BLOCK, scale);
     }
-    for (int64_t d0 = 0; d0 < dim_tiles; d0 += 4) {
+    for (int64_t d0 = 0; d0 < dim_tiles; d0 += 2) {
         _tile_zero(4);
         _tile_zero(5);
         _tile_zero(6);
         _tile_zero(7);
         for (int64_t b = b0; b < b1; b++) {
-            _tile_loadd(1, p + (b - b0) * KEY_BLOCK, ld * 2);
             const uint16_t* base = vt + (b * dim_tiles + d0) * 512;
+            _tile_loadd(0, p + (b - b0) * KEY_BLOCK, ld * 2);
+            _tile_loadd(1, p + 16 * ld + (b - b0) * KEY_BLOCK, ld * 2);
             _tile_loadd(2, base, 64);
-            _tile_dpbf16ps(4, 1, 2);
-            _tile_loadd(3, base + 512, 64);
-            _tile_dpbf16ps(5, 1, 3);
-            _tile_loadd(2, base + 1024, 64);
+            _tile_dpbf16ps(4, 0, 2);
             _tile_dpbf16ps(6, 1, 2);
-            _tile_loadd(3, base + 1536, 64);
+            _tile_loadd(3, base + 512, 64);
+            _tile_dpbf16ps(5, 0, 3);
             _tile_dpbf16ps(7, 1, 3);
         }
         _tile_stored(4, o + 16 * d0, D * 4);
         _tile_stored(5, o + 16 * d0 + 16, D * 4);
-        _tile_stored(6, o + 16 * d0 + 32, D * 4);
-        _tile_stored(7, o + 16 * d0 + 48, D * 4);
+        _tile_stored(6, o + 16 * D + 16 * d0, D * 4);
+        _tile_stored(7, o + 16 * D + 16 * d0 + 16, D * 4);
     }
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t row = row0 + r, t = row / G, j = row % G;
