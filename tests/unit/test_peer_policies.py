@@ -437,20 +437,3 @@ def test_kvrelay_affinity_margin_grows_with_the_score(w1_fixed_s: float, winner:
     ctx = context(workers, residency=[("w1", "gpu", 1)])._replace(busy_share=0.0)
     chosen = PredictedTTFT().choose(ctx)
     assert chosen is not None and chosen.worker_id == winner
-
-
-def test_kvrelay_sends_a_cold_prompt_to_an_idle_worker_over_a_busy_one_that_scores_a_little_lower() -> None:
-    """Two workers alike but for learned speeds 10 % apart (noise) and one decoding: inside the calm-cluster
-    margin the idle one takes the cold prompt; a worker far faster still wins, and so do cached tokens."""
-    busy = idle_heartbeat("w0", prefill_s_per_token=0.9e-3, active_lanes=1)
-    ctx = context([busy, idle_heartbeat("w1", prefill_s_per_token=1e-3)])._replace(busy_share=0.0)
-    scores = {r.worker_id: r.best_score for r in ctx.plan.routes}
-    assert scores["w0"] < scores["w1"]
-    chosen = PredictedTTFT().choose(ctx)
-    assert chosen is not None and chosen.worker_id == "w1"
-    far = context([busy, idle_heartbeat("w1", prefill_s_per_token=2e-3)])._replace(busy_share=0.0)
-    chosen = PredictedTTFT().choose(far)
-    assert chosen is not None and chosen.worker_id == "w0"
-    cached = context([busy, idle_heartbeat("w1", prefill_s_per_token=1e-3)], residency=[("w0", "gpu", 1)])
-    chosen = PredictedTTFT().choose(cached._replace(busy_share=0.0))
-    assert chosen is not None and chosen.worker_id == "w0" and chosen.cached_tokens == 64

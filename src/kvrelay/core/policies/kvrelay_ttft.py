@@ -22,8 +22,7 @@ chunks. On a busy cluster the lanes a prefill will meet are not known, so the
 steps are not counted there (docs/performance.md, "Interleaved decode steps").
 On a calm cluster (the same ``CALM_BUSY_SHARE``) scores within
 ``AFFINITY_MARGIN_S`` or ``AFFINITY_MARGIN_SHARE`` of the best, whichever is more, are
-a tie: of those the worker reusing the most cached tokens wins, then a worker with nothing queued or
-decoding, then the lower score, then the lower worker id. Each
+a tie: of those the worker reusing the most cached tokens wins, then the lower score, then the lower worker id. Each
 worker's score holds its own measured fixed cost per request (a vLLM engine's
 fit, ``engines/vllm/speeds``), and two identical engines on one CPU measured 9
 and 28 ms for it: a difference of that size is noise, and on a small model it
@@ -34,12 +33,7 @@ already charges the recompute, and the lowest score wins (a margin there moved
 the simulated vLLM fleet's mean at 2x by 5 %; calm-only, no simulated figure
 changed). A worker pruned by the roster (``roster.plan_pruned``) holds no local
 copy, so it could only tie on the shared tiers' tokens, which its planned
-group-mates reach as well. An idle worker goes before a busy one in such a tie because the score's
-difference inside the margin is the noise of learned speeds, while a busy worker's prefill is sure to
-share the device: on two identical workers sharing two cores with a CPU hog, a 2,049-token cold prompt
-went to the worker decoding a short request (its learned speed lower by the hog's noise) and took
-1.15 s where the peers' routers, sending it to the idle worker, took 0.83 s (README, "The real peer
-routers end to end"). Ties go to the lower worker id.
+group-mates reach as well. Ties go to the lower worker id.
 
 The offer's priority (``Offer.priority``, the worker's prefill-queue order) is a
 deadline: the request's arrival plus ``DEADLINE_STRETCH`` times its predicted
@@ -55,7 +49,6 @@ A user's requests waiting in the router queue go by the same deadline (``hold_or
 
 from __future__ import annotations
 
-from kvrelay.core.planning.candidates import WorkerRoute
 from kvrelay.core.planning.predicted_ttft import Candidate
 from kvrelay.core.policies.base import Policy, RoutingContext
 
@@ -82,7 +75,7 @@ class PredictedTTFT(Policy):
         best = min(r.best_score for r in routes)
         within = best + max(AFFINITY_MARGIN_S, AFFINITY_MARGIN_SHARE * best)
         near = (r for r in routes if r.best_score <= within)
-        return min(near, key=lambda r: (-r.cached_tokens, _busy(r), r.best_score, r.worker_id)).best
+        return min(near, key=lambda r: (-r.cached_tokens, r.best_score, r.worker_id)).best
 
     def priority(self, ctx: RoutingContext, chosen: Candidate) -> float:
         """The deadline ``arrived + DEADLINE_STRETCH * predicted prefill seconds``: earliest runs first."""
@@ -91,9 +84,3 @@ class PredictedTTFT(Policy):
     def hold_order(self, arrived: float, work_s: float) -> float:
         """The same deadline for a request waiting in the router queue, with the queue's work estimate."""
         return arrived + DEADLINE_STRETCH * work_s
-
-
-def _busy(route: WorkerRoute) -> bool:
-    """Whether the route's worker has anything queued or decoding (its last heartbeat and the router's own
-    offers since)."""
-    return route.base_queue_s > 0.0 or route.heartbeat.active_lanes > 0
