@@ -28,8 +28,10 @@ without AMX block-wise took a 4,096-token cold prefill of Gemma 3 270M from
 5.12 to 4.30 s, but on a Xeon with AMX the fused kernel's bfloat16 tiles beat
 block-wise's float32 scores (0.43 against 1.01 s of attention in a 1.34
 against 1.97 s prefill; ``bench/prefill_attention.py``), so
-``prefill_attention_auto`` runs the fused kernel for bfloat16 where the CPU
-has AMX tiles. The rule is the hardware's, not a timing's: every worker on a
+``prefill_kernel`` picks the fused kernel for bfloat16 where the CPU has AMX
+tiles, and there ``prefill_attention_auto`` takes kvrelay's own AMX kernel
+first (``native.prefill_attention``: only the key blocks a query sees; the
+fused one where it does not load or apply). The rule is the hardware's, not a timing's: every worker on a
 machine computes a prompt's KV with the same kernel, which exact
 continuations rely on (docs/design.md section 8).
 
@@ -221,7 +223,13 @@ def prefill_kernel(dtype: torch.dtype) -> PrefillKernel:
     else ``BLOCKWISE``."""
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     chosen = PrefillKernel.FUSED if dtype == torch.bfloat16 and amx else PrefillKernel.BLOCKWISE
-    log.info("prefill attention for %s: %s (AMX tiles: %s)", dtype, chosen.value, amx)
+    log.info(
+        "prefill attention for %s: %s (AMX tiles: %s%s)",
+        dtype,
+        chosen.value,
+        amx,
+        "; kvrelay's AMX kernel first where it loads" if chosen is PrefillKernel.FUSED else "",
+    )
     return chosen
 
 
