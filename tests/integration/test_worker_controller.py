@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvrelay.core.worker.speeds import heartbeat_speeds
+from kvrelay.models.batch import ForwardBatch
+from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.protocol.messages import OfferResult, Result, RouteSegment
 from kvrelay.testing.tiny_models import make_tiny_model
 from kvrelay.worker.runtime.warmup import measure_speeds
@@ -319,5 +323,29 @@ def test_a_worker_measures_its_speeds_before_it_serves_and_its_heartbeat_reports
         # Its prefill left the queue with its first token: a heartbeat went out then, showing the queue empty.
         assert len(h.heartbeats) == 1 and h.heartbeats[0].queue_delay_s == 0.0 and h.heartbeats[0].seq > hb.seq
         assert h.runtime.speeds != speeds  # it goes on learning from every forward
+
+    run(model_dir, body)
+
+
+def test_a_stalled_start_up_forward_does_not_set_the_step(model_dir: Path) -> None:
+    """A stall in one of the start-up one-token forwards (another worker warming up on the same cores) does not
+    become the worker's step, nor the best step it relaxes toward when idle: the step is the least of the
+    samples."""
+    stall_s = 0.5
+
+    async def body(h: WorkerHarness) -> None:
+        hidden = h.runtime.model.hidden
+        stalled: list[int] = []
+
+        def stall_first_one_token_forward(batch: ForwardBatch, kv: KVPages) -> torch.Tensor:
+            if batch.query_lens == [1] and not stalled:
+                stalled.append(1)
+                time.sleep(stall_s)  # the forward is this much longer, as a preempted one is
+            return hidden(batch, kv)
+
+        h.runtime.model.hidden = stall_first_one_token_forward  # type: ignore[method-assign]
+        speeds = await asyncio.to_thread(measure_speeds, h.runtime, h.artifacts.config.vocab_size, 512)
+        assert stalled == [1]
+        assert speeds.step_measured and speeds.step_s < stall_s / 2 and speeds.best_step_s == speeds.step_s
 
     run(model_dir, body)
