@@ -12,7 +12,9 @@ from kvrelay.engines.vllm.speeds import (
     EngineTotals,
     PrefillFit,
     ServedSpeeds,
+    probe_fit,
     queue_delay,
+    window_point,
 )
 
 
@@ -109,3 +111,40 @@ def test_served_first_tokens_replace_the_engines_fit_once_there_are_enough() -> 
             assert speeds.prefill_s_per_token == before == pytest.approx(1e-5)
     assert speeds.prefill_s_per_token == pytest.approx(150e-6)
     assert speeds.fixed_s == pytest.approx(0.03)
+
+
+def test_served_points_of_alike_short_prompts_keep_the_engines_rate() -> None:
+    # The engine: 10 ms fixed, 15 us a token. The first served requests are a client's warm-up: 4 to 12 tokens,
+    # 35 ms each to the first token. They say what a short request takes, not what a long one does: through the
+    # origin they would read as 3 to 9 ms a token, a 2,000-token prompt predicted at seconds.
+    engine = run([(32, 0.01 + 32 * 15e-6), (512, 0.01 + 512 * 15e-6)])
+    speeds = ServedSpeeds(engine)
+    for tokens in (4, 11, 11, 12, 11):
+        speeds = ServedSpeeds(engine, speeds.served.point(tokens, 0.035))
+    fixed, rate = speeds.line() or (0.0, 0.0)
+    assert rate == pytest.approx(15e-6)
+    assert fixed + rate * 10 == pytest.approx(0.035, rel=0.01)  # what the served requests took
+    assert fixed + rate * 2000 < 0.1
+    # Once the served prompts spread, their own fit is the figure.
+    for tokens in (1500, 300, 2000):
+        speeds = ServedSpeeds(engine, speeds.served.point(tokens, 0.03 + 40e-6 * tokens))
+    assert speeds.served.resolved() is not None and speeds.line() == speeds.served.resolved()
+    assert speeds.prefill_s_per_token > 20e-6
+
+
+def test_start_up_probes_keep_the_quickest_of_each_length_and_none_of_the_history() -> None:
+    # An engine that served bursts before: its history reads 2 ms a token. Three probes of each length, one of
+    # each stalled by another engine probing at the same moment.
+    history = EngineTotals(400, 400 * 2e-3 * 900, 400 * 900)
+    assert window_point(history, history) is None
+    after = EngineTotals(401, history.prefill_seconds + 0.3, history.prefill_tokens + 512)
+    assert window_point(history, after) == pytest.approx((512, 0.3))
+    samples = [
+        [(32, 0.01 + 32e-5), (32, 0.2), (32, 0.01 + 32e-5)],
+        [(512, 0.5), (512, 0.01 + 512e-5), (512, 0.012 + 512e-5)],
+        [],
+    ]
+    fit = probe_fit(history, samples)
+    assert fit.last == history
+    assert fit.line() == pytest.approx((0.01, 1e-5))
+    assert PrefillFit().observe(history).prefill_s_per_token == pytest.approx(2e-3)  # what the history alone said

@@ -18,7 +18,7 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvrelay import paths
@@ -26,6 +26,7 @@ from kvrelay.engines.vllm.admission import EngineIdentity
 from kvrelay.engines.vllm.client import EngineClient, EngineError
 from kvrelay.engines.vllm.host import VllmWorker
 from kvrelay.engines.vllm.identity import engine_fingerprint, kv_bytes_per_token
+from kvrelay.engines.vllm.speeds import probe_fit, window_point
 from kvrelay.engines.vllm.subscriber import follow_kv_events
 from kvrelay.launch import defaults
 from kvrelay.launch.worker_assembly import new_epoch
@@ -37,6 +38,8 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per /metrics 
 
 PROBE_TOKENS = (32, 512)
 """Prompt lengths of the start-up probes: far enough apart to tell a step's fixed cost from the cost per token."""
+PROBE_REPEATS = 3
+"""Probes of each length; the quickest counts (``speeds.probe_fit``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,14 +149,28 @@ async def probe_speeds(host: VllmWorker, engine_model: str, vocab_size: int, con
     health check's few tokens: their fixed cost read as a cost per token of milliseconds, 50 times the tiny test
     model's, and the router held or spread the first requests of a replay on that (predicted 1.7-4.3 s for
     0.05-0.9 s). The prompts are random token ids (no one else's prefix); a probe that fails is logged and
-    skipped, as the fit then learns from the first requests."""
+    skipped, as the fit then learns from the first requests. Each length is probed ``PROBE_REPEATS`` times and
+    the fit starts from the quickest of each, without the engine's history: that history holds whatever load
+    the engine served under before, and a single probe whatever the other engines' probes cost it at the
+    same moment; either made one of two identical engines look ten times slower than the other, and the router
+    then sent it almost nothing (docs/performance.md, "Served fits of alike prompts")."""
     rng = random.Random(host.epoch)
     low = min(1000, vocab_size // 2)
+    samples: list[list[tuple[float, float]]] = []
     for length in PROBE_TOKENS:
-        prompt = tuple(rng.randrange(low, vocab_size) for _ in range(min(length, context_limit - 2)))
-        try:
-            async for _ in host.engine.stream(engine_model, prompt, 1, Sampling(), 0):
-                pass
-            host.on_figures(await host.engine.figures())
-        except EngineError as exc:
-            log.warning("vLLM worker %s: speed probe of %d tokens failed: %s", host.worker_id, len(prompt), exc)
+        samples.append([])
+        for _ in range(PROBE_REPEATS):
+            prompt = tuple(rng.randrange(low, vocab_size) for _ in range(min(length, context_limit - 2)))
+            before = host.figures.totals
+            try:
+                async for _ in host.engine.stream(engine_model, prompt, 1, Sampling(), 0):
+                    pass
+                host.on_figures(await host.engine.figures())
+            except EngineError as exc:
+                log.warning("vLLM worker %s: speed probe of %d tokens failed: %s", host.worker_id, len(prompt), exc)
+                continue
+            point = window_point(before, host.figures.totals)
+            if point is not None:
+                samples[-1].append(point)
+    if any(samples):
+        host.speeds = replace(host.speeds, engine=probe_fit(host.figures.totals, samples))

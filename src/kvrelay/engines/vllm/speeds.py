@@ -36,6 +36,7 @@ Once the worker has measured its own first tokens, the heartbeat reports their f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 DECAY = 0.9
@@ -114,15 +115,31 @@ class PrefillFit:
         """``(fixed_s, s_per_token)`` of the fit; None before a point with computed tokens."""
         if self.w <= 0 or self.wxx <= 0:
             return None
-        mean_x = self.wx / self.w
-        variance = self.wxx / self.w - mean_x * mean_x
-        if variance > MIN_SPREAD * mean_x * mean_x:
-            rate = (self.wxy / self.w - mean_x * (self.wy / self.w)) / variance
-            fixed = self.wy / self.w - rate * mean_x
-            if rate > 0 and fixed >= 0:
-                return fixed, rate
+        resolved = self.resolved()
+        if resolved is not None:
+            return resolved
         rate = self.wxy / self.wxx
         return (0.0, rate) if rate > 0 else None
+
+    def resolved(self) -> tuple[float, float] | None:
+        """``(fixed_s, s_per_token)`` where the points tell the fixed cost from the rate (their prompt lengths
+        spread by ``MIN_SPREAD`` and the line physical), else None."""
+        if self.w <= 0 or self.wxx <= 0:
+            return None
+        mean_x = self.wx / self.w
+        variance = self.wxx / self.w - mean_x * mean_x
+        if variance <= MIN_SPREAD * mean_x * mean_x:
+            return None
+        rate = (self.wxy / self.w - mean_x * (self.wy / self.w)) / variance
+        fixed = self.wy / self.w - rate * mean_x
+        return (fixed, rate) if rate > 0 and fixed >= 0 else None
+
+    def through_mean(self, rate: float) -> tuple[float, float] | None:
+        """The line of slope ``rate`` through the points' weighted mean (its fixed cost at least 0); None
+        without points."""
+        if self.w <= 0:
+            return None
+        return max(0.0, (self.wy - rate * self.wx) / self.w), rate
 
     @property
     def prefill_s_per_token(self) -> float:
@@ -144,14 +161,27 @@ class ServedSpeeds:
     requests admitted before it that had no first token yet. The engine's fit measures a request once
     scheduled, alone in its step on a quiet machine: beside a burst on a shared CPU it predicted 0.02-0.05 s
     for first tokens that took 1 s, so the router sent the whole burst to one engine. The served fit holds
-    vLLM's queueing, its batching of prefills, the HTTP hop and the machine's load as they are."""
+    vLLM's queueing, its batching of prefills, the HTTP hop and the machine's load as they are.
+
+    Served points of alike prompt lengths fix what such a request takes, not the rate: the fit through the
+    origin then charged the fixed cost per token. A worker whose first four were the bench's warm-up
+    requests (4-12 tokens, 35 ms) predicted 0.92 s for a 2,024-token prefill its engine did in 0.05 s, got no
+    other request, and so never corrected it. Until the served points spread, the line keeps the engine's
+    rate and goes through their mean (docs/performance.md, "Served fits of alike prompts")."""
 
     engine: PrefillFit = PrefillFit()
     served: PrefillFit = PrefillFit()
 
     def line(self) -> tuple[float, float] | None:
-        chosen = self.served if self.served.w >= MIN_SERVED else self.engine
-        return chosen.line()
+        """The served fit once it has ``MIN_SERVED`` points and tells a rate; while its prompts are too alike
+        for that, the line of the engine's rate through the served points' mean (see the class docstring)."""
+        engine = self.engine.line()
+        if self.served.w < MIN_SERVED:
+            return engine
+        own = self.served.resolved()
+        if own is not None or engine is None:
+            return own if own is not None else self.served.line()
+        return self.served.through_mean(engine[1])
 
     @property
     def prefill_s_per_token(self) -> float:
@@ -162,6 +192,27 @@ class ServedSpeeds:
     def fixed_s(self) -> float:
         found = self.line()
         return found[0] if found is not None else 0.0
+
+
+def window_point(before: EngineTotals, after: EngineTotals) -> tuple[float, float] | None:
+    """The mean computed tokens and prefill seconds of the requests that finished between two expositions;
+    None when none did (or the engine restarted between them)."""
+    n = after.prefill_requests - before.prefill_requests
+    if n < 1:
+        return None
+    return (after.prefill_tokens - before.prefill_tokens) / n, (after.prefill_seconds - before.prefill_seconds) / n
+
+
+def probe_fit(last: EngineTotals, samples: Sequence[Sequence[tuple[float, float]]]) -> PrefillFit:
+    """The engine's fit from start-up probes: per group of probes of one prompt length, its quickest point
+    (a stall only adds time: the other engines of a cluster probe at the same moment), and nothing of the
+    engine's history (``last``: the totals the next window starts from). Groups without a point are skipped."""
+    fit = PrefillFit(last=last)
+    for group in samples:
+        if group:
+            tokens, seconds = min(group, key=lambda p: p[1])
+            fit = fit.point(tokens, seconds)
+    return fit
 
 
 def queue_delay(pending_tokens: int, s_per_token: float) -> float:
