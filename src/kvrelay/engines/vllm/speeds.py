@@ -36,6 +36,7 @@ Once the worker has measured its own first tokens, the heartbeat reports their f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -47,6 +48,9 @@ HISTORY_WEIGHT = 4.0
 """Requests the engine's history before the worker started counts as, at most."""
 MIN_SERVED = 4.0
 """Weight of served first tokens from which their fit replaces the engine's (``ServedSpeeds``)."""
+SERVED_SPREAD_TOKENS = 256.0
+"""Least spread (standard deviation) of the served points' prompt lengths from which their own rate counts: a
+fit over a few dozen tokens, extrapolated to thousands, is its noise times a hundred."""
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-3
 """Before the engine has finished a request: a CPU's order of magnitude for a model of a few hundred million
 parameters; the first request replaces it."""
@@ -134,6 +138,13 @@ class PrefillFit:
         fixed = self.wy / self.w - rate * mean_x
         return (fixed, rate) if rate > 0 and fixed >= 0 else None
 
+    def spread_tokens(self) -> float:
+        """The weighted standard deviation of the points' prompt lengths (0 without points)."""
+        if self.w <= 0:
+            return 0.0
+        mean_x = self.wx / self.w
+        return math.sqrt(max(0.0, self.wxx / self.w - mean_x * mean_x))
+
     def through_mean(self, rate: float) -> tuple[float, float] | None:
         """The line of slope ``rate`` through the points' weighted mean (its fixed cost at least 0); None
         without points."""
@@ -164,21 +175,23 @@ class ServedSpeeds:
     vLLM's queueing, its batching of prefills, the HTTP hop and the machine's load as they are.
 
     Served points of alike prompt lengths fix what such a request takes, not the rate: the fit through the
-    origin then charged the fixed cost per token. A worker whose first four were the bench's warm-up
-    requests (4-12 tokens, 35 ms) predicted 0.92 s for a 2,024-token prefill its engine did in 0.05 s, got no
-    other request, and so never corrected it. Until the served points spread, the line keeps the engine's
-    rate and goes through their mean (docs/performance.md, "Served fits of alike prompts")."""
+    origin charged their fixed cost per token, and a line fitted over 4 to 50 tokens, extrapolated to 2,000,
+    multiplied their noise. A worker whose first points were the bench's warm-up requests (4-12 tokens,
+    23-49 ms) predicted 0.44-0.92 s for 1,200 to 2,000-token prefills its engine did in 0.03-0.05 s, got no
+    other request, and so never corrected it. Until the served points spread by ``SERVED_SPREAD_TOKENS``, the
+    line keeps the engine's rate and goes through their mean (docs/performance.md, "Served fits of alike
+    prompts")."""
 
     engine: PrefillFit = PrefillFit()
     served: PrefillFit = PrefillFit()
 
     def line(self) -> tuple[float, float] | None:
-        """The served fit once it has ``MIN_SERVED`` points and tells a rate; while its prompts are too alike
-        for that, the line of the engine's rate through the served points' mean (see the class docstring)."""
+        """The served fit once it has ``MIN_SERVED`` points spread by ``SERVED_SPREAD_TOKENS`` that tell a rate;
+        until then the line of the engine's rate through the served points' mean (see the class docstring)."""
         engine = self.engine.line()
         if self.served.w < MIN_SERVED:
             return engine
-        own = self.served.resolved()
+        own = self.served.resolved() if self.served.spread_tokens() >= SERVED_SPREAD_TOKENS else None
         if own is not None or engine is None:
             return own if own is not None else self.served.line()
         return self.served.through_mean(engine[1])
