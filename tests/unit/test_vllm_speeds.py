@@ -150,3 +150,24 @@ def test_start_up_probes_keep_the_quickest_of_each_length_and_none_of_the_histor
     assert fit.last == history
     assert fit.line() == pytest.approx((0.01, 1e-5))
     assert PrefillFit().observe(history).prefill_s_per_token == pytest.approx(2e-3)  # what the history alone said
+
+
+def test_one_stalled_first_token_moves_the_served_fit_a_bounded_step_and_a_lasting_slowdown_shows() -> None:
+    engine = run([(32, 0.01 + 32 * 2e-5), (512, 0.01 + 512 * 2e-5)])
+    speeds = ServedSpeeds(engine)
+    for tokens in (900, 100, 1700, 400):
+        speeds = speeds.with_served(tokens, 0.01 + 2e-5 * tokens)
+    assert speeds.prefill_s_per_token == pytest.approx(2e-5)
+    stalled = speeds.with_served(1493, 0.35)  # predicted 0.04 s: counted as 0.16 s at most
+    unbounded = ServedSpeeds(engine, speeds.served.point(1493, 0.35))
+
+    def at_1770(s: ServedSpeeds) -> float:
+        return s.fixed_s + 1770 * s.prefill_s_per_token
+
+    assert at_1770(stalled) < 2 * at_1770(speeds) < at_1770(unbounded)
+    # Every request 20 times slower than the fit says: within a few points the fit says so too.
+    slow = speeds
+    for k in range(12):
+        tokens = (600, 1800, 300)[k % 3]
+        slow = slow.with_served(tokens, 20 * (0.01 + 2e-5 * tokens))
+    assert slow.prefill_s_per_token > 10 * 2e-5

@@ -308,8 +308,7 @@ class VllmWorker(MachineHost):
                 if event.tokens:
                     now = self.clock()
                     if not run.generated:
-                        served = self.speeds.served.point(run.waited_tokens, now - run.accepted_at)
-                        self.speeds = replace(self.speeds, served=served)
+                        self.speeds = self.speeds.with_served(run.waited_tokens, now - run.accepted_at)
                     run.generated.extend(event.tokens)
                     run.token_times.extend([now] * len(event.tokens))
                     self._step(worker_events.TokensProduced(now, a, event.tokens))

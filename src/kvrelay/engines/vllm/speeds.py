@@ -48,6 +48,10 @@ HISTORY_WEIGHT = 4.0
 """Requests the engine's history before the worker started counts as, at most."""
 MIN_SERVED = 4.0
 """Weight of served first tokens from which their fit replaces the engine's (``ServedSpeeds``)."""
+OUTLIER_FACTOR = 4.0
+"""A served first token counts as at most this many times what the speeds predicted for it."""
+OUTLIER_FLOOR_S = 0.05
+"""Served first tokens up to this many seconds are never bounded."""
 SERVED_SPREAD_TOKENS = 256.0
 """Least spread (standard deviation) of the served points' prompt lengths from which their own rate counts: a
 fit over a few dozen tokens, extrapolated to thousands, is its noise times a hundred."""
@@ -205,6 +209,17 @@ class ServedSpeeds:
     def fixed_s(self) -> float:
         found = self.line()
         return found[0] if found is not None else 0.0
+
+    def with_served(self, tokens: float, seconds: float) -> ServedSpeeds:
+        """The speeds with one served first token added: ``seconds`` from acceptance for ``tokens`` waited for,
+        counted as at most ``OUTLIER_FACTOR`` times what the speeds predict for it (never less than
+        ``OUTLIER_FLOOR_S``). One stall (a request that met a busy moment) moves the fit a bounded step; a
+        lasting slowdown raises the bound with every point. Unbounded, one 0.35-s first token of a 1,493-token
+        prompt made an engine doing 0.02 ms a token look ten times slower, and the router sent it almost
+        nothing more, so nothing corrected it (``core.worker.speeds`` bounds a native worker's forwards so)."""
+        predicted = self.fixed_s + tokens * self.prefill_s_per_token
+        bounded = min(seconds, max(OUTLIER_FACTOR * predicted, OUTLIER_FLOOR_S))
+        return replace(self, served=self.served.point(tokens, bounded))
 
 
 def window_point(before: EngineTotals, after: EngineTotals) -> tuple[float, float] | None:
