@@ -16,7 +16,8 @@ worker's own view (which starts before vLLM's queue and includes the HTTP hops):
   tell the fixed cost from the rate (``MIN_SPREAD``), or the fit is unphysical (a negative fixed cost or
   rate), the rate is the fit through the origin (an upper bound when there is a fixed cost). The first
   totals a worker reads (the engine's history before it started) count as one point of at most
-  ``HISTORY_WEIGHT`` requests, so a restarted worker starts from the engine's speed, not from a guess.
+  ``HISTORY_WEIGHT`` requests, so a restarted worker starts from the engine's speed, not from a guess;
+  where the worker's start-up probes succeed, their fit (``probe_fit``) replaces it.
 - **the first token**: vLLM samples it at the end of the prefill's last step, so the time a request
   takes once scheduled is the fit itself, ``fixed_s + s_per_token * computed tokens``. The heartbeat's
   decode step, which the router adds once to every prediction, is therefore the fit's ``fixed_s`` (0 when
@@ -134,8 +135,7 @@ class PrefillFit:
         spread by ``MIN_SPREAD`` and the line physical), else None."""
         if self.w <= 0 or self.wxx <= 0:
             return None
-        mean_x = self.wx / self.w
-        variance = self.wxx / self.w - mean_x * mean_x
+        mean_x, variance = self._moments()
         if variance <= MIN_SPREAD * mean_x * mean_x:
             return None
         rate = (self.wxy / self.w - mean_x * (self.wy / self.w)) / variance
@@ -144,10 +144,12 @@ class PrefillFit:
 
     def spread_tokens(self) -> float:
         """The weighted standard deviation of the points' prompt lengths (0 without points)."""
-        if self.w <= 0:
-            return 0.0
+        return math.sqrt(max(0.0, self._moments()[1])) if self.w > 0 else 0.0
+
+    def _moments(self) -> tuple[float, float]:
+        """The weighted mean and variance of the points' prompt lengths (call with ``w > 0``)."""
         mean_x = self.wx / self.w
-        return math.sqrt(max(0.0, self.wxx / self.w - mean_x * mean_x))
+        return mean_x, self.wxx / self.w - mean_x * mean_x
 
     def through_mean(self, rate: float) -> tuple[float, float] | None:
         """The line of slope ``rate`` through the points' weighted mean (its fixed cost at least 0); None
@@ -195,9 +197,12 @@ class ServedSpeeds:
         engine = self.engine.line()
         if self.served.w < MIN_SERVED:
             return engine
-        own = self.served.resolved() if self.served.spread_tokens() >= SERVED_SPREAD_TOKENS else None
-        if own is not None or engine is None:
-            return own if own is not None else self.served.line()
+        if self.served.spread_tokens() >= SERVED_SPREAD_TOKENS:
+            own = self.served.resolved()
+            if own is not None:
+                return own
+        if engine is None:
+            return self.served.line()
         return self.served.through_mean(engine[1])
 
     @property
@@ -217,7 +222,8 @@ class ServedSpeeds:
         lasting slowdown raises the bound with every point. Unbounded, one 0.35-s first token of a 1,493-token
         prompt made an engine doing 0.02 ms a token look ten times slower, and the router sent it almost
         nothing more, so nothing corrected it (``core.worker.speeds`` bounds a native worker's forwards so)."""
-        predicted = self.fixed_s + tokens * self.prefill_s_per_token
+        fixed, rate = self.line() or (0.0, DEFAULT_PREFILL_S_PER_TOKEN)
+        predicted = fixed + tokens * rate
         bounded = min(seconds, max(OUTLIER_FACTOR * predicted, OUTLIER_FLOOR_S))
         return replace(self, served=self.served.point(tokens, bounded))
 

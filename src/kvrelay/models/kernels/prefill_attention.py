@@ -31,9 +31,9 @@ against 1.97 s prefill; ``bench/prefill_attention.py``), so
 ``prefill_kernel`` picks the fused kernel for bfloat16 where the CPU has AMX
 tiles, and there ``prefill_attention_auto`` takes kvrelay's own AMX kernel
 first (``native.prefill_attention``: only the key blocks a query sees; the
-fused one where it does not load or apply). The rule is the hardware's, not a timing's: every worker on a
-machine computes a prompt's KV with the same kernel, which exact
-continuations rely on (docs/design.md section 8).
+fused one where it does not load or apply). The rule is the hardware's, not
+a timing's: every worker on a machine computes a prompt's KV with the same
+kernel, which exact continuations rely on (docs/design.md section 8).
 
 vLLM's CPU backend (vllm/v1/attention/backends/cpu_attn.py) attends a fresh
 prompt with one fused ``scaled_dot_product_attention`` per sequence, and every

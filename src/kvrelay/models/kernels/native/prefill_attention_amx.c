@@ -19,9 +19,10 @@
  * holding for each dim j keys 2r, 2r + 1; the rows of one KV head packed [rows padded to 32, D].
  *
  * Contract: q [Q, H, D] with query t's heads at q + t * q_stride, contiguous; k, v: key i of KV head h at
- * k + h * head_stride + i * key_stride (unit stride along D), the same strides for v; H % kv_heads == 0; D % 64 == 0, D <= 512; 1 <= Q; 1 <= S; query t sits at
- * position first_query + t, key i at first_key + i; query t sees key i iff first_key + i <= first_query + t and
- * (window == 0 or first_key + i > first_query + t - window); every query sees at least one key;
+ * k + h * head_stride + i * key_stride (unit stride along D), the same strides for v; H % kv_heads == 0;
+ * D % 64 == 0, D <= 512; 1 <= Q; 1 <= S; query t sits at position first_query + t, key i at first_key + i;
+ * query t sees key i iff first_key + i <= first_query + t and (window == 0 or first_key + i > first_query + t -
+ * window); every query sees at least one key;
  * scratch holds kvrelay_prefill_attention_scratch(...) bytes, 64-byte aligned. The caller has been granted the
  * AMX tile state (amx_tiles.h). Returns 0, or -1 when the shapes break the contract (nothing written then).
  */
