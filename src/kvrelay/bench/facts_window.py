@@ -44,17 +44,24 @@ class FactsWindow:
         self.engine = make_engine(db_url)
 
     def read(self, start: float, end: float, expect: int) -> OutcomeFacts:
-        """Outcomes and accepted decisions recorded in ``[start, end]`` (waiting for ``expect`` outcomes)."""
+        """Outcomes and accepted decisions recorded in ``[start, end]`` (waiting up to ``WAIT_S`` for ``expect``
+        outcomes, and for the store's tables, which the router's writer process creates when it gets to it)."""
         o, d = schema.outcomes, schema.decisions
         deadline = time.monotonic() + WAIT_S
         while True:
-            with self.engine.connect() as conn:
-                rows = conn.execute(sa.select(o).where(o.c.time >= start, o.c.time <= end)).all()
-                chosen = conn.execute(
-                    sa.select(d.c.chosen_worker, sa.func.count())
-                    .where(d.c.time >= start, d.c.time <= end, d.c.outcome == "accepted")
-                    .group_by(d.c.chosen_worker)
-                ).all()
+            try:
+                with self.engine.connect() as conn:
+                    rows = conn.execute(sa.select(o).where(o.c.time >= start, o.c.time <= end)).all()
+                    chosen = conn.execute(
+                        sa.select(d.c.chosen_worker, sa.func.count())
+                        .where(d.c.time >= start, d.c.time <= end, d.c.outcome == "accepted")
+                        .group_by(d.c.chosen_worker)
+                    ).all()
+            except sa.exc.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                threading.Event().wait(0.2)
+                continue
             if len(rows) >= expect or time.monotonic() > deadline:
                 break
             threading.Event().wait(0.2)
