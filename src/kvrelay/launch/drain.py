@@ -46,12 +46,20 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (port 0: any free one), for uvicorn to serve on."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+def listen(host: str, port: int, backlog: int = 512) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: any free one), for uvicorn to serve on; its connections
+    send small writes at once (``TCP_NODELAY``).
+
+    The protocol number is named (``IPPROTO_TCP``, not 0): asyncio turns Nagle's algorithm off only on the
+    transports of sockets whose ``proto`` says TCP (``base_events._set_nodelay``), and an accepted socket
+    inherits the listener's. With 0, every SSE stream's first chunk, written just after the response headers,
+    waited for the client's delayed ACK of those headers: about 40 ms on the time to first token of every
+    streamed request (docs/performance.md, "Nagle's algorithm on the first chunk")."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(512)
+    sock.listen(backlog)
     sock.setblocking(False)
     return sock
 

@@ -12,7 +12,6 @@ fault tests, not for clients.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from kvrelay.launch import defaults
+from kvrelay.launch.drain import listen
 
 STATUS_PATH = "/status"
 
@@ -36,12 +36,7 @@ class StatusServer:
 
         app = Starlette(routes=[Route(STATUS_PATH, status, methods=["GET"])])
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(64)
-        self._sock.setblocking(False)
+        self._sock = listen(host, port, backlog=64)
         self._task: asyncio.Task[None] | None = None
 
     @property
