@@ -9,6 +9,7 @@ import pytest
 from kvrelay.engines.vllm.speeds import (
     DEFAULT_PREFILL_S_PER_TOKEN,
     MIN_SERVED,
+    SERVED_TAU_S,
     EngineTotals,
     PrefillFit,
     ServedSpeeds,
@@ -156,9 +157,9 @@ def test_one_stalled_first_token_moves_the_served_fit_a_bounded_step_and_a_lasti
     engine = run([(32, 0.01 + 32 * 2e-5), (512, 0.01 + 512 * 2e-5)])
     speeds = ServedSpeeds(engine)
     for tokens in (900, 100, 1700, 400):
-        speeds = speeds.with_served(tokens, 0.01 + 2e-5 * tokens)
+        speeds = speeds.with_served(tokens, 0.01 + 2e-5 * tokens, 0.0)
     assert speeds.prefill_s_per_token == pytest.approx(2e-5)
-    stalled = speeds.with_served(1493, 0.35)  # predicted 0.04 s: counted as 0.16 s at most
+    stalled = speeds.with_served(1493, 0.35, 0.0)  # predicted 0.04 s: counted as 0.16 s at most
     unbounded = ServedSpeeds(engine, speeds.served.point(1493, 0.35))
 
     def at_1770(s: ServedSpeeds) -> float:
@@ -169,5 +170,25 @@ def test_one_stalled_first_token_moves_the_served_fit_a_bounded_step_and_a_lasti
     slow = speeds
     for k in range(12):
         tokens = (600, 1800, 300)[k % 3]
-        slow = slow.with_served(tokens, 20 * (0.01 + 2e-5 * tokens))
+        slow = slow.with_served(tokens, 20 * (0.01 + 2e-5 * tokens), 0.0)
     assert slow.prefill_s_per_token > 10 * 2e-5
+
+
+def test_a_served_fit_a_stall_inflated_rests_back_to_the_engine_fit_once_no_first_token_comes() -> None:
+    engine = run([(32, 0.01 + 32 * 2e-5), (512, 0.01 + 512 * 2e-5)])
+    speeds, clock = ServedSpeeds(engine), 0.0
+    for tokens in (900, 100, 1700, 400, 1200, 60):
+        clock += 0.25
+        speeds = speeds.with_served(tokens, 0.01 + 2e-5 * tokens, clock)
+    for tokens in (158, 31, 1199):  # one stall, met by the three requests in flight
+        clock += 0.01
+        speeds = speeds.with_served(tokens, 0.95, clock)
+
+    def at_100(s: ServedSpeeds) -> float:
+        return s.fixed_s + 100 * s.prefill_s_per_token
+
+    stalled = at_100(speeds)
+    assert stalled > 2 * at_100(ServedSpeeds(engine))
+    assert at_100(speeds.rested(clock + 0.2)) == pytest.approx(stalled)  # a moment later: the same line
+    assert speeds.rested(clock + 3 * SERVED_TAU_S).line() == engine.line()  # idle: the engine's own fit
+    assert speeds.rested(clock - 1.0) == speeds  # a clock before the last point ages nothing

@@ -33,7 +33,8 @@ Speeds: the heartbeat's prefill rate and its decode step (the fixed part of the 
 which the router adds once) come from ``speeds.ServedSpeeds``: the engine's own ``/metrics`` fit
 (``speeds.PrefillFit``: prefill time against computed tokens, without vLLM's queueing) until this worker
 has measured a few first tokens of its own, then the fit of those against the uncached tokens each waited
-for (``EngineRun.waited_tokens``); its queue from the uncached prompt tokens of this worker's requests that
+for (``EngineRun.waited_tokens``), aged with time so that an idle worker reports the engine's fit again
+(``ServedSpeeds.rested``); its queue from the uncached prompt tokens of this worker's requests that
 have no first token yet.
 
 Sampling: the attempt's vLLM ``seed`` is derived from the request's seed and
@@ -142,7 +143,8 @@ class VllmWorker(MachineHost):
             asyncio.get_running_loop().call_soon(self.publish_residency, tuple(self.mirror.keys), ())
         capacity = self.capacity()
         pending = self._pending_tokens()
-        prefill_s_per_token = self.speeds.prefill_s_per_token
+        speeds = self.speeds.rested(self.clock())
+        prefill_s_per_token = speeds.prefill_s_per_token
         return Heartbeat(
             worker_id=self.worker_id,
             epoch=self.epoch,
@@ -158,7 +160,7 @@ class VllmWorker(MachineHost):
             active_lanes=max(self.figures.running, len(self.runs)),
             max_lanes=self.max_lanes,
             prefill_s_per_token=prefill_s_per_token,
-            decode_s_per_token=self.speeds.fixed_s,
+            decode_s_per_token=speeds.fixed_s,
             kv_bytes_per_token=self.kv_bytes_per_token,
             context_limit=self.me.context_limit,
         )
@@ -308,7 +310,7 @@ class VllmWorker(MachineHost):
                 if event.tokens:
                     now = self.clock()
                     if not run.generated:
-                        self.speeds = self.speeds.with_served(run.waited_tokens, now - run.accepted_at)
+                        self.speeds = self.speeds.with_served(run.waited_tokens, now - run.accepted_at, now)
                     run.generated.extend(event.tokens)
                     run.token_times.extend([now] * len(event.tokens))
                     self._step(worker_events.TokensProduced(now, a, event.tokens))

@@ -56,6 +56,8 @@ OUTLIER_FLOOR_S = 0.05
 SERVED_SPREAD_TOKENS = 256.0
 """Least spread (standard deviation) of the served points' prompt lengths from which their own rate counts: a
 fit over a few dozen tokens, extrapolated to thousands, is its noise times a hundred."""
+SERVED_TAU_S = 4.0
+"""Seconds over which served points lose ``1 - 1/e`` of their weight (``ServedSpeeds.rested``)."""
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-3
 """Before the engine has finished a request: a CPU's order of magnitude for a model of a few hundred million
 parameters; the first request replaces it."""
@@ -142,6 +144,11 @@ class PrefillFit:
         fixed = self.wy / self.w - rate * mean_x
         return (fixed, rate) if rate > 0 and fixed >= 0 else None
 
+    def scaled(self, factor: float) -> PrefillFit:
+        """The fit with every point's weight times ``factor``: the same line, held with less weight."""
+        w, wx, wxx, wy, wxy = (factor * v for v in (self.w, self.wx, self.wxx, self.wy, self.wxy))
+        return replace(self, w=w, wx=wx, wxx=wxx, wy=wy, wxy=wxy)
+
     def spread_tokens(self) -> float:
         """The weighted standard deviation of the points' prompt lengths (0 without points)."""
         return math.sqrt(max(0.0, self._moments()[1])) if self.w > 0 else 0.0
@@ -186,10 +193,19 @@ class ServedSpeeds:
     23-49 ms) predicted 0.44-0.92 s for 1,200 to 2,000-token prefills its engine did in 0.03-0.05 s, got no
     other request, and so never corrected it. Until the served points spread by ``SERVED_SPREAD_TOKENS``, the
     line keeps the engine's rate and goes through their mean (docs/performance.md, "Served fits of alike
-    prompts")."""
+    prompts")).
+
+    Served points also age with time (``rested``): a worker whose first tokens met a stall looked slow, the
+    router sent it nothing more, and with no new point nothing corrected it (in a live replay one of two alike
+    engines read a 0.256-s fixed cost after three stalled first tokens and got no request for the 10 s
+    left). After about ``SERVED_TAU_S * ln(w / MIN_SERVED)`` seconds without a first token the served fit
+    holds too little weight and the engine's own fit, that of a request alone in its step, counts again, as
+    it should for an idle engine; the next first tokens it serves make the served fit again."""
 
     engine: PrefillFit = PrefillFit()
     served: PrefillFit = PrefillFit()
+    served_at: float = -math.inf
+    """The clock the served points' weights are aged to: that of the last one (``-inf``: none yet)."""
 
     def line(self) -> tuple[float, float] | None:
         """The served fit once it has ``MIN_SERVED`` points spread by ``SERVED_SPREAD_TOKENS`` that tell a rate;
@@ -215,17 +231,26 @@ class ServedSpeeds:
         found = self.line()
         return found[0] if found is not None else 0.0
 
-    def with_served(self, tokens: float, seconds: float) -> ServedSpeeds:
-        """The speeds with one served first token added: ``seconds`` from acceptance for ``tokens`` waited for,
-        counted as at most ``OUTLIER_FACTOR`` times what the speeds predict for it (never less than
-        ``OUTLIER_FLOOR_S``). One stall (a request that met a busy moment) moves the fit a bounded step; a
-        lasting slowdown raises the bound with every point. Unbounded, one 0.35-s first token of a 1,493-token
-        prompt made an engine doing 0.02 ms a token look ten times slower, and the router sent it almost
+    def rested(self, now: float) -> ServedSpeeds:
+        """The speeds at clock ``now``: the served points' weight times ``exp(-idle / SERVED_TAU_S)`` since the
+        last one (see the class docstring)."""
+        idle = now - self.served_at
+        if not 0.0 < idle < math.inf:
+            return self
+        return replace(self, served=self.served.scaled(math.exp(-idle / SERVED_TAU_S)), served_at=now)
+
+    def with_served(self, tokens: float, seconds: float, now: float) -> ServedSpeeds:
+        """The speeds, ``rested`` to clock ``now``, with one served first token added: ``seconds`` from
+        acceptance for ``tokens`` waited for, counted as at most ``OUTLIER_FACTOR`` times what the speeds predict
+        for it (never less than ``OUTLIER_FLOOR_S``). One stall (a request that met a busy moment) moves the fit a
+        bounded step; a lasting slowdown raises the bound with every point. Unbounded, one 0.35-s first token of a
+        1,493-token prompt made an engine doing 0.02 ms a token look ten times slower, and the router sent it almost
         nothing more, so nothing corrected it (``core.worker.speeds`` bounds a native worker's forwards so)."""
-        fixed, rate = self.line() or (0.0, DEFAULT_PREFILL_S_PER_TOKEN)
+        speeds = self.rested(now)
+        fixed, rate = speeds.line() or (0.0, DEFAULT_PREFILL_S_PER_TOKEN)
         predicted = fixed + tokens * rate
         bounded = min(seconds, max(OUTLIER_FACTOR * predicted, OUTLIER_FLOOR_S))
-        return replace(self, served=self.served.point(tokens, bounded))
+        return replace(speeds, served=speeds.served.point(tokens, bounded), served_at=now)
 
 
 def window_point(before: EngineTotals, after: EngineTotals) -> tuple[float, float] | None:
