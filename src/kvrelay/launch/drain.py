@@ -52,9 +52,10 @@ def listen(host: str, port: int, backlog: int = 512) -> socket.socket:
 
     The protocol number is named (``IPPROTO_TCP``, not 0): asyncio turns Nagle's algorithm off only on the
     transports of sockets whose ``proto`` says TCP (``base_events._set_nodelay``), and an accepted socket
-    inherits the listener's. With 0, every SSE stream's first chunk, written just after the response headers,
-    waited for the client's delayed ACK of those headers: about 40 ms on the time to first token of every
-    streamed request (docs/performance.md, "Nagle's algorithm on the first chunk")."""
+    inherits the listener's. With 0, an SSE stream's first chunk, written just after the response headers,
+    waited for the client's ACK of those headers, which a client on a kept-alive connection delays (40 ms on
+    Linux): that much on the time to first token (docs/performance.md, "Nagle's algorithm on the first
+    chunk")."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -193,7 +193,7 @@ class ServedSpeeds:
     23-49 ms) predicted 0.44-0.92 s for 1,200 to 2,000-token prefills its engine did in 0.03-0.05 s, got no
     other request, and so never corrected it. Until the served points spread by ``SERVED_SPREAD_TOKENS``, the
     line keeps the engine's rate and goes through their mean (docs/performance.md, "Served fits of alike
-    prompts")).
+    prompts").
 
     Served points also age with time (``rested``): a worker whose first tokens met a stall looked slow, the
     router sent it nothing more, and with no new point nothing corrected it (in a live replay one of two alike
