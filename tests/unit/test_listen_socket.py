@@ -1,11 +1,11 @@
-"""``launch.drain.listen``: the socket kvrelay's HTTP servers (router, serve, status) listen on."""
+"""``launch.sockets.listen``: the socket kvrelay's HTTP servers (router, serve, status) listen on."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 
-from kvrelay.launch.drain import listen
+from kvrelay.launch.sockets import listen
 
 
 async def _accepted_nodelay(sock: socket.socket) -> int:

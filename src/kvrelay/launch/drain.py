@@ -1,10 +1,10 @@
 """Serve an HTTP app until SIGINT or SIGTERM, then drain within a bound (``kvrelay serve`` and ``kvrelay router``).
 
 Contract of ``serve_until_stopped(app, sock, router, drain_s, on_ready)``:
-- uvicorn serves ``app`` on the listening socket ``sock`` (``listen``). uvicorn's own signal handling is
-  off: it re-raises the signal once it has stopped, which ends the process with 143 before the caller can
-  close its fact store. The first SIGINT or SIGTERM starts the drain instead. ``on_ready(port)`` is called
-  once uvicorn serves.
+- uvicorn serves ``app`` on the listening socket ``sock`` (``launch.sockets.listen``). uvicorn's own
+  signal handling is off: it re-raises the signal once it has stopped, which ends the process with 143
+  before the caller can close its fact store. The first SIGINT or SIGTERM starts the drain instead.
+  ``on_ready(port)`` is called once uvicorn serves.
 - The drain: the router takes no new request (``ClusterRouter.start_drain``: each ends at once with a 503,
   code ``shutting_down``); uvicorn stops listening and closes idle connections; running requests go on for
   up to ``drain_s`` seconds. Then, or at a second signal, every request still in flight ends with a
@@ -44,25 +44,6 @@ class _Uvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
-
-
-def listen(host: str, port: int, backlog: int = 512) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (port 0: any free one), for uvicorn to serve on; its connections
-    send small writes at once (``TCP_NODELAY``).
-
-    The protocol number is named (``IPPROTO_TCP``, not 0): asyncio turns Nagle's algorithm off only on the
-    transports of sockets whose ``proto`` says TCP (``base_events._set_nodelay``), and an accepted socket
-    inherits the listener's. With 0, an SSE stream's first chunk, written just after the response headers,
-    waited for the client's ACK of those headers, which a client on a kept-alive connection delays (40 ms on
-    Linux): that much on the time to first token (docs/performance.md, "Nagle's algorithm on the first
-    chunk")."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(backlog)
-    sock.setblocking(False)
-    return sock
 
 
 async def serve_until_stopped(

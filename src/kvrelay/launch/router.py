@@ -37,9 +37,10 @@ from kvrelay.core.router.reuse import reuse_figures
 from kvrelay.launch import defaults
 from kvrelay.launch.attached_engines import AttachedEngines, attach_engines
 from kvrelay.launch.catalog import ModelCatalog, load_served_model
-from kvrelay.launch.drain import listen, serve_until_stopped
+from kvrelay.launch.drain import serve_until_stopped
 from kvrelay.launch.heap import freeze_startup_objects
 from kvrelay.launch.router_stack import build_router_stack
+from kvrelay.launch.sockets import listen
 from kvrelay.launch.status import StatusServer
 from kvrelay.launch.tracing import start_tracing
 from kvrelay.launch.vllm_worker import VllmSettings

@@ -33,9 +33,10 @@ from kvrelay.api.served_model import ServedModel
 from kvrelay.core.router.machine import RouterConfig
 from kvrelay.facts.store import FactStore
 from kvrelay.launch import defaults
-from kvrelay.launch.drain import listen, serve_until_stopped
+from kvrelay.launch.drain import serve_until_stopped
 from kvrelay.launch.heap import freeze_startup_objects
 from kvrelay.launch.router_stack import RouterStack, build_router_stack
+from kvrelay.launch.sockets import listen
 from kvrelay.launch.tracing import start_tracing
 from kvrelay.launch.worker_assembly import StoreSpec, WorkerParts, WorkerSettings, build_worker
 from kvrelay.protocol.messages import Cancel, Fenced, Offer, WireMessage

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from kvrelay.launch import defaults
-from kvrelay.launch.drain import listen
+from kvrelay.launch.sockets import listen
 
 STATUS_PATH = "/status"
 

@@ -104,6 +104,12 @@ class HeartbeatSpeeds(NamedTuple):
     decode_s_per_token: float
 
 
+def bounded_sample(seconds: float, predicted: float) -> float:
+    """``seconds`` counted as at most ``OUTLIER_FACTOR`` times ``predicted`` (never bounded below
+    ``OUTLIER_FLOOR_S``): what one stalled sample may teach (see the module docstring)."""
+    return min(seconds, max(OUTLIER_FACTOR * predicted, OUTLIER_FLOOR_S))
+
+
 def _moved(old: float, sample: float, seconds: float, measured: bool) -> float:
     if not measured:
         return sample
@@ -136,7 +142,7 @@ def learn(speeds: DeviceSpeeds, prefill_tokens: int, seconds: float, now: float 
     prefill = prefill_tokens >= MIN_PREFILL_SAMPLE
     if speeds.step_measured and (speeds.prefill_measured or not prefill):
         predicted = speeds.step_s + prefill_tokens * speeds.prefill_s_per_token
-        seconds = min(seconds, max(OUTLIER_FACTOR * predicted, OUTLIER_FLOOR_S))
+        seconds = bounded_sample(seconds, predicted)
     if prefill:
         per_token = max(MIN_PREFILL_S_PER_TOKEN, (seconds - speeds.step_s) / prefill_tokens)
         learned = _moved(speeds.prefill_s_per_token, per_token, seconds, speeds.prefill_measured)

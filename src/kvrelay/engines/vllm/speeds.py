@@ -41,6 +41,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from kvrelay.core.worker.speeds import bounded_sample
+
 DECAY = 0.9
 """Weight kept by the fit per request observed since (about the last 10-20 requests count)."""
 MIN_SPREAD = 0.05
@@ -49,10 +51,6 @@ HISTORY_WEIGHT = 4.0
 """Requests the engine's history before the worker started counts as, at most."""
 MIN_SERVED = 4.0
 """Weight of served first tokens from which their fit replaces the engine's (``ServedSpeeds``)."""
-OUTLIER_FACTOR = 4.0
-"""A served first token counts as at most this many times what the speeds predicted for it."""
-OUTLIER_FLOOR_S = 0.05
-"""Served first tokens up to this many seconds are never bounded."""
 SERVED_SPREAD_TOKENS = 256.0
 """Least spread (standard deviation) of the served points' prompt lengths from which their own rate counts: a
 fit over a few dozen tokens, extrapolated to thousands, is its noise times a hundred."""
@@ -241,16 +239,16 @@ class ServedSpeeds:
 
     def with_served(self, tokens: float, seconds: float, now: float) -> ServedSpeeds:
         """The speeds, ``rested`` to clock ``now``, with one served first token added: ``seconds`` from
-        acceptance for ``tokens`` waited for, counted as at most ``OUTLIER_FACTOR`` times what the speeds predict
-        for it (never less than ``OUTLIER_FLOOR_S``). One stall (a request that met a busy moment) moves the fit a
-        bounded step; a lasting slowdown raises the bound with every point. Unbounded, one 0.35-s first token of a
-        1,493-token prompt made an engine doing 0.02 ms a token look ten times slower, and the router sent it almost
-        nothing more, so nothing corrected it (``core.worker.speeds`` bounds a native worker's forwards so)."""
+        acceptance for ``tokens`` waited for, bounded as a native worker's forwards are
+        (``core.worker.speeds.bounded_sample``: at most 4x what the speeds predict, never below 0.05 s). One
+        stall (a request that met a busy moment) moves the fit a bounded step; a lasting slowdown raises the
+        bound with every point. Unbounded, one 0.35-s first token of a 1,493-token prompt made an engine doing
+        0.02 ms a token look ten times slower, and the router sent it almost nothing more, so nothing corrected
+        it."""
         speeds = self.rested(now)
         fixed, rate = speeds.line() or (0.0, DEFAULT_PREFILL_S_PER_TOKEN)
         predicted = fixed + tokens * rate
-        bounded = min(seconds, max(OUTLIER_FACTOR * predicted, OUTLIER_FLOOR_S))
-        return replace(speeds, served=speeds.served.point(tokens, bounded), served_at=now)
+        return replace(speeds, served=speeds.served.point(tokens, bounded_sample(seconds, predicted)), served_at=now)
 
 
 def window_point(before: EngineTotals, after: EngineTotals) -> tuple[float, float] | None:
