@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,10 +16,30 @@ from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.protocol.messages import OfferResult, Result, RouteSegment
 from kvrelay.testing.tiny_models import make_tiny_model
+from kvrelay.worker.runtime import loop as runtime_loop
 from kvrelay.worker.runtime.warmup import measure_speeds
 from tests.support.worker_harness import WorkerHarness
 
 PROMPT = tuple(range(5, 5 + 150))  # 2 full chunks + 22 tokens
+WAIT_FOR_FOLLOWERS_S = 30.0
+
+
+class QueryLengths:
+    """A step model that records the query lengths of every forward and delegates to the real one."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.batches: list[list[int]] = []
+
+    def hidden(self, batch: ForwardBatch, kv: KVPages) -> torch.Tensor:
+        self.batches.append(list(batch.query_lens))
+        return self.model.hidden(batch, kv)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(h)
+
+    def greedy(self, h: torch.Tensor) -> list[int]:
+        return self.model.greedy(h)
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +306,32 @@ def test_followers_share_the_prefix_their_leader_is_computing(model_dir: Path) -
 
     run(model_dir, shared, num_pages=512)
     run(model_dir, alone, num_pages=512, share_prefill=False)
+
+
+def test_a_follower_joins_the_forward_right_after_its_leaders_first_token(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device thread holds the forward after the leader's first token until the waiting follower is
+    submitted, so the follower's 50 tokens go in that forward, ahead of a longer prompt offered after it
+    (without the hold that forward takes the long prompt's chunk alone and the follower waits a forward more).
+    The hold's bound is raised so a slow host loop cannot make this test pass or fail by timing."""
+    monkeypatch.setattr(runtime_loop, "FOLLOWER_WAIT_S", WAIT_FOR_FOLLOWERS_S)
+    other = tuple(5 + (i * 13) % 250 for i in range(700))
+
+    async def body(h: WorkerHarness) -> None:
+        recorder = QueryLengths(h.runtime.model)
+        h.runtime.model = recorder
+        _, leader = h.offer("leader", LEADER, 6)
+        _, follower = h.offer("f0", FOLLOWERS[0], 6)
+        _, long = h.offer("long", other, 6)
+        for replies in (leader, follower, long):
+            await replies.wait_for(Result, timeout=60)
+        # 256-token budget: the leader's prompt in 256, 256, 256 and 232 tokens; then its first decode row and
+        # the follower's 50 tokens, which complete its prompt, so no chunk of the long prompt pads that forward
+        last = recorder.batches.index([232])
+        assert recorder.batches[last + 1] == [1, 50]
+
+    run(model_dir, body, num_pages=512)
 
 
 def test_a_follower_cancelled_while_it_waits_releases_its_pages(model_dir: Path) -> None:

@@ -444,3 +444,42 @@ def test_waiting_jobs_are_admitted_by_priority_and_a_running_one_is_not_passed(t
         assert running.result(WAIT).finish_reason == "length"
         assert all(h.result(WAIT).finish_reason == "length" for h in handles)
     assert finished == ["default0", "first1", "second1", "late5", "later5"]
+
+
+def test_a_job_expecting_followers_that_never_come_still_finishes(tiny: Tiny) -> None:
+    """The hold after a first token is bounded: with no ``followers_submitted`` the job and the jobs queued
+    behind it still finish, each after its own forwards."""
+    gated = GatedModel(tiny.model)
+    pool = PagePool(256)
+    with PagedRuntime(gated, new_kv(tiny), PolicyConfig(num_lanes=2, token_budget=64), queue_capacity=8) as runtime:
+        gated.hold()
+        leader = runtime.submit(job_for(pool, prompt_of(6, 0), 3))
+        assert gated.entered.wait(WAIT)  # its prefill is in the model: its first token is still to come
+        leader.expect_followers()
+        behind = runtime.submit(job_for(pool, prompt_of(9, 1), 2))
+        gated.release.set()
+        assert leader.result(WAIT).tokens == tuple(reference_greedy(tiny, prompt_of(6, 0), 3))
+        assert behind.result(WAIT).tokens == tuple(reference_greedy(tiny, prompt_of(9, 1), 2))
+
+
+def test_waiting_jobs_of_equal_priority_are_admitted_by_place_then_submission(tiny: Tiny) -> None:
+    """A job resubmitted after waiting for a shared prefix (an earlier ``place``) is not passed by jobs of the
+    same priority submitted while it waited."""
+    gated = GatedModel(tiny.model)
+    pool = PagePool(256)
+    with PagedRuntime(gated, new_kv(tiny), PolicyConfig(num_lanes=1, token_budget=64), queue_capacity=8) as runtime:
+        gated.hold()
+        running = runtime.submit(job_for(pool, prompt_of(6, 0), 2))
+        assert gated.entered.wait(WAIT)
+        finished: list[str] = []
+        handles = [
+            runtime.submit(
+                job_for(pool, prompt_of(6, i + 1), 2, place=place),
+                on_event=lambda e, name=name: finished.append(name) if isinstance(e, JobResult) else None,
+            )
+            for i, (name, place) in enumerate([("later", 5.0), ("resubmitted", 3.0), ("same", 5.0)])
+        ]
+        gated.release.set()
+        assert running.result(WAIT).finish_reason == "length"
+        assert all(h.result(WAIT).finish_reason == "length" for h in handles)
+    assert finished == ["resubmitted", "later", "same"]

@@ -31,17 +31,35 @@ def caches() -> WorkerCaches:
 
 def test_an_iteration_takes_prefills_in_order_up_to_its_budget_and_lanes() -> None:
     queue: list[Work] = []
-    for w in (work("a", 300), work("b", 300), work("c", 300)):
+    for w in (work("a", 300), work("b", 100), work("c", 300)):
         enqueue(queue, w)
     taken = take_prefills(
-        queue, lanes=2, budget=400, now=1.0, caches=caches(), filling=None, chunk_tokens=64, stats=WorkerStats()
+        queue, lanes=2, budget=500, now=1.0, caches=caches(), filling=None, chunk_tokens=64, stats=WorkerStats()
     )
     assert [(w.offer.assignment.request_id, n) for w, n in taken] == [("a", 300), ("b", 100)]
     assert [w.prefill_started_at for w in queue] == [1.0, 1.0, None]  # c has no lane: it waits, unstarted
     again = take_prefills(
-        queue, lanes=2, budget=400, now=2.0, caches=caches(), filling=None, chunk_tokens=64, stats=WorkerStats()
+        queue, lanes=2, budget=500, now=2.0, caches=caches(), filling=None, chunk_tokens=64, stats=WorkerStats()
     )
     assert [w.offer.assignment.request_id for w, _ in again] == ["a", "b"]  # started ones keep their lanes
+
+
+def test_no_unfinished_chunk_pads_an_iteration_that_completes_a_prefill() -> None:
+    """As the live runtime (``plan_iteration``): after a prefill completes in the iteration, a later one joins
+    only if it completes too; otherwise it starts in the next iteration."""
+    queue: list[Work] = []
+    for w in (work("a", 300), work("b", 300)):
+        enqueue(queue, w)
+    taken = take_prefills(
+        queue, lanes=2, budget=400, now=1.0, caches=caches(), filling=None, chunk_tokens=64, stats=WorkerStats()
+    )
+    assert [(w.offer.assignment.request_id, n) for w, n in taken] == [("a", 300)]
+    assert [w.prefill_started_at for w in queue] == [1.0, None]
+    queue = [work("long", 1000)]
+    taken = take_prefills(
+        queue, lanes=2, budget=400, now=1.0, caches=caches(), filling=None, chunk_tokens=64, stats=WorkerStats()
+    )
+    assert [(w.offer.assignment.request_id, n) for w, n in taken] == [("long", 400)]  # nothing completes: full
 
 
 def test_a_waiting_prefill_of_lower_priority_value_goes_first_but_never_passes_a_started_one() -> None:

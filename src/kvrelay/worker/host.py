@@ -278,6 +278,8 @@ class WorkerController(MachineHost):
                 shared = self.filling.claimed_run(rest, run)
                 self._queue_tokens(run, len(run.offer.prompt) - (run.registered + shared) * self.me.chunk_tokens)
                 self.filling.wait(run, filler)
+                if filler.handle is not None:  # on the device: it holds the forward after its first token for run
+                    filler.handle.expect_followers()
                 return
             self.filling.claim(run, rest)
         cached = run.registered * self.me.chunk_tokens
@@ -330,6 +332,8 @@ class WorkerController(MachineHost):
             self._queue_tokens(run, 0)
             self._register(run, len(run.offer.prompt) // self.me.chunk_tokens, run.offer.prompt)
             self._resubmit(self.filling.filled(run))
+            if run.handle is not None:
+                run.handle.followers_submitted()
         first = not run.generated
         run.token_times.append(now)
         run.generated.append(event.token)

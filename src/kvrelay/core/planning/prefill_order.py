@@ -13,12 +13,16 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
+from typing import TypeVar
+
+Key = TypeVar("Key", float, tuple[float, float])
+"""A priority, or ``(priority, place)`` where a later tie-break than arrival is wanted (the live runtime's)."""
 
 
-def queue_position(priorities: Sequence[float], started: int, priority: float) -> int:
+def queue_position(priorities: Sequence[Key], started: int, priority: Key) -> int:
     """The index at which a prefill of ``priority`` is inserted into a queue.
 
-    Before: ``priorities`` are the queue's priorities in queue order, its first
+    Before: ``priorities`` are the queue's priorities (or keys) in queue order, its first
     ``started`` entries the started prefills, the rest ascending.
     After: inserting there keeps the rest ascending and stable; the result is
     at least ``started``.

@@ -16,6 +16,11 @@
   admitted in queue order (never skipping the head) while a lane and budget remain,
   after the prefilling lanes, except that one whose place is lower than a prefilling
   lane's goes before it; each takes ``min(prompt_left, budget_left)`` tokens.
+- Once a prompt completes in the forward (its first token comes at the forward's end), later
+  prompts join only if they complete too: the forward is not padded with a chunk of unfinished
+  work, which would delay that first token by the chunk's compute (a follower joining after its
+  leader's prefill waited out a whole 512-token chunk of a longer prompt), at the price of one
+  more forward for the longer prompt.
 
 Follows the shape of vLLM's and nano-vllm's chunked-prefill schedulers (decode
 first, prefill fills the remaining token budget) but keeps lane slots fixed.
@@ -151,16 +156,22 @@ def plan_iteration(
     admit: list[int] = []
     admissible_jobs = min(len(waiting), len(free_lanes)) if admissible else 0
     p = w = 0
+    completed = False
     while budget > 0 and (p < len(prefilling) or w < admissible_jobs):
         lane_place = lanes[prefilling[p]].place if p < len(prefilling) else math.inf  # type: ignore[union-attr]
-        if w < admissible_jobs and places[w] < lane_place:
-            lane, take = free_lanes[w], min(waiting[w], budget)
+        admits = w < admissible_jobs and places[w] < lane_place
+        left = waiting[w] if admits else lanes[prefilling[p]].prompt_left  # type: ignore[union-attr]
+        take = min(left, budget)
+        if completed and take < left:
+            break  # no unfinished chunk pads a forward that gives an earlier prompt its first token
+        if admits:
+            lane = free_lanes[w]
             admit.append(lane)
             w += 1
         else:
             lane = prefilling[p]
-            take = min(lanes[lane].prompt_left, budget)  # type: ignore[union-attr]
             p += 1
         chunks.append(PrefillChunk(lane, take))
         budget -= take
+        completed = completed or take == left
     return IterationPlan(tuple(decoding), tuple(chunks), tuple(admit))

@@ -47,7 +47,8 @@ class Job:
     max_new_tokens: int = 0
     sampling: Sampling = field(default_factory=Sampling)
     priority: float = 0.0
-    """Its place among jobs waiting for a lane (``prefill_order``: lower first, ties in submission order)."""
+    """Its place among jobs waiting for a lane (``prefill_order``: lower first, ties by ``place``, then in
+    submission order)."""
     place: float = 0.0
     """Its place among the lanes' unfinished prefills once it has a lane: lower first, ties in the order the jobs
     got their lanes (the worker gives the time it accepted the request, so a request that waited for a shared
@@ -105,6 +106,11 @@ class JobHandle:
 
     ``on_event`` (if given) runs on the device thread for every event, in order; it
     must be quick and must not block (bridge to asyncio with ``call_soon_threadsafe``).
+
+    Followers: a caller holding jobs that will share this job's prompt once it is written calls
+    ``expect_followers``; after the forward that samples this job's first token the device thread then
+    waits (bounded, ``loop.FOLLOWER_WAIT_S``) until the caller calls ``followers_submitted``, so the
+    followers join the very next forward instead of the one after it.
     """
 
     def __init__(self, job_id: int, job: Job, on_event: EventCallback | None, wake: Callable[[], None]) -> None:
@@ -115,6 +121,8 @@ class JobHandle:
         self._cancelled = threading.Event()
         self._finished = threading.Event()
         self._result: JobResult | None = None
+        self._followers = threading.Event()
+        self._followers_in = threading.Event()
         self.written = 0
         """Input tokens written to pages so far (set by the device thread after each forward)."""
 
@@ -131,6 +139,22 @@ class JobHandle:
         if not self._cancelled.is_set():
             self._cancelled.set()
             self._wake()
+
+    def expect_followers(self) -> None:
+        """Jobs will share this job's prompt: hold the next forward after its first token for them."""
+        self._followers.set()
+
+    @property
+    def expects_followers(self) -> bool:
+        return self._followers.is_set()
+
+    def followers_submitted(self) -> None:
+        """The jobs sharing this job's prompt are submitted (or none will come): the device thread goes on."""
+        self._followers_in.set()
+
+    def wait_followers(self, timeout: float) -> bool:
+        """Device-thread side: wait up to ``timeout`` s for ``followers_submitted``; True if it came."""
+        return self._followers_in.wait(timeout)
 
     def result(self, timeout: float | None = None) -> JobResult:
         """Block until the job's ``JobResult``; raise ``TimeoutError`` after ``timeout`` seconds."""

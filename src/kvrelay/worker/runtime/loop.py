@@ -59,6 +59,10 @@ from kvrelay.worker.runtime.torch_threads import confine_threads, own_pool
 
 T = TypeVar("T")
 
+FOLLOWER_WAIT_S = 0.05
+"""The longest the device thread waits, after a job's first token, for the jobs that share its prompt
+(``JobHandle.expect_followers``): a few host-loop turns; a forward of the next prefill's chunk takes longer."""
+
 log = logging.getLogger(__name__)
 
 
@@ -114,6 +118,8 @@ class PagedRuntime:
         """What a forward costs now, learned from every forward (``core.worker.speeds``); written by the device
         thread only, read by any (one attribute, replaced whole)."""
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._held: list[JobHandle] = []
+        """Jobs whose first token was just sampled and whose followers the next plan waits for (device thread)."""
         pool = confine_threads()
         self.threads = pool if threads is None else threads
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -122,8 +128,9 @@ class PagedRuntime:
     # ---- caller side (any thread) ----
 
     def submit(self, job: Job, on_event: EventCallback | None = None, timeout: float | None = None) -> JobHandle:
-        """Queue ``job`` at its priority's place (``prefill_order``); block while the queue is full, raising
-        ``QueueFullError`` after ``timeout`` s."""
+        """Queue ``job`` at its priority's place (``prefill_order``), equal priorities by ``Job.place`` (a job
+        resubmitted after waiting for a shared prefix keeps its turn), then submission; block while the queue
+        is full, raising ``QueueFullError`` after ``timeout`` s."""
         validate_job(job, self.kv)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -138,7 +145,8 @@ class PagedRuntime:
             if self._closing:
                 raise RuntimeClosedError("the runtime is closed; it accepts no more jobs")
             handle = JobHandle(next(self._ids), job, on_event, self._wake)
-            at = queue_position([w.handle.job.priority for w in self._waiting], 0, job.priority)
+            keys = [(w.handle.job.priority, w.handle.job.place) for w in self._waiting]
+            at = queue_position(keys, 0, (job.priority, job.place))
             self._waiting.insert(at, RunningSequence(handle, submitted=time.perf_counter()))
             self._cond.notify_all()
         return handle
@@ -212,6 +220,7 @@ class PagedRuntime:
         own_pool(self.threads)
         with torch.inference_mode():
             while True:
+                self._await_followers()
                 with self._cond:
                     while not self._closing and not self._waiting and not self._calls and self.num_active == 0:
                         self._cond.wait()
@@ -234,6 +243,15 @@ class PagedRuntime:
                         self._finish(lane_seq, FinishReason.CANCELLED)
                 self._iterate(waiting)
         self._shutdown()
+
+    def _await_followers(self) -> None:
+        """Wait, at most ``FOLLOWER_WAIT_S`` in all, for the followers of the jobs whose first token came last step."""
+        if not self._held:
+            return
+        deadline = time.monotonic() + FOLLOWER_WAIT_S
+        for handle in self._held:
+            handle.wait_followers(max(0.0, deadline - time.monotonic()))
+        self._held.clear()
 
     def _iterate(self, waiting: list[RunningSequence]) -> None:
         lanes = [None if s is None else s.lane_state() for s in self._lanes]
@@ -317,6 +335,8 @@ class PagedRuntime:
         seq.generated.append(token)
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
+            if seq.handle.expects_followers:
+                self._held.append(seq.handle)
         seq.handle.deliver(TokenEvent(seq.handle.job_id, len(seq.generated) - 1, token, position))
         if token in seq.job.sampling.stop_token_ids:
             self._finish(seq, FinishReason.STOP)
