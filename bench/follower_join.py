@@ -54,7 +54,7 @@ async def rounds(url: str, args: argparse.Namespace) -> dict[str, list[float]]:
     print(f"seed {args.seed}", file=sys.stderr)
 
     def tokens(n: int) -> list[int]:
-        return [rng.randrange(1000, 30000) for _ in range(n)]
+        return [rng.randrange(args.max_token_id // 30, args.max_token_id) for _ in range(n)]
 
     out: dict[str, list[float]] = {"leader": [], "follower": [], "long": [], "lag": []}
     async with httpx.AsyncClient(timeout=300) as client:
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", type=int, default=960, help="tokens the leader and the follower share")
     parser.add_argument("--long", type=int, default=1588, help="tokens of the prompt queued behind the follower")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-token-id", type=int, default=30000, help="prompts draw token ids below this")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="follower-join-") as home:

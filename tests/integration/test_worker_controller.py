@@ -18,6 +18,7 @@ from kvrelay.protocol.messages import OfferResult, Result, RouteSegment
 from kvrelay.testing.tiny_models import make_tiny_model
 from kvrelay.worker.runtime import loop as runtime_loop
 from kvrelay.worker.runtime.warmup import measure_speeds
+from tests.support.bench_smoke import run_bench
 from tests.support.worker_harness import WorkerHarness
 
 PROMPT = tuple(range(5, 5 + 150))  # 2 full chunks + 22 tokens
@@ -396,3 +397,13 @@ def test_a_stalled_start_up_forward_does_not_set_the_step(model_dir: Path) -> No
         assert speeds.step_measured and speeds.step_s < stall_s / 2 and speeds.best_step_s == speeds.step_s
 
     run(model_dir, body)
+
+
+def test_follower_join_bench_smoke(model_dir: Path, tmp_path: Path) -> None:
+    """``bench/follower_join.py`` runs end to end on a tiny model and writes its figures (not asserted)."""
+    args = ["--model", str(model_dir), "--prefix", "128", "--long", "256", "--rounds", "1", "--max-token-id", "250"]
+    code, figures = run_bench("follower_join.py", args, tmp_path / "figures.json")
+    assert code == 0
+    names = [f["name"] for f in figures]
+    assert names[0] == "follower lag behind the leader's first token" and len(names) == 4
+    assert all(f["value"] > 0 for f in figures[1:])
