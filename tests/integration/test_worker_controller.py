@@ -327,9 +327,10 @@ def test_a_follower_joins_the_forward_right_after_its_leaders_first_token(
         _, long = h.offer("long", other, 6)
         for replies in (leader, follower, long):
             await replies.wait_for(Result, timeout=60)
-        # 256-token budget: the leader's prompt in 256, 256, 256 and 232 tokens; then its first decode row and
-        # the follower's 50 tokens, which complete its prompt, so no chunk of the long prompt pads that forward
-        last = recorder.batches.index([232])
+        # 256-token budget: the leader's prompt in 256, 256, 256 and 232 tokens (the long one's first 24 beside
+        # it); then its first decode row and the follower's 50 tokens, which finish its prompt: the long one's
+        # next 205 would more than double that forward, so they wait for the next
+        last = recorder.batches.index([232, 24])
         assert recorder.batches[last + 1] == [1, 50]
 
     run(model_dir, body, num_pages=512)

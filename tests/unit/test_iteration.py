@@ -97,7 +97,7 @@ def test_prefilling_lanes_continue_in_admission_order_before_new_admissions() ->
     config = PolicyConfig(num_lanes=3, token_budget=12)
     lanes = [prefilling(10, admitted=7), prefilling(10, admitted=3), None]
     plan = plan_iteration(config, lanes, [4])
-    assert plan.prefill == (PrefillChunk(1, 10),)  # lane 0's 2 tokens would not finish it: no padding
+    assert plan.prefill == (PrefillChunk(1, 10), PrefillChunk(0, 2))
     assert plan.admit == ()
     plan = plan_iteration(config, [prefilling(10, admitted=7), prefilling(12, admitted=3), None], [4])
     assert plan.prefill == (PrefillChunk(1, 12),)
@@ -209,10 +209,10 @@ def test_a_waiting_job_with_an_earlier_place_is_admitted_before_a_prefilling_lan
     assert plan.admit == (1, 2) and plan.prefill == (PrefillChunk(0, 10), PrefillChunk(1, 23), PrefillChunk(2, 30))
 
 
-def test_no_unfinished_chunk_pads_a_forward_that_completes_a_prompt() -> None:
-    """Once a prompt completes in the forward, later prompts join only if they complete too: a follower's
-    first token does not wait for a chunk of a longer prompt queued after it (one forward of 512 tokens
-    there cost it 0.7 s on a two-core CPU); the longer prompt takes the next forward whole."""
+def test_an_unfinished_chunk_larger_than_the_finishing_ones_does_not_pad_their_forward() -> None:
+    """A chunk that does not finish its prompt joins a forward carrying finishing prompts only if it is no
+    larger than they are: a follower's first token does not wait for 488 tokens of a longer prompt queued
+    after it (a 512-token forward cost it 0.7 s on a two-core CPU); a smaller chunk still rides along."""
     config = PolicyConfig(num_lanes=4, token_budget=512)
     long_prompt = LaneState(prompt_left=1588, admitted=0, place=4.12)
     plan = plan_iteration(config, [decoding(2), long_prompt, None, None], [23, 40], [3.72, 4.5])
@@ -223,3 +223,6 @@ def test_no_unfinished_chunk_pads_a_forward_that_completes_a_prompt() -> None:
     # Later prompts that complete within the budget still ride along; the first that would not ends the forward.
     plan = plan_iteration(config, [None] * 4, [23, 40, 600, 10])
     assert plan.prefill == (PrefillChunk(0, 23), PrefillChunk(1, 40)) and plan.admit == (0, 1)
+    # No larger than what the forward carries: it rides (the forward's cost at most doubles).
+    plan = plan_iteration(config, [None] * 4, [300, 600])
+    assert plan.prefill == (PrefillChunk(0, 300), PrefillChunk(1, 212)) and plan.admit == (0, 1)

@@ -44,22 +44,22 @@ def test_an_iteration_takes_prefills_in_order_up_to_its_budget_and_lanes() -> No
     assert [w.offer.assignment.request_id for w, _ in again] == ["a", "b"]  # started ones keep their lanes
 
 
-def test_no_unfinished_chunk_pads_an_iteration_that_completes_a_prefill() -> None:
-    """As the live runtime (``plan_iteration``): after a prefill completes in the iteration, a later one joins
-    only if it completes too; otherwise it starts in the next iteration."""
-    queue: list[Work] = []
-    for w in (work("a", 300), work("b", 300)):
-        enqueue(queue, w)
-    taken = take_prefills(
-        queue, lanes=2, budget=400, now=1.0, caches=caches(), filling=None, chunk_tokens=64, stats=WorkerStats()
-    )
-    assert [(w.offer.assignment.request_id, n) for w, n in taken] == [("a", 300)]
-    assert [w.prefill_started_at for w in queue] == [1.0, None]
-    queue = [work("long", 1000)]
-    taken = take_prefills(
-        queue, lanes=2, budget=400, now=1.0, caches=caches(), filling=None, chunk_tokens=64, stats=WorkerStats()
-    )
-    assert [(w.offer.assignment.request_id, n) for w, n in taken] == [("long", 400)]  # nothing completes: full
+def test_an_unfinished_chunk_larger_than_the_finishing_ones_waits_for_the_next_iteration() -> None:
+    """As the live runtime (``plan_iteration``): a chunk that does not finish its prefill joins an iteration
+    carrying finishing prefills only if it is no larger than they are; otherwise it starts in the next one."""
+
+    def taken(sizes: tuple[int, ...]) -> list[tuple[str, int]]:
+        queue: list[Work] = []
+        for i, n in enumerate(sizes):
+            enqueue(queue, work(f"w{i}", n))
+        got = take_prefills(
+            queue, lanes=2, budget=400, now=1.0, caches=caches(), filling=None, chunk_tokens=64, stats=WorkerStats()
+        )
+        return [(w.offer.assignment.request_id, n) for w, n in got]
+
+    assert taken((100, 1000)) == [("w0", 100)]  # 300 unfinished tokens after 100 finishing ones
+    assert taken((300, 1000)) == [("w0", 300), ("w1", 100)]  # 100 after 300: it rides
+    assert taken((1000,)) == [("w0", 400)]  # nothing finishes: the whole budget
 
 
 def test_a_waiting_prefill_of_lower_priority_value_goes_first_but_never_passes_a_started_one() -> None:

@@ -9,9 +9,9 @@
   ``work.iteration_order``; each holds one of ``max_lanes`` lanes from its first
   chunk to its last token; chunked prefill as in vLLM and Sarathi-Serve), and lasts
   ``decode_step(lanes) + prefill tokens * prefill_s_per_token``. A prefill that
-  completes yields its first token at the end of that iteration; once one
-  completes, later ones join that iteration only if they complete too (the live
-  runtime's ``plan_iteration``: no unfinished chunk pads a first token).
+  completes yields its first token at the end of that iteration; a chunk that does
+  not finish its prefill joins an iteration that already carries prompt tokens only
+  if it is no larger than they are (the live runtime's ``plan_iteration``).
 - Prefill start re-matches the prefix, as the live worker does: chunks of the
   chain that another request put on the device since admission are shared,
   not computed. A prefill whose next chunk another started request is
@@ -62,7 +62,7 @@ def take_prefills(
     ``queue``."""
     prefill: list[tuple[Work, int]] = []
     lanes -= sum(1 for work in queue if work.prefill_started_at is not None)
-    completed = False
+    carried = 0
     for work in iteration_order(queue):  # an admitted prefill holds its lane even without budget
         if work.prefill_started_at is None:
             if lanes <= 0:
@@ -76,12 +76,12 @@ def take_prefills(
         if budget <= 0:
             continue
         take = min(work.prefill_left, budget)
-        if completed and take < work.prefill_left:  # as the live runtime: no unfinished chunk after a first token
+        if take < work.prefill_left and 0 < carried < take:  # as the live runtime's ``plan_iteration``
             budget = 0
             continue
         prefill.append((work, take))
         budget -= take
-        completed = completed or take == work.prefill_left
+        carried += take
         if work.prefill_started_at is None:
             work.prefill_started_at = now
             if filling is not None:

@@ -16,11 +16,13 @@
   admitted in queue order (never skipping the head) while a lane and budget remain,
   after the prefilling lanes, except that one whose place is lower than a prefilling
   lane's goes before it; each takes ``min(prompt_left, budget_left)`` tokens.
-- Once a prompt completes in the forward (its first token comes at the forward's end), later
-  prompts join only if they complete too: the forward is not padded with a chunk of unfinished
-  work, which would delay that first token by the chunk's compute (a follower joining after its
-  leader's prefill waited out a whole 512-token chunk of a longer prompt), at the price of one
-  more forward for the longer prompt.
+- A chunk that does not finish its prompt joins a forward that already carries prompt tokens
+  (every one of which finishes its prompt: an unfinished chunk takes the rest of the budget) only
+  if it is no larger than they are: it would otherwise more than double the wait for the first
+  tokens that forward gives (a follower joining after its leader's prefill waited out a 512-token
+  chunk of a longer prompt); the longer prompt pays one more forward's fixed cost instead. Never
+  dropping it, or always, cost first tokens or throughput (docs/performance.md, "A follower's
+  first token").
 
 Follows the shape of vLLM's and nano-vllm's chunked-prefill schedulers (decode
 first, prefill fills the remaining token budget) but keeps lane slots fixed.
@@ -156,14 +158,14 @@ def plan_iteration(
     admit: list[int] = []
     admissible_jobs = min(len(waiting), len(free_lanes)) if admissible else 0
     p = w = 0
-    completed = False
+    carried = 0
     while budget > 0 and (p < len(prefilling) or w < admissible_jobs):
         lane_place = lanes[prefilling[p]].place if p < len(prefilling) else math.inf  # type: ignore[union-attr]
         admits = w < admissible_jobs and places[w] < lane_place
         left = waiting[w] if admits else lanes[prefilling[p]].prompt_left  # type: ignore[union-attr]
         take = min(left, budget)
-        if completed and take < left:
-            break  # no unfinished chunk pads a forward that gives an earlier prompt its first token
+        if take < left and 0 < carried < take:
+            break  # an unfinished chunk would more than double the wait for the first tokens this forward gives
         if admits:
             lane = free_lanes[w]
             admit.append(lane)
@@ -173,5 +175,5 @@ def plan_iteration(
             p += 1
         chunks.append(PrefillChunk(lane, take))
         budget -= take
-        completed = completed or take == left
+        carried += take
     return IterationPlan(tuple(decoding), tuple(chunks), tuple(admit))
