@@ -6,7 +6,6 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -19,28 +18,11 @@ from kvrelay.testing.tiny_models import make_tiny_model
 from kvrelay.worker.runtime import loop as runtime_loop
 from kvrelay.worker.runtime.warmup import measure_speeds
 from tests.support.bench_smoke import run_bench
+from tests.support.step_models import RecordingModel
 from tests.support.worker_harness import WorkerHarness
 
 PROMPT = tuple(range(5, 5 + 150))  # 2 full chunks + 22 tokens
 WAIT_FOR_FOLLOWERS_S = 30.0
-
-
-class QueryLengths:
-    """A step model that records the query lengths of every forward and delegates to the real one."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.batches: list[list[int]] = []
-
-    def hidden(self, batch: ForwardBatch, kv: KVPages) -> torch.Tensor:
-        self.batches.append(list(batch.query_lens))
-        return self.model.hidden(batch, kv)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(h)
-
-    def greedy(self, h: torch.Tensor) -> list[int]:
-        return self.model.greedy(h)
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +302,7 @@ def test_a_follower_joins_the_forward_right_after_its_leaders_first_token(
     other = tuple(5 + (i * 13) % 250 for i in range(700))
 
     async def body(h: WorkerHarness) -> None:
-        recorder = QueryLengths(h.runtime.model)
+        recorder = RecordingModel(h.runtime.model)
         h.runtime.model = recorder
         _, leader = h.offer("leader", LEADER, 6)
         _, follower = h.offer("f0", FOLLOWERS[0], 6)

@@ -26,6 +26,7 @@ from kvrelay.worker.runtime.iteration import PolicyConfig
 from kvrelay.worker.runtime.jobs import Job, JobResult, QueueFullError, RuntimeClosedError, RuntimeEvent, TokenEvent
 from kvrelay.worker.runtime.loop import PagedRuntime
 from tests.support.bench_smoke import run_bench
+from tests.support.step_models import DelegatingModel, RecordingModel
 
 PAGE = 4
 WAIT = 30.0  # generous timeout for every event wait; the tests normally take milliseconds
@@ -75,30 +76,6 @@ def _run_alone(tiny: Tiny, prompt: list[int], max_new: int) -> list[int]:
 
 def prompt_of(length: int, salt: int) -> list[int]:
     return [4 + (salt * 31 + i * 7) % 300 for i in range(length)]
-
-
-class DelegatingModel:
-    """The real model's ``logits`` and ``greedy``."""
-
-    model: Any
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(h)
-
-    def greedy(self, h: torch.Tensor) -> list[int]:
-        return self.model.greedy(h)
-
-
-class RecordingModel(DelegatingModel):
-    """The real model, recording the query lengths of every forward."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.batches: list[list[int]] = []
-
-    def hidden(self, batch: ForwardBatch, kv: KVPages) -> torch.Tensor:
-        self.batches.append(list(batch.query_lens))
-        return self.model.hidden(batch, kv)
 
 
 class GatedModel(DelegatingModel):

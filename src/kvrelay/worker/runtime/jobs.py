@@ -152,9 +152,9 @@ class JobHandle:
         """The jobs sharing this job's prompt are submitted (or none will come): the device thread goes on."""
         self._followers_in.set()
 
-    def wait_followers(self, timeout: float) -> bool:
-        """Device-thread side: wait up to ``timeout`` s for ``followers_submitted``; True if it came."""
-        return self._followers_in.wait(timeout)
+    def wait_followers(self, timeout: float) -> None:
+        """Device-thread side: wait up to ``timeout`` s for ``followers_submitted``."""
+        self._followers_in.wait(timeout)
 
     def result(self, timeout: float | None = None) -> JobResult:
         """Block until the job's ``JobResult``; raise ``TimeoutError`` after ``timeout`` seconds."""
