@@ -257,9 +257,9 @@ class PagedRuntime:
         lanes = [None if s is None else s.lane_state() for s in self._lanes]
         plan = plan_iteration(self.policy, lanes, [s.job.prefill_len for s in waiting], [s.job.place for s in waiting])
         if plan.admit:
-            with self._cond:
-                for _ in plan.admit:
-                    self._waiting.popleft()
+            admitted_ids = {id(seq) for seq in waiting[: len(plan.admit)]}
+            with self._cond:  # by identity: a job submitted since the snapshot may now stand before them
+                self._waiting = deque(seq for seq in self._waiting if id(seq) not in admitted_ids)
                 self._cond.notify_all()
             now = time.perf_counter()
             for admitted, lane in zip(waiting, plan.admit):
