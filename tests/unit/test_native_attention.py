@@ -209,6 +209,8 @@ def test_a_bfloat16_model_builds_every_kernel_before_its_first_forward(
             "linear_row",
             "mlp_rows",
             *(["mlp_rows_amx"] * build.cpu_supports("amx")),
+            *(["prefill_attention_amx"] * build.cpu_supports("amx")),
+            "prefill_attention_avx512",
             "rms_norm",
         ],
         "avx2": ["decode_attention_avx2", "head_screen_avx2", "linear_avx2", "rms_norm_avx2"],
