@@ -18,17 +18,29 @@ from safetensors.torch import load_file
 from kvrelay.models.batch import ForwardBatch
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.kernels.kv_pages import KVPages
-from kvrelay.models.kernels.native.mlp_rows import AMX_ROWS, DecodeMLP, LayerTail, amx_library
+from kvrelay.models.kernels.native.mlp_rows import AMX_ROWS, AVX512_ROWS, DecodeMLP, LayerTail, amx_library, library
 from kvrelay.models.layers import RMSNorm
 from kvrelay.models.mlp import PackedLinear
 from kvrelay.models.registry import build_model
 from kvrelay.testing.tiny_models import make_tiny_model
 
 HIDDEN, WIDTH, INNER, EPS = 128, 256, 320, 1e-6
-pytestmark = pytest.mark.skipif(amx_library() is None, reason="the AMX kernel does not run here (no AMX tiles)")
+ROWS = {True: AMX_ROWS, False: AVX512_ROWS}
+"""The most rows each kernel's tail takes: AMX (True) or AVX-512 BF16 over the weights as they are (False)."""
+pytestmark = pytest.mark.skipif(library() is None, reason="the decode kernels do not run here (no AVX-512 BF16)")
 
 
-def _parts(seed: int, gemma: bool) -> tuple[LayerTail, PackedLinear, DecodeMLP, tuple[RMSNorm | None, ...]]:
+@pytest.fixture(
+    params=[
+        pytest.param(True, id="amx", marks=pytest.mark.skipif(amx_library() is None, reason="no AMX tiles")),
+        pytest.param(False, id="avx512"),
+    ]
+)
+def amx(request: pytest.FixtureRequest) -> bool:
+    return request.param  # type: ignore[no-any-return]
+
+
+def _parts(seed: int, gemma: bool, amx: bool) -> tuple[LayerTail, PackedLinear, DecodeMLP, tuple[RMSNorm | None, ...]]:
     gen = torch.Generator().manual_seed(seed)
 
     def weight(rows: int, cols: int) -> torch.Tensor:
@@ -38,12 +50,12 @@ def _parts(seed: int, gemma: bool) -> tuple[LayerTail, PackedLinear, DecodeMLP, 
         return RMSNorm((torch.randn(HIDDEN, generator=gen) * 0.1).bfloat16(), EPS, unit_offset=gemma)
 
     o = PackedLinear(weight(HIDDEN, WIDTH))
-    mlp = DecodeMLP.build(weight(INNER, HIDDEN), weight(INNER, HIDDEN), weight(HIDDEN, INNER), "gelu_tanh")
+    mlp = DecodeMLP.build(weight(INNER, HIDDEN), weight(INNER, HIDDEN), weight(HIDDEN, INNER), "gelu_tanh", amx=amx)
     norms = (norm(), norm(), norm()) if gemma else (None, norm(), None)
     weights = tuple(None if n is None else n.kernel_weight for n in norms)
     assert mlp is not None and weights[1] is not None
     tail = LayerTail.build(o.weight, mlp, (weights[0], weights[1], weights[2]), EPS, unit_offset=gemma)
-    assert tail is not None
+    assert tail is not None and tail.max_rows == ROWS[amx]
     return tail, o, mlp, norms
 
 
@@ -61,9 +73,10 @@ def _separately(
 
 
 @pytest.mark.parametrize("gemma", [True, False], ids=["gemma", "llama"])
-@pytest.mark.parametrize("rows", [1, 7, AMX_ROWS])
-def test_the_tail_gives_what_the_separate_calls_give(gemma: bool, rows: int) -> None:
-    tail, o, mlp, norms = _parts(seed=rows, gemma=gemma)
+@pytest.mark.parametrize("rows", [1, 7, "most"])
+def test_the_tail_gives_what_the_separate_calls_give(gemma: bool, rows: int | str, amx: bool) -> None:
+    rows = ROWS[amx] if rows == "most" else int(rows)
+    tail, o, mlp, norms = _parts(seed=rows, gemma=gemma, amx=amx)
     gen = torch.Generator().manual_seed(50 + rows)
     attn = torch.randn(rows, WIDTH, generator=gen).bfloat16()
     h = torch.randn(rows, HIDDEN, generator=gen).bfloat16()
@@ -74,23 +87,23 @@ def test_the_tail_gives_what_the_separate_calls_give(gemma: bool, rows: int) -> 
     assert not torch.equal(got, h), "the tail works in place"
 
 
-def test_each_row_gets_what_it_gets_alone() -> None:
-    tail, *_ = _parts(seed=3, gemma=True)
+def test_each_row_gets_what_it_gets_alone(amx: bool) -> None:
+    tail, *_ = _parts(seed=3, gemma=True, amx=amx)
     gen = torch.Generator().manual_seed(4)
-    attn = torch.randn(AMX_ROWS, WIDTH, generator=gen).bfloat16()
-    h = torch.randn(AMX_ROWS, HIDDEN, generator=gen).bfloat16()
+    attn = torch.randn(ROWS[amx], WIDTH, generator=gen).bfloat16()
+    h = torch.randn(ROWS[amx], HIDDEN, generator=gen).bfloat16()
     together = h.clone()
     assert tail(attn, together)
-    for m in range(AMX_ROWS):
+    for m in range(ROWS[amx]):
         alone = h[m : m + 1].clone()
         assert tail(attn[m : m + 1], alone) and torch.equal(alone, together[m : m + 1]), f"row {m}"
 
 
-def test_rows_it_does_not_take_are_left_untouched() -> None:
-    tail, *_ = _parts(seed=5, gemma=True)
-    h = torch.randn(AMX_ROWS + 1, HIDDEN).bfloat16()
+def test_rows_it_does_not_take_are_left_untouched(amx: bool) -> None:
+    tail, *_ = _parts(seed=5, gemma=True, amx=amx)
+    h = torch.randn(ROWS[amx] + 1, HIDDEN).bfloat16()
     before = h.clone()
-    assert not tail(torch.randn(AMX_ROWS + 1, WIDTH).bfloat16(), h)  # more rows than the kernel takes
+    assert not tail(torch.randn(ROWS[amx] + 1, WIDTH).bfloat16(), h)  # more rows than the kernel takes
     assert not tail(torch.randn(2, WIDTH + 32).bfloat16(), h[:2])  # attention of another width
     assert not tail(torch.randn(2, WIDTH), h[:2])  # float32 attention
     assert torch.equal(h, before)

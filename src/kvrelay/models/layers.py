@@ -8,8 +8,8 @@ head are ``mlp.PackedLinear``s, norms (with the rope after the q/k norm, and
 the residual add after Gemma's output norms) run in ``native.rms_norm``,
 sliding layers of laned decode rows read ``window_mirror`` rings, and a single
 greedy row takes its token from ``greedy_head``. The MLP block is
-``mlp.GatedMLP``. On a CPU with AMX a decode step's rows take a layer's work
-after its attention in one kernel call (``decode_tail``), which also computes
+``mlp.GatedMLP``. On a CPU with AVX-512 BF16 a decode step's rows (up to 32
+with AMX, 8 without) take a layer's work after its attention in one kernel call (``decode_tail``), which also computes
 the next layer's q, k, v where ``link_tails`` linked the two
 (``attention_then_tail``).
 """
@@ -212,7 +212,7 @@ def decode_tail(
 ) -> LayerTail | None:
     """A layer's work after its attention as one kernel call for a decode step's rows (``native.mlp_rows.LayerTail``:
     output projection, the norms as given (post-attention, pre-feedforward, post-feedforward; ``None``: none) with
-    their residual adds, and the MLP); ``None`` where it does not run (no AMX, a bias, float32)."""
+    their residual adds, and the MLP); ``None`` where it does not run (no decode MLP kernel, a bias, float32)."""
     if attention.o.bias is not None or mlp.decode is None:
         return None
     weights = tuple(None if n is None else n.kernel_weight for n in norms)

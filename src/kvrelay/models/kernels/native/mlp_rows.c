@@ -12,14 +12,13 @@
  * are rounded once. Each float32 sum is linear_row.c's (sixteen lanes of dot-product pairs per 32 columns,
  * then four-way horizontal sums), so a row's output does not depend on the other rows or on M.
  *
+ * kvrelay_layer_tail runs a decoder layer's whole tail with these sums (layer_tail.h).
+ *
  * Contract: 1 <= M <= MAX_ROWS, H % 32 == 0, I % 32 == 0, I % 4 == 0, H % 4 == 0, x [M, H], gate and up
  * [I, H], down [H, I], mid [M, I] (scratch), y [M, H], all contiguous bfloat16; act 0 = SiLU, 1 = GELU with
  * the tanh approximation, 2 = GELU with erf. Returns 0, or -1 when the shapes break the contract (nothing is written then).
  */
-#include <omp.h>
-#include <stdatomic.h>
-
-#include "bf16_simd.h"
+#include "layer_tail.h"
 #include "mlp_activations.h"
 
 #define MAX_ROWS 16
@@ -73,6 +72,40 @@ static inline void share(int64_t n, int t, int nt, int64_t* lo, int64_t* hi) {
     *hi = quads * (t + 1) / nt * 4;
 }
 
+/* Thread t's share of y = a W^T (a [M, K] with row stride K, W [N, K] row-major), in quads of output columns, the
+ * input rows in pairs (the last of an odd count as its own pair); each sum rounded once to bfloat16. */
+static void projection_share(const uint16_t* a, int64_t K, int64_t M, const uint16_t* w, int64_t N, uint16_t* y,
+                             int t, int nt) {
+    int64_t lo, hi;
+    share(N, t, nt, &lo, &hi);
+    for (int64_t n = lo; n < hi; n += 4)
+        for (int64_t m = 0; m < M; m += 2) {
+            const int64_t z = m + 1 < M ? m + 1 : m;
+            __m128 s0, s1;
+            four_sums_two_rows(a + m * K, a + z * K, w + n * K, K, &s0, &s1);
+            _mm_storel_epi64((__m128i*)(y + m * N + n), (__m128i)_mm_cvtneps_pbh(s0));
+            if (z != m) _mm_storel_epi64((__m128i*)(y + z * N + n), (__m128i)_mm_cvtneps_pbh(s1));
+        }
+}
+
+/* Thread t's share of the MLP of x into y (the intermediate in mid); one arrival at *arrived between phases:
+ * every thread has run by then, so a spin is short, where a futex would cost the wake-up this saves. */
+static void mlp_share(const uint16_t* x, int64_t M, int64_t H, const uint16_t* gate, const uint16_t* up, int64_t I,
+                      const uint16_t* down, int act, uint16_t* mid, uint16_t* y, int t, int nt, atomic_int* arrived) {
+    int64_t lo, hi;
+    share(I, t, nt, &lo, &hi);
+    for (int64_t j = lo; j < hi; j += 4)
+        for (int64_t m = 0; m < M; m++) {
+            __m128 g, u;
+            four_sums_twice(x + m * H, gate + j * H, up + j * H, H, &g, &u);
+            const __m512 a = round_bf16(activate(_mm512_castps128_ps512(g), act));
+            const __m512 p = _mm512_mul_ps(a, _mm512_castps128_ps512(u));
+            _mm_storel_epi64((__m128i*)(mid + m * I + j), (__m128i)_mm_cvtneps_pbh(_mm512_castps512_ps128(p)));
+        }
+    arrive_and_wait(arrived, nt);
+    projection_share(mid, I, M, down, H, y, t, nt);
+}
+
 int kvrelay_mlp_rows(const uint16_t* x, int64_t M, int64_t H, const uint16_t* gate, const uint16_t* up, int64_t I,
                      const uint16_t* down, int act, uint16_t* mid, uint16_t* y) {
     if (M < 1 || M > MAX_ROWS || H <= 0 || I <= 0 || H % 32 || I % 32 || act < 0 || act > 2) return -1;
@@ -80,34 +113,17 @@ int kvrelay_mlp_rows(const uint16_t* x, int64_t M, int64_t H, const uint16_t* ga
 #pragma omp parallel
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t lo, hi;
-        share(I, t, nt, &lo, &hi);
-        for (int64_t j = lo; j < hi; j += 4)
-            for (int64_t m = 0; m < M; m++) {
-                __m128 g, u;
-                four_sums_twice(x + m * H, gate + j * H, up + j * H, H, &g, &u);
-                const __m512 a = round_bf16(activate(_mm512_castps128_ps512(g), act));
-                const __m512 p = _mm512_mul_ps(a, _mm512_castps128_ps512(u));
-                _mm_storel_epi64((__m128i*)(mid + m * I + j), (__m128i)_mm_cvtneps_pbh(_mm512_castps512_ps128(p)));
-            }
-        /* Every thread has run, so a spin is short: waiting on a futex would cost the wake-up this saves. */
-        atomic_fetch_add_explicit(&arrived, 1, memory_order_acq_rel);
-        while (atomic_load_explicit(&arrived, memory_order_acquire) < nt) _mm_pause();
-        share(H, t, nt, &lo, &hi);
-        for (int64_t h = lo; h < hi; h += 4) {
-            int64_t m = 0;
-            for (; m + 2 <= M; m += 2) {
-                __m128 s0, s1;
-                four_sums_two_rows(mid + m * I, mid + (m + 1) * I, down + h * I, I, &s0, &s1);
-                _mm_storel_epi64((__m128i*)(y + m * H + h), (__m128i)_mm_cvtneps_pbh(s0));
-                _mm_storel_epi64((__m128i*)(y + (m + 1) * H + h), (__m128i)_mm_cvtneps_pbh(s1));
-            }
-            if (m < M) { /* the last of an odd count, as its own pair */
-                __m128 s0, s1;
-                four_sums_two_rows(mid + m * I, mid + m * I, down + h * I, I, &s0, &s1);
-                _mm_storel_epi64((__m128i*)(y + m * H + h), (__m128i)_mm_cvtneps_pbh(s0));
-            }
-        }
+        mlp_share(x, M, H, gate, up, I, down, act, mid, y, t, nt, &arrived);
     }
     return 0;
+}
+
+/* kvrelay_layer_tail: layer_tail.h's layer_tail with these kernels, for M <= MAX_ROWS rows, every weight (Wo,
+ * gate, up, down, next's qkv) row-major bfloat16 as it is. */
+int kvrelay_layer_tail(const uint16_t* attn, int64_t A, const uint16_t* o_w, uint16_t* h, int64_t M, int64_t H,
+                       const float* post_attn_w, const float* pre_ff_w, const float* post_ff_w, float eps,
+                       int unit_offset, const uint16_t* gate, const uint16_t* up, int64_t I, const uint16_t* down,
+                       int act, uint16_t* scratch, const NextHead* next) {
+    return layer_tail(attn, A, o_w, h, M, H, post_attn_w, pre_ff_w, post_ff_w, eps, unit_offset, gate, up, I, down, act,
+                      scratch, next, MAX_ROWS, projection_share, mlp_share, 0, 0);
 }

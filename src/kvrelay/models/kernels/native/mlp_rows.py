@@ -11,9 +11,10 @@ bfloat16 tiles (``mlp_rows_amx.c``) over a copy of the weights laid out once in 
 ``AMX_ROWS`` rows; elsewhere on AVX-512 BF16 as ``vdpbf16ps`` chains over the weights as they are
 (``mlp_rows.c``), for up to ``AVX512_ROWS`` rows, beyond which oneDNN computes faster.
 
-``LayerTail`` (AMX only) adds the output projection and the norms with their residual adds to that
-region, and where linked (``LayerTail.with_next``) the next layer's input norm, q/k/v projection and
-q/k norms with rope (``NextHead``). Everything applies to bfloat16 rows and contiguous bfloat16
+``LayerTail`` adds the output projection and the norms with their residual adds to that region (on AMX
+tiles, or with ``vdpbf16ps`` chains for up to ``AVX512_ROWS`` rows; ``layer_tail.h``), and where linked
+(``LayerTail.with_next``) the next layer's input norm, q/k/v projection and q/k norms with rope
+(``NextHead``). Everything applies to bfloat16 rows and contiguous bfloat16
 weights without bias on the CPU, widths multiples of 32, the activations of ``ACTIVATION_CODES``,
 where the kernel is built (``build``); else ``None`` (or False) and nothing is computed.
 """
@@ -40,8 +41,8 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGS = (_P, _I64, _I64, _P, _P, _I64, _P, _INT, _P, _P)
 """x, M, H, gate, up, I, down, act, mid, y (``mlp_rows.c``, ``mlp_rows_amx.c``)."""
 _TAIL_ARGS = (_P, _I64, _P, _P, _I64, _I64, _P, _P, _P, ctypes.c_float, _INT, _P, _P, _I64, _P, _INT, _P, _P)
-"""attn, A, o_tiles, h, M, H, the three norms, eps, unit_offset, gate, up, I, down, act, scratch, next."""
-_SIGNATURES = (("kvrelay_mlp_rows", (_ARGS, _INT)),)
+"""attn, A, o (tiles on AMX), h, M, H, the three norms, eps, unit_offset, gate, up, I, down, act, scratch, next."""
+_SIGNATURES = (("kvrelay_mlp_rows", (_ARGS, _INT)), ("kvrelay_layer_tail", (_TAIL_ARGS, _INT)))
 _AMX_SIGNATURES = (
     ("kvrelay_bf16_pack_tiles", ((_P, _I64, _I64, _P), _INT)),
     ("kvrelay_mlp_rows_amx", (_ARGS, _INT)),
@@ -50,11 +51,11 @@ _AMX_SIGNATURES = (
 
 
 class _NextHead(ctypes.Structure):
-    """``mlp_rows_amx.c``'s ``NextHead``."""
+    """``layer_tail.h``'s ``NextHead``."""
 
     _fields_ = (
         ("in_norm_w", ctypes.c_void_p),
-        ("qkv_tiles", ctypes.c_void_p),
+        ("qkv_w", ctypes.c_void_p),
         ("N", ctypes.c_int64),
         ("qk_heads", ctypes.c_int64),
         ("D", ctypes.c_int64),
@@ -68,11 +69,11 @@ class _NextHead(ctypes.Structure):
 @dataclass(frozen=True, slots=True)
 class NextHead:
     """The start of the next layer that a ``LayerTail`` may compute in its region: its input norm's weight
-    (float32 ``[H]``), its fused q, k, v projection as tiles (``[N, H]``), and its q and k heads' norm weights
-    (float32 ``[qk_heads, D]``); the rope tables come with each call."""
+    (float32 ``[H]``), its fused q, k, v projection (``[N, H]``, as the tail's kernel reads weights: tiles on AMX),
+    and its q and k heads' norm weights (float32 ``[qk_heads, D]``); the rope tables come with each call."""
 
     in_norm_w: torch.Tensor
-    qkv_tiles: torch.Tensor
+    qkv_w: torch.Tensor
     qk_heads: int
     head_dim: int
     qk_norm_w: torch.Tensor
@@ -103,7 +104,7 @@ class DecodeMLP:
         """``weights``: gate, up and down as ``entry`` reads them; ``shape``: ``(hidden, inner)``."""
         self.lib = lib
         self.tiled = entry == "kvrelay_mlp_rows_amx"
-        """Whether ``weights`` are AMX tiles (which ``LayerTail`` needs)."""
+        """Whether ``weights`` are AMX tiles (so ``LayerTail`` lays its weights out as tiles too)."""
         self._call = getattr(lib, entry)
         self.weights = weights
         self.hidden, self.inner = shape
@@ -163,9 +164,10 @@ def _tiles(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
 
 
 class LayerTail:
-    """A decoder layer after its attention, for a decode step's rows, in one parallel region (AMX):
+    """A decoder layer after its attention, for a decode step's rows, in one parallel region:
     ``h += N_post_attn(o(attn))``, ``x = N_pre_ff(h)``, ``h += N_post_ff(mlp(x))``, each step rounded as the
-    separate kernels round it (``mlp_rows_amx.c``'s ``kvrelay_layer_tail_amx``). A norm given as ``None`` is the
+    separate kernels round it (``layer_tail.h``, run by the kernel of ``mlp``: ``kvrelay_layer_tail_amx`` over
+    tiles, ``kvrelay_layer_tail`` over the weights as they are). A norm given as ``None`` is the
     identity (Llama has no post-attention or post-feedforward norm); norms are ``RMSNorm.kernel_weight``s.
     Through separate calls the same work is four parallel regions (the output projection and the MLP's three)
     or two with ``DecodeMLP``, plus three norm calls (why and how fast: docs/performance.md, "Decode MLP in one
@@ -173,18 +175,19 @@ class LayerTail:
 
     def __init__(
         self,
-        o_tiles: torch.Tensor,
+        o_w: torch.Tensor,
         mlp: DecodeMLP,
         norms: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None],
         eps: float,
         unit_offset: bool,
     ) -> None:
-        self.o_tiles = o_tiles
+        self.o_w = o_w
+        """The output projection as the kernel reads it (tiles on AMX, else the weight itself)."""
         self.mlp = mlp
         self.norms = norms
         self.eps = eps
         self.unit_offset = unit_offset
-        self.width = o_tiles.shape[1]
+        self.width = o_w.shape[1]
         self.max_rows = mlp.max_rows
         self.next: NextHead | None = None
         """The next layer's start, computed in the same region where set (``with_next``)."""
@@ -209,8 +212,7 @@ class LayerTail:
             and all(w.dtype == torch.float32 and w.is_contiguous() for w in (in_norm_w, qk_norm_w))
         )
         if fits:
-            tiles = _tiles(self.mlp.lib, qkv_weight)
-            self.next = NextHead(in_norm_w, tiles, qk_heads, head_dim, qk_norm_w)
+            self.next = NextHead(in_norm_w, self._as_read(qkv_weight), qk_heads, head_dim, qk_norm_w)
         return fits
 
     @classmethod
@@ -222,16 +224,20 @@ class LayerTail:
         eps: float,
         unit_offset: bool,
     ) -> LayerTail | None:
-        """The tail of ``o_weight`` (``[H, A]`` bfloat16, contiguous, no bias) and ``mlp`` (on AMX tiles) with the
-        three norms' float32 weights (``[H]``, contiguous); ``None`` where it does not apply."""
-        if mlp is None or not mlp.tiled or o_weight.dtype != torch.bfloat16 or not o_weight.is_contiguous():
+        """The tail of ``o_weight`` (``[H, A]`` bfloat16, contiguous, no bias) and ``mlp`` with the three norms'
+        float32 weights (``[H]``, contiguous); ``None`` where it does not apply."""
+        if mlp is None or o_weight.dtype != torch.bfloat16 or not o_weight.is_contiguous():
             return None
         hidden, width = o_weight.shape
         given = [n for n in norms if n is not None]
         norms_fit = all(n.dtype == torch.float32 and n.shape == (hidden,) and n.is_contiguous() for n in given)
         if hidden != mlp.hidden or width % 32 or not norms_fit:
             return None
-        return cls(_tiles(mlp.lib, o_weight), mlp, norms, eps, unit_offset)
+        return cls(_tiles(mlp.lib, o_weight) if mlp.tiled else o_weight, mlp, norms, eps, unit_offset)
+
+    def _as_read(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` as the tail's kernel reads it."""
+        return _tiles(self.mlp.lib, weight) if self.mlp.tiled else weight
 
     def __call__(self, attn: torch.Tensor, h: torch.Tensor) -> bool:
         """Apply the tail to ``h`` (``[M, H]`` bfloat16, contiguous) in place from ``attn`` (``[M, A]``); False
@@ -250,12 +256,12 @@ class LayerTail:
             return None
         if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:
             return None
-        qkv = torch.empty(rows, nxt.qkv_tiles.shape[0], dtype=torch.bfloat16)
+        qkv = torch.empty(rows, nxt.qkv_w.shape[0], dtype=torch.bfloat16)
         cos, sin = cos.contiguous(), sin.contiguous()
         head = _NextHead(
             nxt.in_norm_w.data_ptr(),
-            nxt.qkv_tiles.data_ptr(),
-            nxt.qkv_tiles.shape[0],
+            nxt.qkv_w.data_ptr(),
+            nxt.qkv_w.shape[0],
             nxt.qk_heads,
             nxt.head_dim,
             nxt.qk_norm_w.data_ptr(),
@@ -276,10 +282,11 @@ class LayerTail:
         scratch = torch.empty(rows * (3 * hidden + inner), dtype=torch.bfloat16)
         post_attn, pre_ff, post_ff = (0 if n is None else n.data_ptr() for n in self.norms)
         gate, up, down = (w.data_ptr() for w in self.mlp.weights)
-        status = self.mlp.lib.kvrelay_layer_tail_amx(
+        entry = self.mlp.lib.kvrelay_layer_tail_amx if self.mlp.tiled else self.mlp.lib.kvrelay_layer_tail
+        status = entry(
             attn.data_ptr(),
             self.width,
-            self.o_tiles.data_ptr(),
+            self.o_w.data_ptr(),
             h.data_ptr(),
             rows,
             hidden,
