@@ -8,8 +8,8 @@ head are ``mlp.PackedLinear``s, norms (with the rope after the q/k norm, and
 the residual add after Gemma's output norms) run in ``native.rms_norm``,
 sliding layers of laned decode rows read ``window_mirror`` rings, and a single
 greedy row takes its token from ``greedy_head``. The MLP block is
-``mlp.GatedMLP``. On a CPU with AVX-512 BF16 a decode step's rows (up to 32
-with AMX, 8 without) take a layer's work after its attention in one kernel call (``decode_tail``), which also computes
+``mlp.GatedMLP``. On a CPU with AVX-512 BF16 a decode step's rows (up to 32)
+take a layer's work after its attention in one kernel call (``decode_tail``), which also computes
 the next layer's q, k, v where ``link_tails`` linked the two
 (``attention_then_tail``).
 """

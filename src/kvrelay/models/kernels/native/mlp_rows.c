@@ -4,8 +4,9 @@
  * A decode step's MLP through oneDNN is three parallel regions (gate with its activation, up with the
  * product, down); with passive OpenMP threads each wakes the sleeping partner (about 100 us on the
  * machines measured), which a few rows' projections do not amortize. Here phase 1 splits the intermediate
- * rows over the team (gate and up rows read once each, every input row's dots from L1), a spin barrier
- * inside the region waits for the whole intermediate, and phase 2 splits the output rows of down.
+ * rows over the team (four gate and four up rows at a time, each value loaded once for two input rows, the
+ * weight rows kept in L1 across the input rows), a spin barrier inside the region waits for the whole
+ * intermediate, and phase 2 splits the output rows of down (four weight rows against four input rows).
  *
  * Numerics are the post-op path's (mlp.GatedMLP): the activation applies to the gate's float32 sum and is
  * rounded once to bfloat16; the product with the up projection's float32 sum is rounded once; down's sums
@@ -21,48 +22,48 @@
 #include "layer_tail.h"
 #include "mlp_activations.h"
 
-#define MAX_ROWS 16
+#define MAX_ROWS 32
 
-/* The float32 sums of input row x (K columns) against weight rows w .. w + 3K and against v .. v + 3K, four
- * lanes each: sixteen lanes of dot-product pairs per 32 columns, then sum4, in eight independent chains (so the
- * instruction's latency is hidden). A sum depends on its row and weight row alone. */
-static inline void four_sums_twice(const uint16_t* x, const uint16_t* w, const uint16_t* v, int64_t K, __m128* sw,
-                                   __m128* sv) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (int64_t c = 0; c < K; c += 32) {
-        const __m512bh xc = (__m512bh)_mm512_loadu_si512(x + c);
-        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + c), xc);
-        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + K + c), xc);
-        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + 2 * K + c), xc);
-        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w + 3 * K + c), xc);
-        b0 = _mm512_dpbf16_ps(b0, (__m512bh)_mm512_loadu_si512(v + c), xc);
-        b1 = _mm512_dpbf16_ps(b1, (__m512bh)_mm512_loadu_si512(v + K + c), xc);
-        b2 = _mm512_dpbf16_ps(b2, (__m512bh)_mm512_loadu_si512(v + 2 * K + c), xc);
-        b3 = _mm512_dpbf16_ps(b3, (__m512bh)_mm512_loadu_si512(v + 3 * K + c), xc);
+/* The float32 sums of input rows x and z (K columns) against weight rows w .. w + 3K and against v .. v + 3K, four
+ * lanes each: sixteen lanes of dot-product pairs per 32 columns, then sum4, in sixteen independent chains (so the
+ * instruction's latency is hidden and each weight value loaded serves both rows). A sum depends on its row and
+ * weight row alone. */
+static inline void four_sums_twice_two_rows(const uint16_t* x, const uint16_t* z, const uint16_t* w, const uint16_t* v,
+                                            int64_t K, __m128 sums[4]) {
+    __m512 a[4], b[4], c[4], d[4];
+    for (int i = 0; i < 4; i++) a[i] = b[i] = c[i] = d[i] = _mm512_setzero_ps();
+    for (int64_t col = 0; col < K; col += 32) {
+        const __m512bh xc = (__m512bh)_mm512_loadu_si512(x + col), zc = (__m512bh)_mm512_loadu_si512(z + col);
+        for (int i = 0; i < 4; i++) {
+            const __m512bh wi = (__m512bh)_mm512_loadu_si512(w + i * K + col);
+            const __m512bh vi = (__m512bh)_mm512_loadu_si512(v + i * K + col);
+            a[i] = _mm512_dpbf16_ps(a[i], wi, xc);
+            b[i] = _mm512_dpbf16_ps(b[i], vi, xc);
+            c[i] = _mm512_dpbf16_ps(c[i], wi, zc);
+            d[i] = _mm512_dpbf16_ps(d[i], vi, zc);
+        }
     }
-    *sw = sum4(a0, a1, a2, a3);
-    *sv = sum4(b0, b1, b2, b3);
+    sums[0] = sum4(a[0], a[1], a[2], a[3]);
+    sums[1] = sum4(b[0], b[1], b[2], b[3]);
+    sums[2] = sum4(c[0], c[1], c[2], c[3]);
+    sums[3] = sum4(d[0], d[1], d[2], d[3]);
 }
 
-/* The same sums of two input rows x and z against the same weight rows w .. w + 3K. */
-static inline void four_sums_two_rows(const uint16_t* x, const uint16_t* z, const uint16_t* w, int64_t K, __m128* sx,
-                                      __m128* sz) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+/* The same sums of four input rows x[0..3] against the same weight rows w .. w + 3K (each weight value loaded once
+ * for the four), into s[0..3]. */
+static inline void four_sums_four_rows(const uint16_t* const x[4], const uint16_t* w, int64_t K, __m128 s[4]) {
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < K; c += 32) {
-        const __m512bh xc = (__m512bh)_mm512_loadu_si512(x + c), zc = (__m512bh)_mm512_loadu_si512(z + c);
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + c), w1 = (__m512bh)_mm512_loadu_si512(w + K + c);
-        const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 2 * K + c), w3 = (__m512bh)_mm512_loadu_si512(w + 3 * K + c);
-        a0 = _mm512_dpbf16_ps(a0, w0, xc);
-        a1 = _mm512_dpbf16_ps(a1, w1, xc);
-        a2 = _mm512_dpbf16_ps(a2, w2, xc);
-        a3 = _mm512_dpbf16_ps(a3, w3, xc);
-        b0 = _mm512_dpbf16_ps(b0, w0, zc);
-        b1 = _mm512_dpbf16_ps(b1, w1, zc);
-        b2 = _mm512_dpbf16_ps(b2, w2, zc);
-        b3 = _mm512_dpbf16_ps(b3, w3, zc);
+        __m512bh wc[4];
+        for (int i = 0; i < 4; i++) wc[i] = (__m512bh)_mm512_loadu_si512(w + i * K + c);
+        for (int r = 0; r < 4; r++) {
+            const __m512bh xc = (__m512bh)_mm512_loadu_si512(x[r] + c);
+            for (int i = 0; i < 4; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wc[i], xc);
+        }
     }
-    *sx = sum4(a0, a1, a2, a3);
-    *sz = sum4(b0, b1, b2, b3);
+    for (int r = 0; r < 4; r++) s[r] = sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
 }
 
 /* Rows [lo, hi) of the team's share of n rows in steps of four: thread t of nt. */
@@ -73,18 +74,19 @@ static inline void share(int64_t n, int t, int nt, int64_t* lo, int64_t* hi) {
 }
 
 /* Thread t's share of y = a W^T (a [M, K] with row stride K, W [N, K] row-major), in quads of output columns, the
- * input rows in pairs (the last of an odd count as its own pair); each sum rounded once to bfloat16. */
+ * input rows four at a time (the last one repeated where fewer are left); each sum rounded once to bfloat16. */
 static void projection_share(const uint16_t* a, int64_t K, int64_t M, const uint16_t* w, int64_t N, uint16_t* y,
                              int t, int nt) {
     int64_t lo, hi;
     share(N, t, nt, &lo, &hi);
     for (int64_t n = lo; n < hi; n += 4)
-        for (int64_t m = 0; m < M; m += 2) {
-            const int64_t z = m + 1 < M ? m + 1 : m;
-            __m128 s0, s1;
-            four_sums_two_rows(a + m * K, a + z * K, w + n * K, K, &s0, &s1);
-            _mm_storel_epi64((__m128i*)(y + m * N + n), (__m128i)_mm_cvtneps_pbh(s0));
-            if (z != m) _mm_storel_epi64((__m128i*)(y + z * N + n), (__m128i)_mm_cvtneps_pbh(s1));
+        for (int64_t m = 0; m < M; m += 4) {
+            const uint16_t* rows[4];
+            for (int r = 0; r < 4; r++) rows[r] = a + (m + r < M ? m + r : M - 1) * K;
+            __m128 s[4];
+            four_sums_four_rows(rows, w + n * K, K, s);
+            for (int r = 0; r < 4 && m + r < M; r++)
+                _mm_storel_epi64((__m128i*)(y + (m + r) * N + n), (__m128i)_mm_cvtneps_pbh(s[r]));
         }
 }
 
@@ -95,12 +97,15 @@ static void mlp_share(const uint16_t* x, int64_t M, int64_t H, const uint16_t* g
     int64_t lo, hi;
     share(I, t, nt, &lo, &hi);
     for (int64_t j = lo; j < hi; j += 4)
-        for (int64_t m = 0; m < M; m++) {
-            __m128 g, u;
-            four_sums_twice(x + m * H, gate + j * H, up + j * H, H, &g, &u);
-            const __m512 a = round_bf16(activate(_mm512_castps128_ps512(g), act));
-            const __m512 p = _mm512_mul_ps(a, _mm512_castps128_ps512(u));
-            _mm_storel_epi64((__m128i*)(mid + m * I + j), (__m128i)_mm_cvtneps_pbh(_mm512_castps512_ps128(p)));
+        for (int64_t m = 0; m < M; m += 2) {
+            const int64_t z = m + 1 < M ? m + 1 : m;
+            __m128 sums[4]; /* gate and up of row m, then of row z */
+            four_sums_twice_two_rows(x + m * H, x + z * H, gate + j * H, up + j * H, H, sums);
+            for (int r = 0; r < (z != m ? 2 : 1); r++) {
+                const __m512 act_g = round_bf16(activate(_mm512_castps128_ps512(sums[2 * r]), act));
+                const __m512 p = _mm512_mul_ps(act_g, _mm512_castps128_ps512(sums[2 * r + 1]));
+                _mm_storel_epi64((__m128i*)(mid + (m + r) * I + j), (__m128i)_mm_cvtneps_pbh(_mm512_castps512_ps128(p)));
+            }
         }
     arrive_and_wait(arrived, nt);
     projection_share(mid, I, M, down, H, y, t, nt);

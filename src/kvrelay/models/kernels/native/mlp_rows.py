@@ -9,7 +9,7 @@ here it is one, with a spin barrier between the intermediate and the output (why
 docs/performance.md, "Decode MLP in one region"). Where the CPU has AMX the dot products run in
 bfloat16 tiles (``mlp_rows_amx.c``) over a copy of the weights laid out once in tile order, for up to
 ``AMX_ROWS`` rows; elsewhere on AVX-512 BF16 as ``vdpbf16ps`` chains over the weights as they are
-(``mlp_rows.c``), for up to ``AVX512_ROWS`` rows, beyond which oneDNN computes faster.
+(``mlp_rows.c``), for up to ``AVX512_ROWS`` rows.
 
 ``LayerTail`` adds the output projection and the norms with their residual adds to that region (on AMX
 tiles, or with ``vdpbf16ps`` chains for up to ``AVX512_ROWS`` rows; ``layer_tail.h``), and where linked
@@ -29,8 +29,9 @@ import torch
 from kvrelay.models.kernels.huge_pages import huge_page_empty
 from kvrelay.models.kernels.native.build import load, load_amx
 
-AVX512_ROWS = 8
-"""The most rows ``mlp_rows.c`` is given (it takes 16): from about 16 rows oneDNN's kernels compute faster."""
+AVX512_ROWS = 32
+"""The most rows ``mlp_rows.c`` takes: a decode step of 32 lanes through its tail ran at least as fast as through
+oneDNN and the separate calls on the 2-core EPYC (docs/performance.md, "Decode MLP in one region")."""
 AMX_ROWS = 32
 """The most rows ``mlp_rows_amx.c`` takes (two A tiles of 16 rows)."""
 
