@@ -188,4 +188,19 @@ static void prefill_run(const PrefillCall* c, AttendTile attend, void (*enter)(v
     }
 }
 
+/* A kernel's entry: checks the arguments (prefill_call; -1 when they break the contract, nothing written) and
+ * runs `attend` over every tile (prefill_run); 0 when done. */
+static int prefill_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t Q,
+                             int64_t q_stride, int64_t H, int64_t kv_heads, int64_t D, int64_t S, int64_t head_stride,
+                             int64_t key_stride, int64_t first_query, int64_t first_key, int64_t window, float scale,
+                             uint8_t* scratch, int64_t threads, AttendTile attend, void (*enter)(void),
+                             void (*leave)(void)) {
+    PrefillCall c;
+    if (prefill_call(&c, q, k, v, out, Q, q_stride, H, kv_heads, D, S, head_stride, key_stride, first_query, first_key,
+                     window, scale, scratch, threads))
+        return -1;
+    prefill_run(&c, attend, enter, leave, threads);
+    return 0;
+}
+
 #endif

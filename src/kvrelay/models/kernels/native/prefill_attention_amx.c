@@ -118,10 +118,6 @@ int kvrelay_prefill_attention_amx(const uint16_t* q, const uint16_t* k, const ui
                                   int64_t q_stride, int64_t H, int64_t kv_heads, int64_t D, int64_t S, int64_t head_stride,
                                   int64_t key_stride, int64_t first_query, int64_t first_key, int64_t window,
                                   float scale, uint8_t* scratch, int64_t threads) {
-    PrefillCall c;
-    if (prefill_call(&c, q, k, v, out, Q, q_stride, H, kv_heads, D, S, head_stride, key_stride, first_query, first_key,
-                     window, scale, scratch, threads))
-        return -1;
-    prefill_run(&c, attend_tile, configure, release, threads);
-    return 0;
+    return prefill_attention(q, k, v, out, Q, q_stride, H, kv_heads, D, S, head_stride, key_stride, first_query,
+                             first_key, window, scale, scratch, threads, attend_tile, configure, release);
 }
