@@ -137,7 +137,7 @@ int kvrelay_head_screen_amx(const uint8_t* parts, const int8_t* tiles, const int
                     config.rows[1] = 16, config.colsb[1] = 64;
                     config.rows[2] = 16, config.colsb[2] = 64;
                     for (int g = 0; g < GROUPS; g++) config.rows[4 + g] = (uint8_t)(2 * ms), config.colsb[4 + g] = 64;
-                    _tile_loadconfig(&config);
+                    load_tile_config(&config);
                     configured = ms;
                 }
                 const uint8_t* slice = parts + 2 * m0 * K; /* the slice's coarse rows, then its fine rows */

@@ -54,7 +54,7 @@ static void configure(int64_t M) {
         config.rows[6] = second, config.colsb[6] = 64;
         config.rows[7] = second, config.colsb[7] = 64;
     }
-    _tile_loadconfig(&config);
+    load_tile_config(&config);
 }
 
 /* The sums of input rows a (stride lda values) against the 16 weight rows of block b of tiles (chunks of 32

@@ -32,7 +32,7 @@ static void configure(void) {
     TileConfig config = {0};
     config.palette = 1;
     for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
-    _tile_loadconfig(&config);
+    load_tile_config(&config);
 }
 
 static void release(void) { _tile_release(); }
