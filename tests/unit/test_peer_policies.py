@@ -426,6 +426,23 @@ def test_kvrelay_takes_the_resident_prefix_when_the_scores_are_within_the_affini
     assert chosen.cached_tokens == (64 if winner == "w1" else 0)
 
 
+@pytest.mark.parametrize(("w0_active", "w1_active", "winner"), [(1, 1, "w1"), (1, 2, "w0"), (0, 3, "w0"), (2, 1, "w1")])
+def test_kvrelay_takes_the_tie_on_the_workers_with_the_fewest_requests_in_flight(
+    w0_active: int, w1_active: int, winner: str
+) -> None:
+    """w1 holds one chunk and the scores tie within the margin: the cached tokens win among the workers with the
+    fewest requests in flight, not over a worker running fewer (what those requests cost a new one is outside the
+    score)."""
+    fast = {"prefill_s_per_token": 1e-4, "decode_s_per_token": 0.02}
+    workers = [idle_heartbeat("w0", **fast), idle_heartbeat("w1", **fast)]
+    loads = {"w0": active(w0_active), "w1": active(w1_active)}
+    ctx = context(workers, residency=[("w1", "gpu", 1)], loads=loads)._replace(busy_share=0.0)
+    scores = {r.worker_id: r.best_score for r in ctx.plan.routes}
+    assert abs(scores["w0"] - scores["w1"]) < 0.05  # within the margin: a tie
+    chosen = PredictedTTFT().choose(ctx)
+    assert chosen is not None and chosen.worker_id == winner
+
+
 @pytest.mark.parametrize(("w1_fixed_s", "winner"), [(1.2, "w1"), (1.4, "w0")])
 def test_kvrelay_affinity_margin_grows_with_the_score(w1_fixed_s: float, winner: str) -> None:
     """Fitted speeds are noisy in proportion: on a calm cluster a route within a quarter of a 1 s best score is a

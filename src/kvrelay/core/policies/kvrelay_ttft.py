@@ -22,7 +22,13 @@ chunks. On a busy cluster the lanes a prefill will meet are not known, so the
 steps are not counted there (docs/performance.md, "Interleaved decode steps").
 On a calm cluster (the same ``CALM_BUSY_SHARE``) scores within
 ``AFFINITY_MARGIN_S`` or ``AFFINITY_MARGIN_SHARE`` of the best, whichever is more, are
-a tie: of those the worker reusing the most cached tokens wins, then the lower score, then the lower worker id. Each
+a tie: of those, on the workers with the fewest requests in flight (``WorkerLoad.active``: offered or
+running there), the worker reusing the most cached tokens wins, then the lower score, then the lower worker
+id. The fewest in flight first, because a tie means the cached tokens save less than the margin, while
+what a worker's running requests cost a new one (a vLLM engine runs them in every step) is outside the
+score: on two vLLM engines of a small model, where the margin exceeded the whole predicted TTFT, every
+request with a cached prefix went to one engine (65 to 71 of 101) and the TTFT p90 was twice round robin's
+(docs/performance.md, "Affinity among the least busy"). Each
 worker's score holds its own measured fixed cost per request (a vLLM engine's
 fit, ``engines/vllm/speeds``), and two identical engines on one CPU measured 9
 and 28 ms for it: a difference of that size is noise, and on a small model it
@@ -68,14 +74,16 @@ class PredictedTTFT(Policy):
 
     def choose(self, ctx: RoutingContext) -> Candidate | None:
         """The lowest score; on a calm cluster, the most cached tokens among the routes within the affinity margin
-        of it."""
+        of it on the workers with the fewest requests in flight."""
         routes = ctx.plan.routes
         if not routes or ctx.busy_share >= CALM_BUSY_SHARE:
             return ctx.plan.best()
         best = min(r.best_score for r in routes)
         within = best + max(AFFINITY_MARGIN_S, AFFINITY_MARGIN_SHARE * best)
-        near = (r for r in routes if r.best_score <= within)
-        return min(near, key=lambda r: (-r.cached_tokens, r.best_score, r.worker_id)).best
+        near = [r for r in routes if r.best_score <= within]
+        fewest = min(ctx.workers[r.worker_id].load.active for r in near)
+        least_busy = (r for r in near if ctx.workers[r.worker_id].load.active == fewest)
+        return min(least_busy, key=lambda r: (-r.cached_tokens, r.best_score, r.worker_id)).best
 
     def priority(self, ctx: RoutingContext, chosen: Candidate) -> float:
         """The deadline ``arrived + DEADLINE_STRETCH * predicted prefill seconds``: earliest runs first."""
