@@ -26,9 +26,9 @@ a tie: of those, on the workers with the fewest requests in flight (``WorkerLoad
 running there), the worker reusing the most cached tokens wins, then the lower score, then the lower worker
 id. The fewest in flight first, because a tie means the cached tokens save less than the margin, while
 what a worker's running requests cost a new one (a vLLM engine runs them in every step) is outside the
-score: on two vLLM engines of a small model, where the margin exceeded the whole predicted TTFT, every
-request with a cached prefix went to one engine (65 to 71 of 101) and the TTFT p90 was twice round robin's
-(docs/performance.md, "Affinity among the least busy"). Each
+score: on two vLLM engines of a small model, where the margin exceeded the whole predicted TTFT, 65 to 71
+of 101 requests went to one engine and the TTFT p90 was twice round robin's (docs/performance.md, "Affinity
+among the least busy", which also says why the rule alone did not balance them). Each
 worker's score holds its own measured fixed cost per request (a vLLM engine's
 fit, ``engines/vllm/speeds``), and two identical engines on one CPU measured 9
 and 28 ms for it: a difference of that size is noise, and on a small model it
@@ -37,9 +37,11 @@ engine without the prefix and recomputed it; a speed fitted from a few requests 
 in proportion, so the margin grows with the score. On a busy cluster the work term
 already charges the recompute, and the lowest score wins (a margin there moved
 the simulated vLLM fleet's mean at 2x by 5 %; calm-only, no simulated figure
-changed). A worker pruned by the roster (``roster.plan_pruned``) holds no local
-copy, so it could only tie on the shared tiers' tokens, which its planned
-group-mates reach as well. Ties go to the lower worker id.
+changed). The tie is among the routes planned: a worker pruned by the roster (``roster.plan_pruned``)
+holds no local copy, so it could only tie on the shared tiers' tokens, which its planned group-mates reach as
+well, but it may have fewer requests in flight, and then the rule does not see it (planning every route on a
+calm cluster to see it lost simulated cells: docs/performance.md, same section). Ties go to the lower worker
+id.
 
 The offer's priority (``Offer.priority``, the worker's prefill-queue order) is a
 deadline: the request's arrival plus ``DEADLINE_STRETCH`` times its predicted
@@ -80,9 +82,9 @@ class PredictedTTFT(Policy):
             return ctx.plan.best()
         best = min(r.best_score for r in routes)
         within = best + max(AFFINITY_MARGIN_S, AFFINITY_MARGIN_SHARE * best)
-        near = [r for r in routes if r.best_score <= within]
-        fewest = min(ctx.workers[r.worker_id].load.active for r in near)
-        least_busy = (r for r in near if ctx.workers[r.worker_id].load.active == fewest)
+        in_flight = {r.worker_id: ctx.workers[r.worker_id].load.active for r in routes if r.best_score <= within}
+        fewest = min(in_flight.values())
+        least_busy = (r for r in routes if in_flight.get(r.worker_id) == fewest)
         return min(least_busy, key=lambda r: (-r.cached_tokens, r.best_score, r.worker_id)).best
 
     def priority(self, ctx: RoutingContext, chosen: Candidate) -> float:
