@@ -1,4 +1,5 @@
-"""A vLLM engine's speeds learned from its /metrics totals (``engines.vllm.speeds``), without an engine."""
+"""A vLLM engine's speeds learned from its /metrics totals (``engines.vllm.speeds``) and from its served first
+tokens (``engines.vllm.served``), without an engine."""
 
 from __future__ import annotations
 
@@ -6,13 +7,11 @@ import random
 
 import pytest
 
+from kvrelay.engines.vllm.served import MIN_SERVED, SERVED_TAU_S, ServedSpeeds
 from kvrelay.engines.vllm.speeds import (
     DEFAULT_PREFILL_S_PER_TOKEN,
-    MIN_SERVED,
-    SERVED_TAU_S,
     EngineTotals,
     PrefillFit,
-    ServedSpeeds,
     probe_fit,
     queue_delay,
     window_point,
@@ -192,3 +191,55 @@ def test_a_served_fit_a_stall_inflated_rests_back_to_the_engine_fit_once_no_firs
     assert at_100(speeds.rested(clock + 0.2)) == pytest.approx(stalled)  # a moment later: the same line
     assert speeds.rested(clock + 3 * SERVED_TAU_S).line() == engine.line()  # idle: the engine's own fit
     assert speeds.rested(clock - 1.0) == speeds  # a clock before the last point ages nothing
+
+
+def test_the_cost_of_each_request_in_flight_is_fitted_beside_the_rate() -> None:
+    # Served first tokens of an engine whose running requests each add 30 ms to a new one's first token:
+    # 10 ms fixed, 20 us a token waited for, 0 to 6 other requests in flight. The fit tells the three apart,
+    # although busier moments also had more tokens waiting.
+    seed = 20261206
+    rng = random.Random(seed)
+    engine = run([(32, 0.01 + 32 * 2e-5), (512, 0.01 + 512 * 2e-5)])
+    speeds = ServedSpeeds(engine)
+    for _ in range(40):
+        n = rng.randrange(7)
+        tokens = rng.randrange(64, 2000) + 300 * n
+        speeds = ServedSpeeds(engine, speeds.served.point(tokens, 0.01 + 2e-5 * tokens + 0.03 * n, n))
+    assert speeds.terms() == pytest.approx((0.01, 2e-5, 0.03), rel=1e-3), f"seed {seed}"
+    # The worker's own points, bounded as they come (the first ones against the engine's fit, which prices no
+    # request in flight): the cost still shows within a few dozen.
+    bounded = ServedSpeeds(engine)
+    for _ in range(40):
+        n = rng.randrange(7)
+        tokens = rng.randrange(64, 2000) + 300 * n
+        bounded = bounded.with_served(tokens, 0.01 + 2e-5 * tokens + 0.03 * n, 0.0, n)
+    assert bounded.per_request_s == pytest.approx(0.03, rel=0.1), f"seed {seed}"
+    # With no spread in requests in flight, nothing is priced per request.
+    alone = ServedSpeeds(engine)
+    for tokens in (900, 100, 1700, 400, 1200):
+        alone = ServedSpeeds(engine, alone.served.point(tokens, 0.05 + 2e-5 * tokens, 2))
+    assert alone.per_request_s == 0.0 and alone.line() == pytest.approx((0.05, 2e-5))
+
+
+def test_alike_short_prompts_still_price_the_requests_in_flight_at_the_engines_rate() -> None:
+    # Tiny prompts (too alike to fit a rate): the engine's 15 us a token stands, and what is left is 12 ms
+    # fixed plus 40 ms per request in flight.
+    seed = 61206
+    rng = random.Random(seed)
+    engine = run([(32, 0.01 + 32 * 15e-6), (512, 0.01 + 512 * 15e-6)])
+    speeds = ServedSpeeds(engine)
+    for _ in range(20):
+        n, tokens = rng.randrange(5), rng.randrange(20, 60)
+        speeds = ServedSpeeds(engine, speeds.served.point(tokens, 0.012 + 15e-6 * tokens + 0.04 * n, n))
+    assert speeds.terms() == pytest.approx((0.012, 15e-6, 0.04), rel=1e-3), f"seed {seed}"
+
+
+def test_requests_in_flight_that_do_not_slow_the_first_token_cost_nothing() -> None:
+    # Noise that falls with the requests in flight (a negative slope) is not a negative price.
+    engine = run([(32, 0.01 + 32 * 2e-5), (512, 0.01 + 512 * 2e-5)])
+    speeds = ServedSpeeds(engine)
+    for k in range(12):
+        n, tokens = k % 4, (600, 1800, 300)[k % 3]
+        speeds = speeds.with_served(tokens, 0.05 + 2e-5 * tokens - 0.005 * n, 0.0, n)
+    assert speeds.per_request_s == 0.0
+    assert speeds.fixed_s > 0.03

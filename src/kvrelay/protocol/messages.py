@@ -215,6 +215,9 @@ class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
     decode_s_per_token: NonNegFloat = 0.0
     prefill_chunk_tokens: NonNegInt = 0
     """Prompt tokens one device iteration prefills at most (chunked prefill); 0: not reported."""
+    per_request_s: NonNegFloat = 0.0
+    """Seconds a new request's first token waits per request already in flight on the worker (a vLLM engine's
+    served fit); 0: not reported (a native worker's queue and interleaved decode steps count its lanes)."""
     restore_bytes_per_s: dict[Tier, NonNegFloat] = {}
     chunk_bytes_by_tier: dict[Tier, NonNegInt] = {}
     kv_bytes_per_token: NonNegInt = 0

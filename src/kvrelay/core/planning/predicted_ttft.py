@@ -244,8 +244,11 @@ def interleaved_steps(uncached: int, chunk: int) -> int:
 
 
 def queue_of(worker: WorkerView, now: float) -> float:
-    """The device queue a new request would wait behind: the reported one plus what the report does not count."""
-    return worker.heartbeat.queue_delay_s + worker.load.unheard_s
+    """The device queue a new request would wait behind: the reported one plus what the report does not count,
+    plus the worker's cost per request in flight times the requests the router has in flight there."""
+    hb = worker.heartbeat
+    queue = hb.queue_delay_s + worker.load.unheard_s
+    return queue + hb.per_request_s * worker.load.active if hb.per_request_s else queue
 
 
 def lower_load_of(worker: WorkerView, now: float) -> float:

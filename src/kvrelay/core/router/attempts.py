@@ -159,13 +159,13 @@ def _offer(
     rs.estimate_s = restore_s + chosen.terms.prefill_s  # the forward that samples the first token is in the queue's
     load = view.load
     load.offered(rs.estimate_s)
+    load.active += 1
     rs.accepted_at = None
     state.roster.requeue(view)
     if restore_s:
         load.restore_backlog_s = predicted_ttft.lower_load_of(view, now) + restore_s
         load.restore_backlog_at = now
     load.inflight_pages += rs.demand_pages
-    load.active += 1
     rs.holds_outstanding = rs.holds_inflight = True
     state.by_worker.setdefault(chosen.worker_id, set()).add(request.request_id)
     assignment = Assignment(request.request_id, rs.attempt)
@@ -266,10 +266,11 @@ def release(state: RouterState, rs: RequestState) -> None:
         load = view.load
         if rs.holds_outstanding:
             release_estimate(load, rs)
-            state.roster.requeue(view)
         if rs.holds_inflight:
             load.inflight_pages = max(0, load.inflight_pages - rs.demand_pages)
         load.active = max(0, load.active - 1)
+        if rs.holds_outstanding or view.heartbeat.per_request_s:
+            state.roster.requeue(view)  # ``queue_of`` counts the requests in flight where the worker prices them
     rs.holds_outstanding = rs.holds_inflight = False
     state.by_worker.get(wid, set()).discard(rs.request.request_id)
     state.pending.release(rs.request.request_id)

@@ -29,11 +29,12 @@ router drop everything it believed about the old one, so its index never
 credits KV that is gone. A stream that breaks ends its assignment with an
 error; the router continues the request elsewhere with the tokens delivered.
 
-Speeds: the heartbeat's prefill rate and its decode step (the fixed part of the time to a first token,
-which the router adds once) come from ``speeds.ServedSpeeds``: the engine's own ``/metrics`` fit
-(``speeds.PrefillFit``: prefill time against computed tokens, without vLLM's queueing) until this worker
-has measured a few first tokens of its own, then the fit of those against the uncached tokens each waited
-for (``EngineRun.waited_tokens``), aged with time so that an idle worker reports the engine's fit again
+Speeds: the heartbeat's prefill rate, its decode step (the fixed part of the time to a first token,
+which the router adds once) and its cost per request in flight come from ``served.ServedSpeeds``: the
+engine's own ``/metrics`` fit (``speeds.PrefillFit``: prefill time against computed tokens, without vLLM's
+queueing) until this worker has measured a few first tokens of its own, then the fit of those against the
+uncached tokens each waited for (``EngineRun.waited_tokens``) and the other runs in flight when it was
+accepted (``EngineRun.in_flight``), aged with time so that an idle worker reports the engine's fit again
 (``ServedSpeeds.rested``); its queue from the uncached prompt tokens of this worker's requests that
 have no first token yet.
 
@@ -59,7 +60,8 @@ from kvrelay.engines.vllm import kv_events
 from kvrelay.engines.vllm.admission import EngineCapacity, EngineIdentity, admit_offer
 from kvrelay.engines.vllm.client import EngineClient, EngineError
 from kvrelay.engines.vllm.metrics import EngineFigures
-from kvrelay.engines.vllm.speeds import PrefillFit, ServedSpeeds, queue_delay
+from kvrelay.engines.vllm.served import ServedSpeeds
+from kvrelay.engines.vllm.speeds import PrefillFit, queue_delay
 from kvrelay.protocol.chunk_keys import root_key
 from kvrelay.protocol.messages import (
     Assignment,
@@ -98,7 +100,9 @@ class EngineRun:
     cached_tokens: int = 0
     waited_tokens: int = 0
     """Uncached prompt tokens this run's first token waits for: its own and those of the runs admitted before
-    it that had no first token yet (``speeds.ServedSpeeds``)."""
+    it that had no first token yet (``served.ServedSpeeds``)."""
+    in_flight: int = 0
+    """The other runs on this worker when this one was accepted (``served.ServedSpeeds``)."""
 
 
 class VllmWorker(MachineHost):
@@ -161,6 +165,7 @@ class VllmWorker(MachineHost):
             max_lanes=self.max_lanes,
             prefill_s_per_token=prefill_s_per_token,
             decode_s_per_token=speeds.fixed_s,
+            per_request_s=speeds.per_request_s,
             kv_bytes_per_token=self.kv_bytes_per_token,
             context_limit=self.me.context_limit,
         )
@@ -274,7 +279,7 @@ class VllmWorker(MachineHost):
             self.me, offer, self.capacity(), self.mirror.keys, self.engine_up, self.state.shutting_down
         )
         if result.accepted:
-            run = EngineRun(offer, result.demand_blocks, result.prefix_chunks, self.clock())
+            run = EngineRun(offer, result.demand_blocks, result.prefix_chunks, self.clock(), in_flight=len(self.runs))
             run.waited_tokens = self._pending_tokens() + self._uncached(run)
             self.runs[offer.assignment] = run
         self._step(
@@ -310,7 +315,9 @@ class VllmWorker(MachineHost):
                 if event.tokens:
                     now = self.clock()
                     if not run.generated:
-                        self.speeds = self.speeds.with_served(run.waited_tokens, now - run.accepted_at, now)
+                        self.speeds = self.speeds.with_served(
+                            run.waited_tokens, now - run.accepted_at, now, run.in_flight
+                        )
                     run.generated.extend(event.tokens)
                     run.token_times.extend([now] * len(event.tokens))
                     self._step(worker_events.TokensProduced(now, a, event.tokens))

@@ -31,8 +31,8 @@ worker's own view (which starts before vLLM's queue and includes the HTTP hops):
 Counters that go back (the engine restarted) start the fit's window over without a point.
 
 Once the worker has measured its own first tokens, the heartbeat reports their fit instead
-(``ServedSpeeds``): the engine's fit is of a request alone in its step, and a burst on a shared CPU took
-20 to 50 times longer than it said.
+(``served.ServedSpeeds``): the engine's fit is of a request alone in its step, and a burst on a shared CPU
+took 20 to 50 times longer than it said.
 """
 
 from __future__ import annotations
@@ -41,21 +41,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from kvrelay.core.worker.speeds import bounded_sample
-
 DECAY = 0.9
 """Weight kept by the fit per request observed since (about the last 10-20 requests count)."""
 MIN_SPREAD = 0.05
 """Least weighted variance of the points' prompt lengths, relative to their mean squared, to fit a fixed cost."""
 HISTORY_WEIGHT = 4.0
 """Requests the engine's history before the worker started counts as, at most."""
-MIN_SERVED = 4.0
-"""Weight of served first tokens from which their fit replaces the engine's (``ServedSpeeds``)."""
-SERVED_SPREAD_TOKENS = 256.0
-"""Least spread (standard deviation) of the served points' prompt lengths from which their own rate counts: a
-fit over a few dozen tokens, extrapolated to thousands, is its noise times a hundred."""
-SERVED_TAU_S = 4.0
-"""Seconds over which served points lose ``1 - 1/e`` of their weight (``ServedSpeeds.rested``)."""
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-3
 """Before the engine has finished a request: a CPU's order of magnitude for a model of a few hundred million
 parameters; the first request replaces it."""
@@ -173,82 +164,6 @@ class PrefillFit:
         """What a scheduled request takes beyond its computed tokens (the first token's term; module docstring)."""
         found = self.line()
         return found[0] if found is not None else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class ServedSpeeds:
-    """What the heartbeat reports: the engine's own fit (``engine``) until this worker has measured
-    ``MIN_SERVED`` first tokens of its own, then the fit of those (``served``): each request's time from
-    acceptance to its first token against the uncached prompt tokens it waited for, its own and those of the
-    requests admitted before it that had no first token yet. The engine's fit measures a request once
-    scheduled, alone in its step on a quiet machine: beside a burst on a shared CPU it predicted 0.02-0.05 s
-    for first tokens that took 1 s, so the router sent the whole burst to one engine. The served fit holds
-    vLLM's queueing, its batching of prefills, the HTTP hop and the machine's load as they are.
-
-    Served points of alike prompt lengths fix what such a request takes, not the rate: the fit through the
-    origin charged their fixed cost per token, and a line fitted over 4 to 50 tokens, extrapolated to 2,000,
-    multiplied their noise. A worker whose first points were the bench's warm-up requests (4-12 tokens,
-    23-49 ms) predicted 0.44-0.92 s for 1,200 to 2,000-token prefills its engine did in 0.03-0.05 s, got no
-    other request, and so never corrected it. Until the served points spread by ``SERVED_SPREAD_TOKENS``, the
-    line keeps the engine's rate and goes through their mean (docs/performance.md, "Served fits of alike
-    prompts").
-
-    Served points also age with time (``rested``): a worker whose first tokens met a stall looked slow, the
-    router sent it nothing more, and with no new point nothing corrected it (in a live replay one of two alike
-    engines read a 0.256-s fixed cost after three stalled first tokens and got no request for the 10 s
-    left). After about ``SERVED_TAU_S * ln(w / MIN_SERVED)`` seconds without a first token the served fit
-    holds too little weight and the engine's own fit, that of a request alone in its step, counts again, as
-    it should for an idle engine; the next first tokens it serves make the served fit again."""
-
-    engine: PrefillFit = PrefillFit()
-    served: PrefillFit = PrefillFit()
-    served_at: float = -math.inf
-    """The clock the served points' weights are aged to: that of the last one (``-inf``: none yet)."""
-
-    def line(self) -> tuple[float, float] | None:
-        """The served fit once it has ``MIN_SERVED`` points spread by ``SERVED_SPREAD_TOKENS`` that tell a rate;
-        until then the line of the engine's rate through the served points' mean (see the class docstring)."""
-        engine = self.engine.line()
-        if self.served.w < MIN_SERVED:
-            return engine
-        if self.served.spread_tokens() >= SERVED_SPREAD_TOKENS:
-            own = self.served.resolved()
-            if own is not None:
-                return own
-        if engine is None:
-            return self.served.line()
-        return self.served.through_mean(engine[1])
-
-    @property
-    def prefill_s_per_token(self) -> float:
-        found = self.line()
-        return found[1] if found is not None else DEFAULT_PREFILL_S_PER_TOKEN
-
-    @property
-    def fixed_s(self) -> float:
-        found = self.line()
-        return found[0] if found is not None else 0.0
-
-    def rested(self, now: float) -> ServedSpeeds:
-        """The speeds at clock ``now``: the served points' weight times ``exp(-idle / SERVED_TAU_S)`` since the
-        last one (see the class docstring)."""
-        idle = now - self.served_at
-        if not 0.0 < idle < math.inf:
-            return self
-        return replace(self, served=self.served.scaled(math.exp(-idle / SERVED_TAU_S)), served_at=now)
-
-    def with_served(self, tokens: float, seconds: float, now: float) -> ServedSpeeds:
-        """The speeds, ``rested`` to clock ``now``, with one served first token added: ``seconds`` from
-        acceptance for ``tokens`` waited for, bounded as a native worker's forwards are
-        (``core.worker.speeds.bounded_sample``: at most 4x what the speeds predict, never below 0.05 s). One
-        stall (a request that met a busy moment) moves the fit a bounded step; a lasting slowdown raises the
-        bound with every point. Unbounded, one 0.35-s first token of a 1,493-token prompt made an engine doing
-        0.02 ms a token look ten times slower, and the router sent it almost nothing more, so nothing corrected
-        it."""
-        speeds = self.rested(now)
-        fixed, rate = speeds.line() or (0.0, DEFAULT_PREFILL_S_PER_TOKEN)
-        predicted = fixed + tokens * rate
-        return replace(speeds, served=speeds.served.point(tokens, bounded_sample(seconds, predicted)), served_at=now)
 
 
 def window_point(before: EngineTotals, after: EngineTotals) -> tuple[float, float] | None:
