@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvrelay.core.planning import predicted_ttft
+from kvrelay.core.planning.roster import Roster
 from kvrelay.core.router.events import SendOffer
 from kvrelay.protocol.chunk_keys import prompt_chain
 from kvrelay.protocol.messages import Heartbeat
@@ -27,6 +28,13 @@ def test_the_queue_counts_the_routers_requests_in_flight_at_the_workers_price() 
     assert predicted_ttft.queue_of(view, 0.0) == pytest.approx(0.002 + 3 * 0.03)
     native = predicted_ttft.WorkerView(engine("w0", 0.0), predicted_ttft.WorkerLoad(active=3), {"m": b"m"})
     assert predicted_ttft.queue_of(native, 0.0) == 0.0
+    # Running requests make the queue longer, not the worker busy: only prompt work queued does.
+    running = predicted_ttft.WorkerView(engine("w1", 0.03), predicted_ttft.WorkerLoad(active=3), {"m": b"m"})
+    roster = Roster()
+    roster.put(running)
+    assert predicted_ttft.queue_of(running, 0.0) == pytest.approx(0.09) and roster.busy_share() == 0.0
+    roster.put(view)
+    assert roster.busy_share() == 0.5
 
 
 def start_two(d: Driver, per_request_s: float) -> tuple[SendOffer, SendOffer]:
@@ -52,15 +60,21 @@ def test_a_prefix_saving_less_than_a_request_in_flight_costs_goes_to_the_idle_en
     assert (first.worker_id, second.worker_id) == ("w0", second_goes_to)
 
 
-def test_a_request_that_ends_leaves_its_workers_queue_at_once() -> None:
-    """When the first request ends, w0 is idle again in the roster (not busy, its queue empty) before any
-    heartbeat: the third request sharing the prefix goes back to it."""
+def test_requests_that_end_leave_their_workers_queue_at_once() -> None:
+    """Two requests run on w0, one on w1. When both of w0's end, w0's queue is empty before any heartbeat, and
+    the roster, which plans alike workers in queue order and skips those that cannot win, has moved it: a cold
+    request goes to w0 (kept in its old place, behind w1, w0 would not even be planned)."""
     d = Driver()
     first, second = start_two(d, 0.03)
-    d.delta(first.offer.assignment, "w0", 0, (5,))
-    d.result(first.offer.assignment, "w0", (6,))
+    (third,) = offers(d.request("r3", PREFIX + (906, 907)))
+    d.accept(third)
+    assert (first.worker_id, second.worker_id, third.worker_id) == ("w0", "w1", "w0")
+    for offer in (first, third):
+        d.delta(offer.offer.assignment, "w0", 0, (5,))  # first tokens: no prompt work left on w0, two running
+    for offer in (first, third):
+        d.result(offer.offer.assignment, "w0", (6,))
     w0 = d.state.views["w0"]
     assert w0.load.active == 0 and predicted_ttft.queue_of(w0, d.now) == 0.0
-    assert d.state.roster.busy_share() == 0.5  # w1 still runs the second
-    (third,) = offers(d.request("r3", PREFIX + (904, 905)))
-    assert third.worker_id == "w0"
+    assert d.state.roster.busy_share() == 0.5  # w1 has the second's prompt queued
+    (cold,) = offers(d.request("r4", tuple(range(5000, 5300))))
+    assert cold.worker_id == "w0"

@@ -243,11 +243,16 @@ def interleaved_steps(uncached: int, chunk: int) -> int:
     return (uncached - 1) // chunk if chunk and uncached > 0 else 0
 
 
+def prompt_queue_of(worker: WorkerView) -> float:
+    """The prompt work queued on the worker: the reported queue plus what the report does not count."""
+    return worker.heartbeat.queue_delay_s + worker.load.unheard_s
+
+
 def queue_of(worker: WorkerView, now: float) -> float:
-    """The device queue a new request would wait behind: the reported one plus what the report does not count,
-    plus the worker's cost per request in flight times the requests the router has in flight there."""
+    """The device queue a new request would wait behind: ``prompt_queue_of``, plus the worker's cost per request
+    in flight times the requests the router has in flight there."""
     hb = worker.heartbeat
-    queue = hb.queue_delay_s + worker.load.unheard_s
+    queue = prompt_queue_of(worker)
     return queue + hb.per_request_s * worker.load.active if hb.per_request_s else queue
 
 

@@ -63,7 +63,9 @@ class Roster:
         return len(self._placed)
 
     def busy_share(self) -> float:
-        """The share of members with a non-empty queue (0 with no members)."""
+        """The share of members with prompt work queued (``prompt_queue_of``; 0 with no members): requests
+        running there, however a worker prices them, do not make it busy, as a native worker's decoding lanes
+        do not."""
         return len(self._busy) / len(self._placed) if self._placed else 0.0
 
     def work_s_per_token(self) -> float:
@@ -80,7 +82,7 @@ class Roster:
         return sum(n for n, _ in rates) / sum(n / p for n, p in rates)
 
     def _mark(self, view: predicted_ttft.WorkerView) -> None:
-        if predicted_ttft.queue_of(view, 0.0) > 0.0:
+        if predicted_ttft.prompt_queue_of(view) > 0.0:
             self._busy.add(view.heartbeat.worker_id)
         else:
             self._busy.discard(view.heartbeat.worker_id)
