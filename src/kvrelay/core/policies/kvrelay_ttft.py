@@ -25,10 +25,11 @@ On a calm cluster (the same ``CALM_BUSY_SHARE``) scores within
 a tie: of those, on the workers with the fewest requests in flight (``WorkerLoad.active``: offered or
 running there), the worker reusing the most cached tokens wins, then the lower score, then the lower worker
 id. The fewest in flight first, because a tie means the cached tokens save less than the margin, while
-what a worker's running requests cost a new one (a vLLM engine runs them in every step) is outside the
-score: on two vLLM engines of a small model, where the margin exceeded the whole predicted TTFT, 65 to 71
-of 101 requests went to one engine and the TTFT p90 was twice round robin's (docs/performance.md, "Affinity
-among the least busy", which also says why the rule alone did not balance them). Each
+what a worker's running requests cost a new one (a vLLM engine runs them in every step) is in the score only
+as far as the worker prices it (``Heartbeat.per_request_s``, a noisy fit; docs/performance.md, "Requests in
+flight as a term"): on two vLLM engines of a small model, where the margin exceeded the whole predicted TTFT,
+65 to 71 of 101 requests went to one engine and the TTFT p90 was twice round robin's (docs/performance.md,
+"Affinity among the least busy", which also says why the rule alone did not balance them). Each
 worker's score holds its own measured fixed cost per request (a vLLM engine's
 fit, ``engines/vllm/speeds``), and two identical engines on one CPU measured 9
 and 28 ms for it: a difference of that size is noise, and on a small model it
