@@ -189,3 +189,4 @@ def test_cluster_shows_each_live_workers_measured_speeds(cluster: tuple[str, Pat
     for view in workers.values():
         assert view["prefill_s_per_token"] > 0 and view["decode_s_per_token"] > 0, view
         assert view["queue_delay_s"] >= 0, view
+        assert view["per_request_s"] == 0.0, view  # a native worker's queue and decode steps count its lanes

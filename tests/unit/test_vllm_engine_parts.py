@@ -15,6 +15,7 @@ from kvrelay.engines.vllm.client import EngineClient, parse_chunk, request_body
 from kvrelay.engines.vllm.host import VllmWorker, attempt_seed
 from kvrelay.engines.vllm.identity import EngineModelError, engine_fingerprint, kv_bytes_per_token
 from kvrelay.engines.vllm.metrics import EngineFigures, MetricsError, parse_metrics
+from kvrelay.engines.vllm.served import ServedFit, ServedSpeeds
 from kvrelay.models.loading.loader import load_artifacts
 from kvrelay.protocol.chunk_keys import chunk_chain, prompt_chain, root_key
 from kvrelay.protocol.messages import Assignment, FinishReason, Offer, Residency, RouteSegment, Sampling
@@ -246,6 +247,30 @@ def test_an_unreachable_engine_declines_and_reports_no_free_blocks_until_it_is_b
         assert replies and not replies[0].accepted and replies[0].reason == "shutting_down"  # type: ignore[attr-defined]
         host.on_figures(EngineFigures(num_blocks=16, block_size=BS, kv_usage=0.25))
         assert host.engine_up and host.epoch > down_epoch and host.heartbeat().pages_free == 12
+        await host.engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_each_accepted_offer_counts_the_runs_before_it_and_the_heartbeat_reports_their_price() -> None:
+    async def scenario() -> None:
+        host, _ = worker_host()
+        replies: list[object] = []
+        for k in range(3):
+            host.on_offer(offer(assignment=Assignment(f"r{k}", 1), max_new_tokens=1), replies.append)
+        assert [r.accepted for r in replies] == [True] * 3  # type: ignore[attr-defined]
+        assert [run.in_flight for run in host.runs.values()] == [0, 1, 2]
+        engine_fit = host.speeds.engine
+        served = ServedFit()
+        for k in range(12):  # what each request in flight cost a first token: 25 ms
+            tokens = 100 + 400 * (k % 3)
+            served = served.point(tokens, 0.01 + 1e-5 * tokens + 0.025 * (k % 4), k % 4)
+        host.speeds = ServedSpeeds(engine_fit, served, served_at=host.clock())
+        beat = host.heartbeat()
+        assert beat.per_request_s == pytest.approx(0.025) == host.speeds.per_request_s
+        for run in list(host.runs.values()):
+            if run.task is not None:
+                run.task.cancel()
         await host.engine.close()
 
     asyncio.run(scenario())

@@ -94,7 +94,8 @@ class _HeartbeatTap:
 
 
 def cluster_snapshot(router: ClusterRouter, endpoint: RouterEndpoint) -> dict[str, Any]:
-    """What ``/cluster`` answers: live workers (from their last heartbeat: pages, lanes, queue delay and speeds),
+    """What ``/cluster`` answers: live workers (from their last heartbeat: pages, lanes, queue delay, speeds and the
+    price of a request in flight, ``per_request_s``),
     requests in flight, counters, and the cumulative reuse figures (``reuse``: ``available_tokens``,
     ``captured_tokens``, ``delivered_tokens``, the values of ``kvrelay_reuse_*_tokens_total`` on ``/metrics``)."""
     workers = {
@@ -109,6 +110,7 @@ def cluster_snapshot(router: ClusterRouter, endpoint: RouterEndpoint) -> dict[st
             "queue_delay_s": v.heartbeat.queue_delay_s,
             "prefill_s_per_token": v.heartbeat.prefill_s_per_token,
             "decode_s_per_token": v.heartbeat.decode_s_per_token,
+            "per_request_s": v.heartbeat.per_request_s,
         }
         for wid, v in sorted(router.state.views.items())
     }
