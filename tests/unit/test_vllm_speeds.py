@@ -193,6 +193,17 @@ def test_a_served_fit_a_stall_inflated_rests_back_to_the_engine_fit_once_no_firs
     assert speeds.rested(clock - 1.0) == speeds  # a clock before the last point ages nothing
 
 
+def crowded_points(rng: random.Random, count: int) -> list[tuple[int, float, int]]:
+    """``(tokens waited, seconds, requests in flight)`` of an engine taking 10 ms, 20 us a token and 30 ms per request
+    in flight to a first token; busier moments have more tokens waiting."""
+    points = []
+    for _ in range(count):
+        n = rng.randrange(7)
+        tokens = rng.randrange(64, 2000) + 300 * n
+        points.append((tokens, 0.01 + 2e-5 * tokens + 0.03 * n, n))
+    return points
+
+
 def test_the_cost_of_each_request_in_flight_is_fitted_beside_the_rate() -> None:
     # Served first tokens of an engine whose running requests each add 30 ms to a new one's first token:
     # 10 ms fixed, 20 us a token waited for, 0 to 6 other requests in flight. The fit tells the three apart,
@@ -201,18 +212,14 @@ def test_the_cost_of_each_request_in_flight_is_fitted_beside_the_rate() -> None:
     rng = random.Random(seed)
     engine = run([(32, 0.01 + 32 * 2e-5), (512, 0.01 + 512 * 2e-5)])
     speeds = ServedSpeeds(engine)
-    for _ in range(40):
-        n = rng.randrange(7)
-        tokens = rng.randrange(64, 2000) + 300 * n
-        speeds = ServedSpeeds(engine, speeds.served.point(tokens, 0.01 + 2e-5 * tokens + 0.03 * n, n))
+    for tokens, seconds, n in crowded_points(rng, 40):
+        speeds = ServedSpeeds(engine, speeds.served.point(tokens, seconds, n))
     assert speeds.terms() == pytest.approx((0.01, 2e-5, 0.03), rel=1e-3), f"seed {seed}"
     # The worker's own points, bounded as they come (the first ones against the engine's fit, which prices no
     # request in flight): the cost still shows within a few dozen.
     bounded = ServedSpeeds(engine)
-    for _ in range(40):
-        n = rng.randrange(7)
-        tokens = rng.randrange(64, 2000) + 300 * n
-        bounded = bounded.with_served(tokens, 0.01 + 2e-5 * tokens + 0.03 * n, 0.0, n)
+    for tokens, seconds, n in crowded_points(rng, 40):
+        bounded = bounded.with_served(tokens, seconds, 0.0, n)
     assert bounded.per_request_s == pytest.approx(0.03, rel=0.1), f"seed {seed}"
     # With no spread in requests in flight, nothing is priced per request.
     alone = ServedSpeeds(engine)
