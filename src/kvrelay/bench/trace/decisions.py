@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 IN_FLIGHT_TOP = 3
-"""``worker_ttft_by_in_flight`` puts this many requests in flight and more in one group."""
+"""``router_ttft_by_in_flight`` puts this many requests in flight and more in one group."""
 
 Decided = tuple[str, float, float, float]
 """``(chosen worker, decision time, outcome time, measured TTFT)`` of one attempt."""

@@ -251,9 +251,7 @@ def prompt_queue_of(worker: WorkerView) -> float:
 def queue_of(worker: WorkerView, now: float) -> float:
     """The device queue a new request would wait behind: ``prompt_queue_of``, plus the worker's cost per request
     in flight times the requests the router has in flight there."""
-    hb = worker.heartbeat
-    queue = prompt_queue_of(worker)
-    return queue + hb.per_request_s * worker.load.active if hb.per_request_s else queue
+    return prompt_queue_of(worker) + worker.heartbeat.per_request_s * worker.load.active
 
 
 def lower_load_of(worker: WorkerView, now: float) -> float:

@@ -269,8 +269,7 @@ def release(state: RouterState, rs: RequestState) -> None:
         if rs.holds_inflight:
             load.inflight_pages = max(0, load.inflight_pages - rs.demand_pages)
         load.active = max(0, load.active - 1)
-        if rs.holds_outstanding or view.heartbeat.per_request_s:
-            state.roster.requeue(view)  # ``queue_of`` counts the requests in flight where the worker prices them
+        state.roster.requeue(view)  # ``queue_of`` counts the outstanding estimates and the requests in flight
     rs.holds_outstanding = rs.holds_inflight = False
     state.by_worker.get(wid, set()).discard(rs.request.request_id)
     state.pending.release(rs.request.request_id)

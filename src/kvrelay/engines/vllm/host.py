@@ -147,8 +147,7 @@ class VllmWorker(MachineHost):
             asyncio.get_running_loop().call_soon(self.publish_residency, tuple(self.mirror.keys), ())
         capacity = self.capacity()
         pending = self._pending_tokens()
-        speeds = self.speeds.rested(self.clock())
-        prefill_s_per_token = speeds.prefill_s_per_token
+        fixed_s, prefill_s_per_token, per_request_s = self.speeds.rested(self.clock()).reported()
         return Heartbeat(
             worker_id=self.worker_id,
             epoch=self.epoch,
@@ -164,8 +163,8 @@ class VllmWorker(MachineHost):
             active_lanes=max(self.figures.running, len(self.runs)),
             max_lanes=self.max_lanes,
             prefill_s_per_token=prefill_s_per_token,
-            decode_s_per_token=speeds.fixed_s,
-            per_request_s=speeds.per_request_s,
+            decode_s_per_token=fixed_s,
+            per_request_s=per_request_s,
             kv_bytes_per_token=self.kv_bytes_per_token,
             context_limit=self.me.context_limit,
         )

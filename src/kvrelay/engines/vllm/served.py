@@ -60,13 +60,12 @@ class ServedFit:
         if tokens < 0 or seconds < 0:
             return self
         n = float(max(0, in_flight))
-        keep = DECAY
         return ServedFit(
             self.tokens.point(tokens, seconds),
-            self.wn * keep + n,
-            self.wnn * keep + n * n,
-            self.wxn * keep + tokens * n,
-            self.wny * keep + n * seconds,
+            self.wn * DECAY + n,
+            self.wnn * DECAY + n * n,
+            self.wxn * DECAY + tokens * n,
+            self.wny * DECAY + n * seconds,
         )
 
     def scaled(self, factor: float) -> ServedFit:
@@ -151,6 +150,10 @@ class ServedSpeeds:
         through = self.served.tokens.through_mean(engine[1])
         return None if through is None else self.served.crowded(*through, joint=False)
 
+    def reported(self) -> Line:
+        """``terms``, or before any line ``(0, DEFAULT_PREFILL_S_PER_TOKEN, 0)``: what the heartbeat reports."""
+        return self.terms() or (0.0, DEFAULT_PREFILL_S_PER_TOKEN, 0.0)
+
     def line(self) -> tuple[float, float] | None:
         """``(fixed_s, s_per_token)`` of ``terms``."""
         found = self.terms()
@@ -158,19 +161,16 @@ class ServedSpeeds:
 
     @property
     def prefill_s_per_token(self) -> float:
-        found = self.terms()
-        return found[1] if found is not None else DEFAULT_PREFILL_S_PER_TOKEN
+        return self.reported()[1]
 
     @property
     def fixed_s(self) -> float:
-        found = self.terms()
-        return found[0] if found is not None else 0.0
+        return self.reported()[0]
 
     @property
     def per_request_s(self) -> float:
         """Seconds a new request's first token waits per request already in flight on the worker."""
-        found = self.terms()
-        return found[2] if found is not None else 0.0
+        return self.reported()[2]
 
     def rested(self, now: float) -> ServedSpeeds:
         """The speeds at clock ``now``: the served points' weight times ``exp(-idle / SERVED_TAU_S)`` since the
@@ -189,7 +189,7 @@ class ServedSpeeds:
         1,493-token prompt made an engine doing 0.02 ms a token look ten times slower, and the router sent it
         almost nothing more, so nothing corrected it."""
         speeds = self.rested(now)
-        fixed, rate, per_request = speeds.terms() or (0.0, DEFAULT_PREFILL_S_PER_TOKEN, 0.0)
+        fixed, rate, per_request = speeds.reported()
         predicted = fixed + tokens * rate + per_request * max(0, in_flight)
         point = speeds.served.point(tokens, bounded_sample(seconds, predicted), in_flight)
         return replace(speeds, served=point, served_at=now)
