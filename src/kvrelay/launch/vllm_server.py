@@ -10,7 +10,8 @@ Contract:
   with a wildcard and connects to any other). ``kv_cache_bytes`` sizes its KV
   cache (vLLM rounds it down to whole blocks); ``eager`` skips torch.compile,
   and with an explicit KV size vLLM then skips its warm-up too (start-up is
-  the cost of a test).
+  the cost of a test). ``uniprocess`` runs the model in the engine core's
+  process (see the field).
 - ``vllm_python(explicit)`` finds the interpreter of vLLM's venv: the explicit
   path, ``$KVRELAY_VLLM_PYTHON``, ``.venv-vllm`` in the working directory, or
   ``.venv-vllm`` at the root of this source tree; else ``VllmNotInstalled``
@@ -82,6 +83,16 @@ class VllmServerSpec:
     threads: int = 1
     """Torch threads of the engine (vLLM drops to 1 unless ``OMP_NUM_THREADS`` is set)."""
     eager: bool = True
+    uniprocess: bool = True
+    """Run the model in the engine core's process (``--distributed-executor-backend uni``), not in a model-runner
+    process of its own, vLLM's CPU default. There the engine core and the model runner pass every step through
+    shared-memory queues whose readers busy-poll (``sched_yield``) for 1 s after each message
+    (``vllm/distributed/device_communicators/shm_broadcast.py``, ``SpinCondition.busy_loop_s``): an engine that
+    serves a request a second keeps two processes on a core each, beside the one its forward needs (measured
+    here: 120 tiny-model requests in bursts of 6 took 3.18 s against 2.25 s in one process, and the model
+    runner held a core for a second after the last). ``vllm/platforms/cpu.py`` forces the multiprocess executor
+    unless ``VLLM_ENABLE_V1_MULTIPROCESSING`` is 0, which ``env`` then sets; the OpenAI server's engine core
+    stays a process apart either way."""
     extra_args: tuple[str, ...] = ()
 
     @property
@@ -109,6 +120,8 @@ class VllmServerSpec:
             args += ["--max-num-seqs", str(self.max_num_seqs)]
         if self.eager:
             args += ["--enforce-eager", "-O0"]
+        if self.uniprocess:
+            args += ["--distributed-executor-backend", "uni"]
         return [*args, *self.extra_args]
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -116,6 +129,8 @@ class VllmServerSpec:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the explicit --kv-cache-memory-bytes sizes the cache
         env["OMP_NUM_THREADS"] = str(self.threads)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if self.uniprocess:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
