@@ -52,7 +52,7 @@ from kvrelay.bench.engines.report import Comparison, Samples, figures, plot, pri
 from kvrelay.bench.engines.servers import EngineServer, ServerSpec, start_kvrelay, start_vllm, wait_quiet
 from kvrelay.bench.report import Figure, report
 from kvrelay.engines.vllm.identity import DTYPE_BYTES
-from kvrelay.launch.vllm_server import VllmNotInstalled, vllm_python
+from kvrelay.launch.vllm_server import UNIPROCESS_ARGS, UNIPROCESS_ENV, VllmNotInstalled, vllm_python
 from kvrelay.models.config import ModelConfig
 from kvrelay.models.loading.default_model import DEFAULT_MODEL_NAME
 from kvrelay.models.loading.loader import model_directory
@@ -87,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-batched-tokens", type=int, default=None, help="vLLM --max-num-batched-tokens")
     parser.add_argument("--vllm-force-omp-threads", action="store_true", help="also set OMP_NUM_THREADS for vLLM")
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (fast start; smoke)")
+    parser.add_argument(
+        "--vllm-uniprocess",
+        action="store_true",
+        help="vLLM's model in its engine core's process, not its CPU default's model-runner process "
+        "(kvrelay.launch.vllm_server.VllmServerSpec.uniprocess)",
+    )
     parser.add_argument(
         "--vllm-env", action="append", default=[], metavar="KEY=VALUE", help="more environment for vLLM (repeatable)"
     )
@@ -134,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         vllm_python=python,
         vllm_batched_tokens=args.vllm_batched_tokens,
         vllm_force_omp_threads=args.vllm_force_omp_threads,
-        vllm_extra=("--enforce-eager",) if args.vllm_eager else (),
-        vllm_env=env_pairs(parser, args.vllm_env),
+        vllm_extra=("--enforce-eager",) * args.vllm_eager + UNIPROCESS_ARGS * args.vllm_uniprocess,
+        vllm_env=UNIPROCESS_ENV * args.vllm_uniprocess + env_pairs(parser, args.vllm_env),
         omp_spincount=args.omp_spincount,
         dtype=args.dtype,
     )

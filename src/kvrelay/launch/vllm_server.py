@@ -65,6 +65,12 @@ def vllm_python(explicit: str | None = None) -> str:
     )
 
 
+UNIPROCESS_ARGS = ("--distributed-executor-backend", "uni")
+"""vLLM's arguments that run the model in the engine core's process (``VllmServerSpec.uniprocess``)."""
+UNIPROCESS_ENV = (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),)
+"""The environment without which vLLM's CPU platform turns ``UNIPROCESS_ARGS`` back into its multiprocess executor."""
+
+
 @dataclass(frozen=True, slots=True)
 class VllmServerSpec:
     """One vLLM OpenAI server: model, address, KV event port, dtype and sizes."""
@@ -121,7 +127,7 @@ class VllmServerSpec:
         if self.eager:
             args += ["--enforce-eager", "-O0"]
         if self.uniprocess:
-            args += ["--distributed-executor-backend", "uni"]
+            args += UNIPROCESS_ARGS
         return [*args, *self.extra_args]
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -130,7 +136,7 @@ class VllmServerSpec:
         env["OMP_NUM_THREADS"] = str(self.threads)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if self.uniprocess:
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            env.update(UNIPROCESS_ENV)
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
