@@ -383,9 +383,10 @@ def main(argv: list[str] | None = None) -> int:
             for engine in engines:
                 notes.append((run_native if engine == "native" else run_vllm)(args, setups, peers, work, phases, save))
                 save()
+    rounds = "/".join(str(n) for n in sorted({len(runs) for p in phases for runs in p.replays.values()}))
     notes += [
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, shared with other work; loaded: a hog keeping "
-        f"{args.hog_share:g} of core {args.hog_cpu} busy; {args.rounds} replays per setup and phase, alternating.",
+        f"{args.hog_share:g} of core {args.hog_cpu} busy; {rounds} replays per setup and phase, alternating.",
         "TTFT: client-side, request sent to the first streamed text chunk. Engine-cached: prompt tokens served from "
         "cache by the engines' own /metrics (vllm:prefix_cache_hits_total; kvrelay_cached_tokens_total), summed "
         "over the replays; usage-cached: the responses' usage.prompt_tokens_details.cached_tokens.",

@@ -3,14 +3,15 @@
 A ``Phase`` is one engine under one load, its ``Replay``s per setup (in round order). ``figures`` gives, per
 phase (names prefixed ``<engine>_<load>_``), ``kvrelay.bench.trace.report.comparison_figures`` of kvrelay
 against every other setup, the engine-cached prompt tokens of each pair, and the best other setup's TTFT p90
-and p99 over kvrelay's (above 1: kvrelay is faster). ``markdown`` leads with that verdict per phase (with the
-range of the same ratio over single rounds), then one table per phase and one row per replay.
+and p99 over kvrelay's (above 1: kvrelay is faster), also over ``answered_by_all`` (suffix ``_common``).
+``markdown`` leads with that verdict per phase (with the range of the same ratio over single rounds), then the same
+over the requests every setup answered, then one table per phase and one row per replay.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,25 @@ class Phase:
         return sum(r.engine_cached_tokens for r in self.replays[setup])
 
 
+def answered(m: Measured) -> bool:
+    """Whether the request streamed text (a TTFT) without an error."""
+    return m.error is None and m.ttft_s is not None
+
+
+def answered_by_all(phase: Phase) -> Phase:
+    """``phase`` with only the requests (by trace index) that every replay of every setup answered, so every
+    setup's percentiles are over the same requests: one a peer failed (vLLM's detokenizer printing nothing for a
+    tiny random model's tokens, "no text streamed") leaves every setup's figures, not only that peer's."""
+    kept = set.intersection(
+        *({m.index for m in r.measured if answered(m)} for runs in phase.replays.values() for r in runs)
+    )
+    replays = {
+        name: [replace(r, measured=[m for m in r.measured if m.index in kept]) for r in runs]
+        for name, runs in phase.replays.items()
+    }
+    return Phase(phase.engine, phase.load, replays)
+
+
 def _figure(name: str, value: float, unit: str, baseline: str | None, baseline_value: float | None) -> dict[str, Any]:
     return {"name": name, "value": float(value), "unit": unit, "baseline": baseline, "baseline_value": baseline_value}
 
@@ -82,14 +102,18 @@ def figures(phases: Sequence[Phase]) -> list[dict[str, Any]]:
                 cached = phase.engine_cached(other)
                 out.append(_figure(f"{phase.prefix}engine_cached_tokens_vs_{other}", mine, "tokens", other, cached))
         if len(summaries) > 1:
+            common = answered_by_all(phase)
             for attr in ("ttft_p90_s", "ttft_p99_s"):
                 name, ratio, _, _ = best_other(phase, attr, summaries)
                 out.append(_figure(f"{phase.prefix}{attr}_best_other_over_kvrelay", ratio, "x", name, 1.0))
+                name, ratio, _, _ = best_other(common, attr)
+                out.append(_figure(f"{phase.prefix}{attr}_best_other_over_kvrelay_common", ratio, "x", name, 1.0))
     return out
 
 
 def markdown(phases: Sequence[Phase], labels: Mapping[str, str], notes: Sequence[str]) -> str:
     """The report (see the module docstring)."""
+    compared = [p for p in phases if len(p.replays) > 1]
     lines = [
         "# Real peer routers end to end: kvrelay's router against SGLang Model Gateway, vllm-router, "
         "sglang-router and round robin",
@@ -97,13 +121,24 @@ def markdown(phases: Sequence[Phase], labels: Mapping[str, str], notes: Sequence
         "Best other setup's TTFT over kvrelay's (above 1: kvrelay's router is faster), pooled over the rounds "
         "[least, largest over single rounds]:",
         "",
-        "| engine | load | kvrelay p90 (s) | best other p90 | ratio | kvrelay p99 (s) | best other p99 | ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        *_verdict(compared),
+        "",
+        "The same over the requests every setup answered with text in every round (each setup's own requests "
+        "above; a request one setup failed is left out of every setup's here):",
+        "",
+        *_verdict([answered_by_all(p) for p in compared], common=True),
     ]
     for phase in phases:
+        lines += _phase_section(phase, labels)
+    lines += ["", *notes, ""]
+    return "\n".join(lines)
+
+
+def _verdict(phases: Sequence[Phase], common: bool = False) -> list[str]:
+    head = "| engine | load | kvrelay p90 (s) | best other p90 | ratio | kvrelay p99 (s) | best other p99 | ratio |"
+    lines = [head[:-1] + "| requests |" if common else head, "|---|---|---|---|---|---|---|---|" + "---|" * common]
+    for phase in phases:
         summaries = phase.summaries()
-        if len(summaries) < 2:
-            continue
         cells = [phase.engine, phase.load]
         for attr in ("ttft_p90_s", "ttft_p99_s"):
             name, ratio, low, high = best_other(phase, attr, summaries)
@@ -111,11 +146,10 @@ def markdown(phases: Sequence[Phase], labels: Mapping[str, str], notes: Sequence
             cells += [f"{getattr(summaries[SUBJECT], attr):.3f}", f"{value:.3f} ({name})"]
             shown = f"{ratio:.2f}x [{low:.2f}, {high:.2f}]"
             cells.append(f"**{shown}**" if ratio < 1 else shown)
+        if common:
+            cells.append(f"{len(phase.replays[SUBJECT][0].measured)} a replay")
         lines.append("| " + " | ".join(cells) + " |")
-    for phase in phases:
-        lines += _phase_section(phase, labels)
-    lines += ["", *notes, ""]
-    return "\n".join(lines)
+    return lines
 
 
 def _phase_section(phase: Phase, labels: Mapping[str, str]) -> list[str]:
