@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     load_before = os.getloadavg()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-engines-"))
+    eager = ("--enforce-eager",) if args.vllm_eager else ()
+    uniprocess = (UNIPROCESS_ARGS, UNIPROCESS_ENV) if args.vllm_uniprocess else ((), ())
     spec = ServerSpec(
         model_dir=model_dir,
         model_name=name,
@@ -140,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         vllm_python=python,
         vllm_batched_tokens=args.vllm_batched_tokens,
         vllm_force_omp_threads=args.vllm_force_omp_threads,
-        vllm_extra=("--enforce-eager",) * args.vllm_eager + UNIPROCESS_ARGS * args.vllm_uniprocess,
-        vllm_env=UNIPROCESS_ENV * args.vllm_uniprocess + env_pairs(parser, args.vllm_env),
+        vllm_extra=eager + uniprocess[0],
+        vllm_env=uniprocess[1] + env_pairs(parser, args.vllm_env),
         omp_spincount=args.omp_spincount,
         dtype=args.dtype,
     )

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvrelay.bench.trace.client import Measured
-from kvrelay.bench.trace.report import Summary, comparison_figures, summarize
+from kvrelay.bench.trace.report import Summary, answered, comparison_figures, summarize
 
 SUBJECT = "kvrelay"
 
@@ -49,11 +49,6 @@ class Phase:
 
     def engine_cached(self, setup: str) -> float:
         return sum(r.engine_cached_tokens for r in self.replays[setup])
-
-
-def answered(m: Measured) -> bool:
-    """Whether the request streamed text (a TTFT) without an error."""
-    return m.error is None and m.ttft_s is not None
 
 
 def answered_by_all(phase: Phase) -> Phase:
@@ -135,8 +130,18 @@ def markdown(phases: Sequence[Phase], labels: Mapping[str, str], notes: Sequence
 
 
 def _verdict(phases: Sequence[Phase], common: bool = False) -> list[str]:
-    head = "| engine | load | kvrelay p90 (s) | best other p90 | ratio | kvrelay p99 (s) | best other p99 | ratio |"
-    lines = [head[:-1] + "| requests |" if common else head, "|---|---|---|---|---|---|---|---|" + "---|" * common]
+    columns = [
+        "engine",
+        "load",
+        "kvrelay p90 (s)",
+        "best other p90",
+        "ratio",
+        "kvrelay p99 (s)",
+        "best other p99",
+        "ratio",
+    ]
+    columns += ["requests"] if common else []
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for phase in phases:
         summaries = phase.summaries()
         cells = [phase.engine, phase.load]
@@ -200,7 +205,7 @@ def plot_grid(path: str | Path, phases: Sequence[Phase], labels: Mapping[str, st
     for phase in phases:
         ax = axes[engines.index(phase.engine)][loads.index(phase.load)]
         for name, runs in phase.replays.items():
-            xs = np.sort([m.ttft_s for r in runs for m in r.measured if m.error is None and m.ttft_s is not None])
+            xs = np.sort([m.ttft_s for r in runs for m in r.measured if answered(m)])
             if len(xs):
                 ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=labels.get(name, name))
         ax.set_title(f"{phase.engine} engine, {phase.load}")

@@ -40,10 +40,15 @@ class Summary:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+def answered(m: Measured) -> bool:
+    """Whether the request streamed text (a TTFT) without an error."""
+    return m.error is None and m.ttft_s is not None
+
+
 def summarize(runs: Sequence[Sequence[Measured]]) -> Summary:
     """The summary of one setup's replays (samples pooled; makespans added); TTFT fields are NaN without samples."""
     measured = [m for run in runs for m in run]
-    ok = [m for m in measured if m.error is None and m.ttft_s is not None]
+    ok = [m for m in measured if answered(m)]
     ttfts = np.asarray([m.ttft_s for m in ok], dtype=float)
     p50, p90, p99 = np.percentile(ttfts, [50, 90, 99]) if len(ttfts) else (float("nan"),) * 3
     makespan = 0.0
