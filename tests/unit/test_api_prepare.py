@@ -21,10 +21,12 @@ from kvrelay.api.metrics import Metrics
 from kvrelay.api.served_model import CUT_SLACK, PROBE_CHARS_PER_TOKEN, ServedModel
 from kvrelay.cli import router as router_cli
 from kvrelay.cli import serve as serve_cli
+from kvrelay.core.router.events import Outcome, Request
 from kvrelay.core.router.machine import new_router
 from kvrelay.launch.config import resolve
 from kvrelay.models.loading.loader import load_artifacts
-from kvrelay.router.cluster_router import ClusterRouter
+from kvrelay.protocol.messages import FinishReason, Usage
+from kvrelay.router.cluster_router import ClusterRouter, Consumer
 from kvrelay.testing.tiny_models import BOS_ID, make_tiny_model
 from tests.support.bench_smoke import run_bench
 
@@ -200,3 +202,45 @@ def test_an_unexpected_failure_is_a_500_in_openai_format(ingress: Ingress, monke
             "code": None,
         }
     }
+
+
+class CapturingRouter(ClusterRouter):
+    """A real router whose submitted requests are held here instead of routed, with their consumers."""
+
+    def __init__(self) -> None:
+        super().__init__(new_router(), lambda w, m: None)
+        self.consumers: dict[str, Consumer] = {}
+        self.submitted = asyncio.Event()
+
+    def submit(self, request: Request, consumer: Consumer) -> None:
+        self.consumers[request.request_id] = consumer
+        self.submitted.set()
+
+
+def test_deltas_that_queue_while_the_response_is_written_are_relayed_as_one(tokenizer: Any) -> None:
+    router = CapturingRouter()
+    ingress = Ingress(router, {"m": ServedModel("m", tokenizer, "llama", CONTEXT, (1,))}, Metrics(), lambda n: True)
+    words = [tokenizer.encode(w, add_special_tokens=False) for w in (" one", " two", " three", " four")]
+
+    async def scenario() -> list[Any]:
+        events = ingress.generate(completion(ingress, prompt="count"), "r1")
+        first = asyncio.ensure_future(events.__anext__())
+        await asyncio.wait_for(router.submitted.wait(), 5)
+        consumer = router.consumers["r1"]
+        consumer.on_delta(0, tuple(words[0]))
+        got = [await asyncio.wait_for(first, 5)]  # the only delta so far
+        for k, word in enumerate(words[1:], 1):  # three more arrive while the client is being written to
+            consumer.on_delta(k, tuple(word))
+        got.append(await events.__anext__())
+        tokens = tuple(t for w in words for t in w)
+        consumer.on_result(Outcome("r1", FinishReason.LENGTH, tokens, 1, Usage(prompt_tokens=2)))
+        got.append(await events.__anext__())
+        return got
+
+    try:
+        first, rest, final = asyncio.run(scenario())
+    finally:
+        ingress.close()
+    assert first.text == " one" and rest.text == " two three four"
+    assert rest.tokens == tuple(t for w in words[1:] for t in w)
+    assert final.finish_reason == "length" and final.completion_tokens == sum(len(w) for w in words)

@@ -9,7 +9,9 @@ It never depends on the model runtime: it submits protocol requests to a
 - ``Ingress.body_limit()`` is the byte bound of a request body (``api.body``).
 - ``Ingress.generate`` yields ``TextDelta``s then exactly one ``Final``, or
   raises ``APIError`` when the request failed (after the text of the tokens it
-  got, if any); if the caller stops iterating early (a client disconnected) the
+  got, if any); token deltas that arrived while the caller was busy with the
+  previous one come as one ``TextDelta``, so a loaded router writes fewer,
+  larger chunks instead of falling behind; if the caller stops iterating early (a client disconnected) the
   request is cancelled through the router, which cancels it at the worker. The
   router knows the request by ``rid`` (``new_request_id()``: ``kv-`` and 20 hex
   digits), which the HTTP response's ``id`` carries, so a client's id names the
@@ -286,10 +288,19 @@ class Ingress:
         finished = False
         first_token_at: float | None = None
         last_token_at: float | None = None
+        after: tuple[str, Any] | None = None
         try:
             while True:
-                kind, payload = await queue.get()
+                kind, payload = after or await queue.get()
+                after = None
                 if kind == "delta":
+                    # deltas that queued while the response was being written are relayed as one
+                    while not queue.empty() and after is None:
+                        item = queue.get_nowait()
+                        if item[0] == "delta":
+                            payload = (*payload, *item[1])
+                        else:
+                            after = item
                     now = time.monotonic()
                     if first_token_at is None:
                         first_token_at = now

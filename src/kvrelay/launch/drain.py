@@ -69,7 +69,10 @@ async def serve_until_stopped(
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     backstop = math.ceil(drain_s + DRAIN_GRACE_S)
-    config = uvicorn.Config(app, log_level=log_level, lifespan=lifespan, timeout_graceful_shutdown=backstop)
+    # httptools (C) rather than h11 parses the requests: less of the router's CPU on every request
+    config = uvicorn.Config(
+        app, http="httptools", log_level=log_level, lifespan=lifespan, timeout_graceful_shutdown=backstop
+    )
     server = _Uvicorn(config)
     serving = loop.create_task(server.serve(sockets=[sock]))
     try:
