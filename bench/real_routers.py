@@ -103,7 +103,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--kv-tokens", type=int, default=65536, help="native engine: KV tokens per worker")
     p.add_argument("--lanes", type=int, default=16, help="native engine: concurrent sequences per worker")
-    p.add_argument("--vllm-model", type=Path, default=None, help="vLLM engine: model directory (default: tiny Llama)")
+    p.add_argument(
+        "--vllm-model",
+        default=None,
+        help="vLLM engine: a model directory or .gguf, or 'default' for kvrelay's default model (Gemma 3 270M), "
+        "served at --dtype (default: the vLLM tests' tiny random Llama, float32)",
+    )
+    p.add_argument("--vllm-context", type=int, default=4096, help="vLLM engine: context of a --vllm-model's engines")
     p.add_argument("--vllm-blocks", type=int, default=256, help="vLLM engine: KV blocks of 64 tokens per server")
     p.add_argument("--engines", default="vllm,native", help=f"comma-separated subset of {', '.join(ENGINES)}")
     p.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated subset of {', '.join(LOADS)}")
@@ -312,21 +318,27 @@ def run_vllm(
 ) -> str:
     from transformers import AutoTokenizer
 
-    from kvrelay.bench.trace.vllm_engines import shared_engines
+    from kvrelay.bench.trace.vllm_engines import real_model, shared_engines
+    from kvrelay.models.loading.loader import model_directory
     from kvrelay.testing.vllm import TINY_CONTEXT, VLLM_BLOCK_TOKENS, make_vllm_tiny_model
 
-    model_dir = args.vllm_model or make_vllm_tiny_model(work / "tiny-llama")
-    cap = min(args.max_prompt_tokens, TINY_CONTEXT - args.max_output_tokens - 8)
+    if args.vllm_model is None:
+        model_dir, real = make_vllm_tiny_model(work / "tiny-llama"), None
+        context, what = TINY_CONTEXT, "the tiny random Llama of the vLLM tests (float32"
+    else:
+        model_dir = model_directory(None if args.vllm_model == "default" else args.vllm_model)
+        real = real_model(model_dir, args.dtype, args.vllm_context)
+        context, what = real.context, f"{model_dir} ({args.dtype}, context {real.context}"
+    cap = min(args.max_prompt_tokens, context - args.max_output_tokens - 8)
     scaling = Scaling(args.block_tokens, 512, cap, args.max_output_tokens, args.vllm_time_stretch)
     prompts = build_prompts(args, AutoTokenizer.from_pretrained(model_dir), scaling)
     print(f"vllm: starting 2 vLLM servers of {model_dir} ...", flush=True)
-    with shared_engines(model_dir, 2, args.vllm_blocks, work / "vllm-logs") as engines:
+    with shared_engines(model_dir, 2, args.vllm_blocks, work / "vllm-logs", real) as engines:
         start = vllm_starter(engines, model_dir, peers)
         run_phases("vllm", start, model_dir.name, prompts, setups, args, work, phases, save)
     return (
-        f"vllm: vLLM {_vllm_version()} CPU build, 2 OpenAI servers of the tiny random Llama of the vLLM tests "
-        f"(float32, eager, prefix caching, {args.vllm_blocks} KV blocks of {VLLM_BLOCK_TOKENS} tokens each); "
-        f"{_slice_note(prompts, scaling)}"
+        f"vllm: vLLM {_vllm_version()} CPU build, 2 OpenAI servers of {what}, eager, prefix caching, "
+        f"{args.vllm_blocks} KV blocks of {VLLM_BLOCK_TOKENS} tokens each); {_slice_note(prompts, scaling)}"
     )
 
 

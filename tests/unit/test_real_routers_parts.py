@@ -1,12 +1,14 @@
 """The pure parts of ``bench/real_routers.py``: cached prompt tokens read from engines' ``/metrics`` texts, and
-the peer routers' command lines."""
+the peer routers' command lines, a real model's engine context."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kvrelay.bench.trace.engine_metrics import cached_prompt_tokens
 from kvrelay.bench.trace.peers import Peer, peer_argv
+from kvrelay.bench.trace.vllm_engines import RealModel, real_model
 
 DATA = Path(__file__).parents[1] / "data"
 
@@ -40,3 +42,17 @@ def test_each_peer_listens_and_exports_metrics_on_loopback_with_the_given_policy
         assert argv[at + 1 : at + 3] == urls
     assert peer_argv(Peer.SMG, "smg", "cache_aware", 1, 2, urls)[1] == "launch"
     assert peer_argv(Peer.VLLM_ROUTER, "vllm-router", "cache_aware", 1, 2, urls)[1] == "--host"
+
+
+def test_a_real_models_engines_serve_at_most_its_own_context(tmp_path: Path) -> None:
+    flat, nested, bare = (tmp_path / name for name in ("flat", "nested", "bare"))
+    for directory, config in (
+        (flat, {"max_position_embeddings": 32768}),
+        (nested, {"text_config": {"max_position_embeddings": 2048}}),
+        (bare, {}),
+    ):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(config))
+    assert real_model(flat, "bfloat16", 4096) == RealModel("bfloat16", 4096)
+    assert real_model(nested, "float32", 4096) == RealModel("float32", 2048)
+    assert real_model(bare, "bfloat16", 4096).context == 4096

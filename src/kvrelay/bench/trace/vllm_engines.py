@@ -1,10 +1,11 @@
 """vLLM servers shared by every setup of a replay, emptied between replays, and the faces in front of them.
 
 Contract:
-- ``shared_engines(model_dir, count, blocks, log_dir)`` starts ``count`` vLLM OpenAI servers of ``model_dir``
-  (``kvrelay.testing.vllm.tiny_vllm_spec``: float32, eager, ``blocks`` KV blocks of 64 tokens, prefix caching,
-  KV events on ZMQ), served under the directory's name (the name kvrelay's router gives that model, so every
-  setup takes the same requests), with vLLM's development endpoints on (``VLLM_SERVER_DEV_MODE``, for
+- ``shared_engines(model_dir, count, blocks, log_dir, real)`` starts ``count`` vLLM OpenAI servers of
+  ``model_dir`` (``kvrelay.testing.vllm.tiny_vllm_spec``: float32, eager, ``blocks`` KV blocks of 64 tokens,
+  prefix caching, KV events on ZMQ; with ``real``, a ``RealModel``'s dtype, context and KV bytes per token
+  instead, ``real_model``), served under the directory's name (the name kvrelay's router gives that model, so
+  every setup takes the same requests), with vLLM's development endpoints on (``VLLM_SERVER_DEV_MODE``, for
   ``/reset_prefix_cache``); yields them once all are ready and stops them all after, also on error.
 - ``empty_caches(engines)`` makes every engine forget its prefix cache (``POST /reset_prefix_cache``, retried
   while blocks are still held, ``RuntimeError`` naming the engine after ``limit_s``), so each replay starts
@@ -20,28 +21,53 @@ Contract:
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
 
 from kvrelay.bench.trace.faces import Face, kvrelay_argv, process_env, spawn
+from kvrelay.engines.vllm.identity import kv_bytes_per_token
 from kvrelay.launch.vllm_server import VllmServer
 from kvrelay.testing.ports import free_port
-from kvrelay.testing.vllm import started_vllm_servers, tiny_vllm_spec
+from kvrelay.testing.vllm import VLLM_BLOCK_TOKENS, started_vllm_servers, tiny_vllm_spec
 from kvrelay.transport.auth import SECRET_ENV_VAR
 
 
+@dataclass(frozen=True, slots=True)
+class RealModel:
+    """A model other than the tests' tiny one: the dtype its engines run and the context they serve."""
+
+    dtype: str
+    context: int
+
+
+def real_model(model_dir: Path, dtype: str, context: int) -> RealModel:
+    """``model_dir``'s engines at ``dtype`` with a context of ``context`` tokens, at most the model's own."""
+    config = json.loads((model_dir / "config.json").read_text())
+    own = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
+    return RealModel(dtype, min(context, int(own)) if own else context)
+
+
 @contextmanager
-def shared_engines(model_dir: Path, count: int, blocks: int, log_dir: Path) -> Iterator[list[VllmServer]]:
+def shared_engines(
+    model_dir: Path, count: int, blocks: int, log_dir: Path, real: RealModel | None = None
+) -> Iterator[list[VllmServer]]:
     """Start ``count`` vLLM servers at once, yield them when all are ready, stop them all (module contract)."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    specs = [replace(tiny_vllm_spec(model_dir, blocks), served_name=model_dir.name) for _ in range(count)]
+    specs = []
+    for _ in range(count):
+        spec = replace(tiny_vllm_spec(model_dir, blocks), served_name=model_dir.name)
+        if real is not None:
+            kv_bytes = blocks * VLLM_BLOCK_TOKENS * kv_bytes_per_token(model_dir, real.dtype)
+            spec = replace(spec, dtype=real.dtype, max_model_len=real.context, kv_cache_bytes=kv_bytes)
+        specs.append(spec)
     with started_vllm_servers(specs, log_dir, env) as servers:
         yield servers
 
