@@ -26,7 +26,7 @@ it; the mirror's promises only keep this worker from over-admitting.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvrelay.protocol.chunk_keys import prompt_chain
@@ -128,3 +128,24 @@ def admit_offer(
             f"{capacity.promised_blocks} promised",
         )
     return EngineAdmission(True, None, "", chain, resident, demand)
+
+
+def shared_prefix(chain: Sequence[bytes], other: Sequence[bytes]) -> int:
+    """Leading chunks two chains share."""
+    n = 0
+    for a, b in zip(chain, other, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def prefix_to_await(chain: Sequence[bytes], resident: int, computing: Iterable[Sequence[bytes]]) -> int:
+    """The leading chunks of ``chain`` a new request should wait for before it reaches the engine: the longest
+    prefix it shares with a request on the engine that has no first token yet (``computing``), when that is
+    longer than the ``resident`` chunks the engine holds now; 0 when there is nothing to wait for.
+
+    vLLM reuses only blocks already computed: a request it schedules while a predecessor is still computing the
+    shared prefix computes that prefix again, in the predecessor's steps, and delays its first token."""
+    longest = max((shared_prefix(chain, other) for other in computing), default=0)
+    return longest if longest > resident else 0

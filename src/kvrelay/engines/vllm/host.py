@@ -11,7 +11,11 @@ attempts, deltas with sequence numbers, results) is the same machine,
   worker's promises);
 - ``StartWork`` -> a streaming token-id completion of the offer's prompt
   (continuations included: the prompt holds the tokens delivered before) with
-  the remaining budget; each chunk's token ids -> ``TokensProduced``; the end
+  the remaining budget; a run that shares more leading chunks with a run still
+  before its first token than the engine holds waits until the engine's KV
+  events report those chunks stored (``admission.prefix_to_await``; at most
+  ``HOLD_SLACK`` times the worker's queue plus ``HOLD_MIN_S``), so vLLM reuses
+  them instead of computing them again in its predecessor's steps; each chunk's token ids -> ``TokensProduced``; the end
   -> ``WorkFinished`` with the cached tokens vLLM reports (tier ``gpu``);
 - ``FenceWork`` -> the stream is closed, which makes vLLM abort the request;
   once the stream task has ended -> ``WorkQuiesced``;
@@ -57,7 +61,7 @@ from dataclasses import dataclass, field, replace
 from kvrelay.core.worker import events as worker_events
 from kvrelay.engines.machine_host import MachineHost
 from kvrelay.engines.vllm import kv_events
-from kvrelay.engines.vllm.admission import EngineCapacity, EngineIdentity, admit_offer
+from kvrelay.engines.vllm.admission import EngineCapacity, EngineIdentity, admit_offer, prefix_to_await
 from kvrelay.engines.vllm.client import EngineClient, EngineError
 from kvrelay.engines.vllm.metrics import EngineFigures
 from kvrelay.engines.vllm.served import ServedSpeeds
@@ -84,6 +88,12 @@ def attempt_seed(seed: int, generated_before: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+HOLD_SLACK = 2.0
+"""A run held for its predecessor's prefix waits at most this many times the worker's queue at its start..."""
+HOLD_MIN_S = 0.1
+"""...plus this many seconds; then it goes to the engine without the prefix."""
+
+
 @dataclass(slots=True)
 class EngineRun:
     """One admitted assignment, from admission to release."""
@@ -91,7 +101,10 @@ class EngineRun:
     offer: Offer
     demand_blocks: int
     prefix_chunks: int
+    """Leading chunks the engine held at admission, or that this run waits for before it reaches the engine."""
     accepted_at: float
+    chain: tuple[bytes, ...] = ()
+    """This worker's chain of the prompt."""
     task: asyncio.Task[None] | None = None
     fenced: bool = False
     generated: list[int] = field(default_factory=list)
@@ -136,6 +149,8 @@ class VllmWorker(MachineHost):
         self._last_frame: int | None = None
         self._handing_over = False
         self._republish = False
+        self._kv_stored = asyncio.Event()
+        """Set, then replaced, whenever a KV event frame stores blocks."""
 
     # --- transport-facing host interface ------------------------------------------
 
@@ -234,6 +249,22 @@ class VllmWorker(MachineHost):
             change = kv_events.MirrorChange(stored=change.stored)
         if change.stored or change.removed:
             self.publish_residency(change.stored, change.removed)
+        if change.stored:
+            self._kv_stored.set()
+            self._kv_stored = asyncio.Event()
+
+    async def _stored(self, keys: tuple[bytes, ...], deadline: float) -> bool:
+        """Wait until the engine holds every one of ``keys`` (its KV events say so) or ``deadline``; whether it
+        does."""
+        while not all(key in self.mirror.keys for key in keys):
+            left = deadline - self.clock()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._kv_stored.wait(), left)
+            except TimeoutError:
+                return False
+        return True
 
     def on_kv_reconnect(self) -> None:
         self._last_frame = None
@@ -278,7 +309,9 @@ class VllmWorker(MachineHost):
             self.me, offer, self.capacity(), self.mirror.keys, self.engine_up, self.state.shutting_down
         )
         if result.accepted:
-            run = EngineRun(offer, result.demand_blocks, result.prefix_chunks, self.clock(), in_flight=len(self.runs))
+            run = EngineRun(
+                offer, result.demand_blocks, result.prefix_chunks, self.clock(), result.chain, in_flight=len(self.runs)
+            )
             run.waited_tokens = self._pending_tokens() + self._uncached(run)
             self.runs[offer.assignment] = run
         self._step(
@@ -290,7 +323,16 @@ class VllmWorker(MachineHost):
     def _start(self, offer: Offer) -> None:
         run = self.runs[offer.assignment]
         run.submitted_at = self.clock()
-        run.task = asyncio.get_running_loop().create_task(self._generate(run))
+        computing = [r.chain for r in self.runs.values() if r is not run and not r.generated and not r.fenced]
+        awaited = prefix_to_await(run.chain, run.prefix_chunks, computing)
+        hold: tuple[tuple[bytes, ...], float] | None = None
+        if awaited:
+            _, prefill_s_per_token, _ = self.speeds.rested(run.submitted_at).reported()
+            bound = HOLD_SLACK * queue_delay(self._pending_tokens(), prefill_s_per_token) + HOLD_MIN_S
+            hold = (run.chain[:awaited], run.submitted_at + bound)
+            run.prefix_chunks = awaited
+            self._count("held_for_prefix")
+        run.task = asyncio.get_running_loop().create_task(self._generate(run, hold))
         if self._handing_over:
             run.task.cancel()
 
@@ -302,13 +344,15 @@ class VllmWorker(MachineHost):
         if run.task is not None:
             run.task.cancel()
 
-    async def _generate(self, run: EngineRun) -> None:
+    async def _generate(self, run: EngineRun, hold: tuple[tuple[bytes, ...], float] | None) -> None:
         offer = run.offer
         a = offer.assignment
         seed = attempt_seed(offer.sampling.seed, offer.generated_before)
         finish: FinishReason = FinishReason.ERROR
         error: str | None = None
         try:
+            if hold is not None and not await self._stored(*hold):
+                self._count("hold_timed_out")
             stream = self.engine.stream(self.engine_model, offer.prompt, offer.max_new_tokens, offer.sampling, seed)
             async for event in stream:
                 if event.tokens:

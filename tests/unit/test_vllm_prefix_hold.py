@@ -1,0 +1,105 @@
+"""A vLLM worker holds a request that shares a prefix with one still computing it until the engine's KV events
+say the prefix is stored: a real worker host against a loopback engine that records when each request arrives."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from kvrelay.engines.vllm import host as host_module
+from kvrelay.engines.vllm.admission import EngineIdentity, prefix_to_await
+from kvrelay.engines.vllm.client import EngineClient
+from kvrelay.engines.vllm.host import VllmWorker
+from kvrelay.engines.vllm.metrics import EngineFigures
+from kvrelay.protocol.messages import Assignment, Offer
+from tests.support.sse_engine import DONE, USAGE, chunk, chunked_head, engine, token
+
+FP = b"vllm-fp-16-bytes"
+BS = 4
+FIRST = tuple(range(100, 113))  # three full blocks and one token
+FOLLOWER = (*FIRST[:12], 7, 8)  # the same three blocks, then its own
+
+
+def test_the_prefix_to_await_is_the_longest_shared_with_a_computing_request_beyond_what_is_resident() -> None:
+    a, b, c, d, e = (bytes([i]) * 16 for i in range(5))
+    assert prefix_to_await((a, b, c, d), 0, [(a, b, e), (a, b, c)]) == 3
+    assert prefix_to_await((a, b, c, d), 3, [(a, b, c)]) == 0  # the engine holds it already
+    assert prefix_to_await((a, b, c, d), 1, [(e, b, c)]) == 0  # nothing shared from the first chunk
+    assert prefix_to_await((a, b), 0, []) == 0
+
+
+def frame(seq: int, hashes: list[int], tokens: list[int]) -> list[bytes]:
+    """A multipart frame as vLLM's ZmqEventPublisher sends it (one BlockStored event)."""
+    event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": tokens}
+    event.update({"block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None})
+    event.update({"extra_keys": [None] * len(hashes), "group_idx": 0, "kv_cache_spec_kind": "full_attention"})
+    return [b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode([1.5, [event], 0])]
+
+
+def offer(rid: str, prompt: tuple[int, ...]) -> Offer:
+    return Offer(
+        assignment=Assignment(rid, 1),
+        worker_id="v1",
+        epoch=5,
+        model="m",
+        model_fingerprint=FP.hex(),
+        prompt=prompt,
+        max_new_tokens=1,
+    )
+
+
+async def hold_scenario(store_after_s: float | None) -> tuple[VllmWorker, list[str], float | None]:
+    """The first request reaches the engine and waits there for its first token; the follower is offered next.
+    With ``store_after_s``, the first request's blocks are reported stored once the follower has not reached the
+    engine for that long. Returns the host, the order requests reached the engine, and the follower's wait."""
+    arrived: list[str] = []
+    first_arrived, follower_arrived, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def handler(body: dict[str, object], writer: asyncio.StreamWriter) -> None:
+        mine = "first" if tuple(body["prompt"]) == FIRST else "follower"  # type: ignore[arg-type]
+        arrived.append(mine)
+        (first_arrived if mine == "first" else follower_arrived).set()
+        if mine == "first":
+            await release.wait()
+        writer.write(chunked_head() + chunk(token(1, finish="length") + USAGE + DONE) + b"0\r\n\r\n")
+        await writer.drain()
+
+    async with engine(handler) as url:
+        identity = EngineIdentity("v1", 5, "m", FP, context_limit=64, block_tokens=BS)
+        host = VllmWorker(identity, EngineClient(url), "served", 64, 4, EngineFigures(num_blocks=16, block_size=BS))
+        replies: list[object] = []
+        host.on_offer(offer("first", FIRST), replies.append)
+        await asyncio.wait_for(first_arrived.wait(), 5)
+        host.on_offer(offer("follower", FOLLOWER), replies.append)
+        waited: float | None = None
+        if store_after_s is not None:
+            with pytest.raises(TimeoutError):  # held: it does not reach the engine meanwhile
+                await asyncio.wait_for(follower_arrived.wait(), store_after_s)
+            start = asyncio.get_running_loop().time()
+            host.on_kv_frame(frame(0, [1, 2, 3], list(FIRST[:12])))
+            await asyncio.wait_for(follower_arrived.wait(), 5)
+            waited = asyncio.get_running_loop().time() - start
+        else:
+            await asyncio.wait_for(follower_arrived.wait(), 5)
+        release.set()
+        await asyncio.wait_for(asyncio.gather(*(r.task for r in list(host.runs.values()) if r.task)), 5)
+        await host.engine.close()
+        return host, arrived, waited
+
+
+def test_a_follower_reaches_the_engine_once_its_predecessors_blocks_are_stored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(host_module, "HOLD_MIN_S", 30.0)
+    host, arrived, waited = asyncio.run(hold_scenario(store_after_s=0.3))
+    assert arrived == ["first", "follower"] and waited is not None and waited < 5
+    assert host.counters.get("held_for_prefix") == 1 and "hold_timed_out" not in host.counters
+
+
+def test_a_hold_is_bounded_and_the_follower_goes_without_the_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_module, "HOLD_MIN_S", 0.05)
+    host, arrived, _ = asyncio.run(hold_scenario(store_after_s=None))
+    assert arrived == ["first", "follower"]
+    assert host.counters.get("held_for_prefix") == 1 and host.counters.get("hold_timed_out") == 1
