@@ -1,11 +1,10 @@
-"""A vLLM worker holds a request that shares a prefix with one still computing it until the engine's KV events
-say the prefix is stored: a real worker host against a loopback engine that records when each request arrives."""
+"""A vLLM worker holds a request that shares a prefix with one still computing it until that one has its first
+token: a real worker host against a loopback engine that records when each request arrives."""
 
 from __future__ import annotations
 
 import asyncio
 
-import msgspec
 import pytest
 
 from kvrelay.engines.vllm import host as host_module
@@ -30,14 +29,6 @@ def test_the_prefix_to_await_is_the_longest_shared_with_a_computing_request_beyo
     assert prefix_to_await((a, b), 0, []) == 0
 
 
-def frame(seq: int, hashes: list[int], tokens: list[int]) -> list[bytes]:
-    """A multipart frame as vLLM's ZmqEventPublisher sends it (one BlockStored event)."""
-    event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": tokens}
-    event.update({"block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None})
-    event.update({"extra_keys": [None] * len(hashes), "group_idx": 0, "kv_cache_spec_kind": "full_attention"})
-    return [b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode([1.5, [event], 0])]
-
-
 def offer(rid: str, prompt: tuple[int, ...]) -> Offer:
     return Offer(
         assignment=Assignment(rid, 1),
@@ -50,10 +41,10 @@ def offer(rid: str, prompt: tuple[int, ...]) -> Offer:
     )
 
 
-async def hold_scenario(store_after_s: float | None) -> tuple[VllmWorker, list[str], float | None]:
+async def hold_scenario(release_after_s: float | None) -> tuple[VllmWorker, list[str], float | None]:
     """The first request reaches the engine and waits there for its first token; the follower is offered next.
-    With ``store_after_s``, the first request's blocks are reported stored once the follower has not reached the
-    engine for that long. Returns the host, the order requests reached the engine, and the follower's wait."""
+    With ``release_after_s``, the engine answers the first request once the follower has not reached it for that
+    long. Returns the host, the order requests reached the engine, and the follower's wait after that answer."""
     arrived: list[str] = []
     first_arrived, follower_arrived, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
@@ -74,11 +65,11 @@ async def hold_scenario(store_after_s: float | None) -> tuple[VllmWorker, list[s
         await asyncio.wait_for(first_arrived.wait(), 5)
         host.on_offer(offer("follower", FOLLOWER), replies.append)
         waited: float | None = None
-        if store_after_s is not None:
+        if release_after_s is not None:
             with pytest.raises(TimeoutError):  # held: it does not reach the engine meanwhile
-                await asyncio.wait_for(follower_arrived.wait(), store_after_s)
+                await asyncio.wait_for(follower_arrived.wait(), release_after_s)
             start = asyncio.get_running_loop().time()
-            host.on_kv_frame(frame(0, [1, 2, 3], list(FIRST[:12])))
+            release.set()
             await asyncio.wait_for(follower_arrived.wait(), 5)
             waited = asyncio.get_running_loop().time() - start
         else:
@@ -89,17 +80,17 @@ async def hold_scenario(store_after_s: float | None) -> tuple[VllmWorker, list[s
         return host, arrived, waited
 
 
-def test_a_follower_reaches_the_engine_once_its_predecessors_blocks_are_stored(
+def test_a_follower_reaches_the_engine_once_its_predecessor_has_its_first_token(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(host_module, "HOLD_MIN_S", 30.0)
-    host, arrived, waited = asyncio.run(hold_scenario(store_after_s=0.3))
+    host, arrived, waited = asyncio.run(hold_scenario(release_after_s=0.3))
     assert arrived == ["first", "follower"] and waited is not None and waited < 5
     assert host.counters.get("held_for_prefix") == 1 and "hold_timed_out" not in host.counters
 
 
 def test_a_hold_is_bounded_and_the_follower_goes_without_the_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(host_module, "HOLD_MIN_S", 0.05)
-    host, arrived, _ = asyncio.run(hold_scenario(store_after_s=None))
+    host, arrived, _ = asyncio.run(hold_scenario(release_after_s=None))
     assert arrived == ["first", "follower"]
     assert host.counters.get("held_for_prefix") == 1 and host.counters.get("hold_timed_out") == 1

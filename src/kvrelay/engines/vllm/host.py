@@ -12,10 +12,10 @@ attempts, deltas with sequence numbers, results) is the same machine,
 - ``StartWork`` -> a streaming token-id completion of the offer's prompt
   (continuations included: the prompt holds the tokens delivered before) with
   the remaining budget; a run that shares more leading chunks with a run still
-  before its first token than the engine holds waits until the engine's KV
-  events report those chunks stored (``admission.prefix_to_await``; at most
-  ``HOLD_SLACK`` times the worker's queue plus ``HOLD_MIN_S``), so vLLM reuses
-  them instead of computing them again in its predecessor's steps; each chunk's token ids -> ``TokensProduced``; the end
+  before its first token than the engine holds waits until that run has its
+  first token (``admission.prefix_to_await``; at most ``HOLD_SLACK`` times the
+  worker's queue plus ``HOLD_MIN_S``), so vLLM reuses the blocks instead of
+  computing them again in its predecessor's steps; each chunk's token ids -> ``TokensProduced``; the end
   -> ``WorkFinished`` with the cached tokens vLLM reports (tier ``gpu``);
 - ``FenceWork`` -> the stream is closed, which makes vLLM abort the request;
   once the stream task has ended -> ``WorkQuiesced``;
@@ -61,7 +61,13 @@ from dataclasses import dataclass, field, replace
 from kvrelay.core.worker import events as worker_events
 from kvrelay.engines.machine_host import MachineHost
 from kvrelay.engines.vllm import kv_events
-from kvrelay.engines.vllm.admission import EngineCapacity, EngineIdentity, admit_offer, prefix_to_await
+from kvrelay.engines.vllm.admission import (
+    EngineCapacity,
+    EngineIdentity,
+    admit_offer,
+    prefix_to_await,
+    shared_prefix,
+)
 from kvrelay.engines.vllm.client import EngineClient, EngineError
 from kvrelay.engines.vllm.metrics import EngineFigures
 from kvrelay.engines.vllm.served import ServedSpeeds
@@ -149,8 +155,8 @@ class VllmWorker(MachineHost):
         self._last_frame: int | None = None
         self._handing_over = False
         self._republish = False
-        self._kv_stored = asyncio.Event()
-        """Set, then replaced, whenever a KV event frame stores blocks."""
+        self._progress = asyncio.Event()
+        """Set, then replaced, whenever a run gets its first token or ends (``_progressed``)."""
 
     # --- transport-facing host interface ------------------------------------------
 
@@ -249,19 +255,22 @@ class VllmWorker(MachineHost):
             change = kv_events.MirrorChange(stored=change.stored)
         if change.stored or change.removed:
             self.publish_residency(change.stored, change.removed)
-        if change.stored:
-            self._kv_stored.set()
-            self._kv_stored = asyncio.Event()
 
-    async def _stored(self, keys: tuple[bytes, ...], deadline: float) -> bool:
-        """Wait until the engine holds every one of ``keys`` (its KV events say so) or ``deadline``; whether it
-        does."""
-        while not all(key in self.mirror.keys for key in keys):
+    def _progressed(self) -> None:
+        """A run got its first token or ended: wake the runs held for their predecessors."""
+        self._progress.set()
+        self._progress = asyncio.Event()
+
+    async def _computed(self, ahead: tuple[Assignment, ...], deadline: float) -> bool:
+        """Wait until every run of ``ahead`` has its first token (its prompt's blocks are computed) or has
+        ended, or ``deadline``; whether they did. (The KV events are no signal here: on a model with sliding
+        window layers vLLM frees and reports removed the blocks a window has passed.)"""
+        while any(a in self.runs and not self.runs[a].generated and not self.runs[a].fenced for a in ahead):
             left = deadline - self.clock()
             if left <= 0:
                 return False
             try:
-                await asyncio.wait_for(self._kv_stored.wait(), left)
+                await asyncio.wait_for(self._progress.wait(), left)
             except TimeoutError:
                 return False
         return True
@@ -303,6 +312,7 @@ class VllmWorker(MachineHost):
     def _release(self, assignment: Assignment) -> None:
         self.runs.pop(assignment, None)
         self._replies.pop(assignment, None)
+        self._progressed()
 
     def _admit(self, offer: Offer) -> None:
         result = admit_offer(
@@ -323,13 +333,14 @@ class VllmWorker(MachineHost):
     def _start(self, offer: Offer) -> None:
         run = self.runs[offer.assignment]
         run.submitted_at = self.clock()
-        computing = [r.chain for r in self.runs.values() if r is not run and not r.generated and not r.fenced]
-        awaited = prefix_to_await(run.chain, run.prefix_chunks, computing)
-        hold: tuple[tuple[bytes, ...], float] | None = None
+        computing = {a: r.chain for a, r in self.runs.items() if r is not run and not r.generated and not r.fenced}
+        awaited = prefix_to_await(run.chain, run.prefix_chunks, computing.values())
+        hold: tuple[tuple[Assignment, ...], float] | None = None
         if awaited:
             _, prefill_s_per_token, _ = self.speeds.rested(run.submitted_at).reported()
             bound = HOLD_SLACK * queue_delay(self._pending_tokens(), prefill_s_per_token) + HOLD_MIN_S
-            hold = (run.chain[:awaited], run.submitted_at + bound)
+            ahead = tuple(a for a, chain in computing.items() if shared_prefix(run.chain, chain) > run.prefix_chunks)
+            hold = (ahead, run.submitted_at + bound)
             run.prefix_chunks = awaited
             self._count("held_for_prefix")
         run.task = asyncio.get_running_loop().create_task(self._generate(run, hold))
@@ -343,15 +354,16 @@ class VllmWorker(MachineHost):
         run.fenced = True
         if run.task is not None:
             run.task.cancel()
+        self._progressed()
 
-    async def _generate(self, run: EngineRun, hold: tuple[tuple[bytes, ...], float] | None) -> None:
+    async def _generate(self, run: EngineRun, hold: tuple[tuple[Assignment, ...], float] | None) -> None:
         offer = run.offer
         a = offer.assignment
         seed = attempt_seed(offer.sampling.seed, offer.generated_before)
         finish: FinishReason = FinishReason.ERROR
         error: str | None = None
         try:
-            if hold is not None and not await self._stored(*hold):
+            if hold is not None and not await self._computed(*hold):
                 self._count("hold_timed_out")
             stream = self.engine.stream(self.engine_model, offer.prompt, offer.max_new_tokens, offer.sampling, seed)
             async for event in stream:
@@ -361,6 +373,7 @@ class VllmWorker(MachineHost):
                         self.speeds = self.speeds.with_served(
                             run.waited_tokens, now - run.accepted_at, now, run.in_flight
                         )
+                        self._progressed()
                     run.generated.extend(event.tokens)
                     run.token_times.extend([now] * len(event.tokens))
                     self._step(worker_events.TokensProduced(now, a, event.tokens))
