@@ -15,8 +15,10 @@ attempts, deltas with sequence numbers, results) is the same machine,
   before its first token than the engine holds waits until that run has its
   first token (``admission.prefix_to_await``; at most ``HOLD_SLACK`` times the
   worker's queue plus ``HOLD_MIN_S``), so vLLM reuses the blocks instead of
-  computing them again in its predecessor's steps; each chunk's token ids -> ``TokensProduced``; the end
-  -> ``WorkFinished`` with the cached tokens vLLM reports (tier ``gpu``);
+  computing them again in its predecessor's steps, when that run's prefill
+  left is expected to take no longer than computing the shared chunks would;
+  each chunk's token ids -> ``TokensProduced``; the end -> ``WorkFinished``
+  with the cached tokens vLLM reports (tier ``gpu``);
 - ``FenceWork`` -> the stream is closed, which makes vLLM abort the request;
   once the stream task has ended -> ``WorkQuiesced``;
 - ``ReleaseReservation`` -> the request's promised blocks are returned.
@@ -337,12 +339,20 @@ class VllmWorker(MachineHost):
         awaited = prefix_to_await(run.chain, run.prefix_chunks, computing.values())
         hold: tuple[tuple[Assignment, ...], float] | None = None
         if awaited:
-            _, prefill_s_per_token, _ = self.speeds.rested(run.submitted_at).reported()
-            bound = HOLD_SLACK * queue_delay(self._pending_tokens(), prefill_s_per_token) + HOLD_MIN_S
+            now = run.submitted_at
+            _, prefill_s_per_token, _ = self.speeds.rested(now).reported()
             ahead = tuple(a for a, chain in computing.items() if shared_prefix(run.chain, chain) > run.prefix_chunks)
-            hold = (ahead, run.submitted_at + bound)
-            run.prefix_chunks = awaited
-            self._count("held_for_prefix")
+            left_s = max(
+                self._uncached(self.runs[a]) * prefill_s_per_token - (now - self.runs[a].submitted_at) for a in ahead
+            )
+            saved_s = (awaited - run.prefix_chunks) * self.me.block_tokens * prefill_s_per_token
+            if left_s <= saved_s:  # waiting for the prefix costs less than computing it again
+                bound = HOLD_SLACK * queue_delay(self._pending_tokens(), prefill_s_per_token) + HOLD_MIN_S
+                hold = (ahead, now + bound)
+                run.prefix_chunks = awaited
+                self._count("held_for_prefix")
+            else:
+                self._count("not_held_longer_than_recompute")
         run.task = asyncio.get_running_loop().create_task(self._generate(run, hold))
         if self._handing_over:
             run.task.cancel()
