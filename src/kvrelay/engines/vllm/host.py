@@ -16,7 +16,8 @@ attempts, deltas with sequence numbers, results) is the same machine,
   first token (``admission.prefix_to_await``; at most ``HOLD_SLACK`` times the
   worker's queue plus ``HOLD_MIN_S``), so vLLM reuses the blocks instead of
   computing them again in its predecessor's steps, when that run's prefill
-  left is expected to take no longer than computing the shared chunks would;
+  left and one engine step (the fixed part of a first token) are expected to
+  take no longer than computing the shared chunks would;
   each chunk's token ids -> ``TokensProduced``; the end -> ``WorkFinished``
   with the cached tokens vLLM reports (tier ``gpu``);
 - ``FenceWork`` -> the stream is closed, which makes vLLM abort the request;
@@ -340,13 +341,14 @@ class VllmWorker(MachineHost):
         hold: tuple[tuple[Assignment, ...], float] | None = None
         if awaited:
             now = run.submitted_at
-            _, prefill_s_per_token, _ = self.speeds.rested(now).reported()
+            step_s, prefill_s_per_token, _ = self.speeds.rested(now).reported()
             ahead = tuple(a for a, chain in computing.items() if shared_prefix(run.chain, chain) > run.prefix_chunks)
             left_s = max(
                 self._uncached(self.runs[a]) * prefill_s_per_token - (now - self.runs[a].submitted_at) for a in ahead
             )
             saved_s = (awaited - run.prefix_chunks) * self.me.block_tokens * prefill_s_per_token
-            if left_s <= saved_s:  # waiting for the prefix costs less than computing it again
+            # waiting for the prefix, and the engine step more it then takes, cost less than computing it again
+            if left_s + step_s <= saved_s:
                 bound = HOLD_SLACK * queue_delay(self._pending_tokens(), prefill_s_per_token) + HOLD_MIN_S
                 hold = (ahead, now + bound)
                 run.prefix_chunks = awaited
