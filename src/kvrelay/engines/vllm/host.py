@@ -266,8 +266,8 @@ class VllmWorker(MachineHost):
 
     async def _computed(self, ahead: tuple[Assignment, ...], deadline: float) -> bool:
         """Wait until every run of ``ahead`` has its first token (its prompt's blocks are computed) or has
-        ended, or ``deadline``; whether they did. (The KV events are no signal here: on a model with sliding
-        window layers vLLM frees and reports removed the blocks a window has passed.)"""
+        ended, or ``deadline``; whether they did. (Not the KV events: on Gemma 3 the mirror never held a long
+        prefix whole; docs/design.md section 13.)"""
         while any(a in self.runs and not self.runs[a].generated and not self.runs[a].fenced for a in ahead):
             left = deadline - self.clock()
             if left <= 0:
