@@ -13,7 +13,7 @@ attempts, deltas with sequence numbers, results) is the same machine,
   (continuations included: the prompt holds the tokens delivered before) with
   the remaining budget; a run that shares more leading chunks with a run still
   before its first token than the engine holds waits until that run has its
-  first token (``admission.prefix_to_await``; at most ``HOLD_SLACK`` times the
+  first token (``admission.hold_for``; at most ``HOLD_SLACK`` times the
   worker's queue plus ``HOLD_MIN_S``), so vLLM reuses the blocks instead of
   computing them again in its predecessor's steps, when that run's prefill
   left and one engine step (the fixed part of a first token) are expected to
@@ -65,11 +65,11 @@ from kvrelay.core.worker import events as worker_events
 from kvrelay.engines.machine_host import MachineHost
 from kvrelay.engines.vllm import kv_events
 from kvrelay.engines.vllm.admission import (
+    Computing,
     EngineCapacity,
     EngineIdentity,
     admit_offer,
-    prefix_to_await,
-    shared_prefix,
+    hold_for,
 )
 from kvrelay.engines.vllm.client import EngineClient, EngineError
 from kvrelay.engines.vllm.metrics import EngineFigures
@@ -336,25 +336,23 @@ class VllmWorker(MachineHost):
     def _start(self, offer: Offer) -> None:
         run = self.runs[offer.assignment]
         run.submitted_at = self.clock()
-        computing = {a: r.chain for a, r in self.runs.items() if r is not run and not r.generated and not r.fenced}
-        awaited = prefix_to_await(run.chain, run.prefix_chunks, computing.values())
+        now = run.submitted_at
+        step_s, prefill_s_per_token, _ = self.speeds.rested(now).reported()
+        computing = {
+            a: Computing(r.chain, self._uncached(r) * prefill_s_per_token - (now - r.submitted_at))
+            for a, r in self.runs.items()
+            if r is not run and not r.generated and not r.fenced
+        }
+        saved_s_per_chunk = self.me.block_tokens * prefill_s_per_token
+        awaited, ahead = hold_for(run.chain, run.prefix_chunks, computing, step_s, saved_s_per_chunk)
         hold: tuple[tuple[Assignment, ...], float] | None = None
-        if awaited:
-            now = run.submitted_at
-            step_s, prefill_s_per_token, _ = self.speeds.rested(now).reported()
-            ahead = tuple(a for a, chain in computing.items() if shared_prefix(run.chain, chain) > run.prefix_chunks)
-            left_s = max(
-                self._uncached(self.runs[a]) * prefill_s_per_token - (now - self.runs[a].submitted_at) for a in ahead
-            )
-            saved_s = (awaited - run.prefix_chunks) * self.me.block_tokens * prefill_s_per_token
-            # waiting for the prefix, and the engine step more it then takes, cost less than computing it again
-            if left_s + step_s <= saved_s:
-                bound = HOLD_SLACK * queue_delay(self._pending_tokens(), prefill_s_per_token) + HOLD_MIN_S
-                hold = (ahead, now + bound)
-                run.prefix_chunks = awaited
-                self._count("held_for_prefix")
-            else:
-                self._count("not_held_longer_than_recompute")
+        if ahead:
+            bound = HOLD_SLACK * queue_delay(self._pending_tokens(), prefill_s_per_token) + HOLD_MIN_S
+            hold = (ahead, now + bound)
+            run.prefix_chunks = awaited
+            self._count("held_for_prefix")
+        elif awaited:
+            self._count("not_held_longer_than_recompute")
         run.task = asyncio.get_running_loop().create_task(self._generate(run, hold))
         if self._handing_over:
             run.task.cancel()
