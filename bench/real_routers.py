@@ -10,19 +10,19 @@ Engines (``--engines``, both by default), two workers each:
   (``/reset_prefix_cache``) before every replay. The model is the vLLM tests' tiny random Llama
   (``kvrelay.testing.vllm``, float32, ``--vllm-blocks`` KV blocks of 64 tokens each): Gemma 3 270M takes vLLM
   minutes to start and seconds per prefill on this 2-core machine, which would not fit a run of minutes.
-  kvrelay's router fronts them through one ``kvrelay worker --engine vllm`` per server; a peer router fronts
-  the servers themselves.
+  kvrelay's router drives them from its own process, as ``kvrelay cluster --engine vllm`` deploys it
+  (``kvrelay router --vllm-engine URL,KV_EVENTS``); a peer router fronts the servers themselves.
 
 Setups (``--setups``), each a router in front of the same engines, each replay starting cold:
 
-1. ``kvrelay``: kvrelay's router, policy ``kvrelay`` (predicted TTFT, predict on route);
+1. ``kvrelay``: kvrelay's router, policy ``kvrelay`` (predicted TTFT, predict on route), as ``kvrelay cluster``
+   deploys it;
 2. ``smg``: SGLang Model Gateway (PyPI ``smg`` 1.13.0), ``smg launch --policy cache_aware``;
 3. ``vllm_router``: vLLM's router (PyPI ``vllm-router`` 0.1.17), ``--policy cache_aware`` (its default);
 4. ``sglang_router``: PyPI ``sglang-router`` 0.3.2, ``--policy cache_aware``;
 5. ``round_robin``: kvrelay's router with policy ``round_robin``;
-6. ``kvrelay_attached`` (not run unless named): kvrelay's router driving the vLLM servers from its own
-   process (``kvrelay router --vllm-engine URL,KV_EVENTS``, no worker processes; on the native engine the
-   same as ``kvrelay``).
+6. ``kvrelay_workers`` (not run unless named): kvrelay's router fronting the vLLM servers through one
+   ``kvrelay worker --engine vllm`` process each (on the native engine the same as ``kvrelay``).
 
 The peers are installed by ``make routers`` (``scripts/install_routers.sh``, one venv each under
 ``.venv-routers``); a peer that is not installed is left out, and the report says so.
@@ -76,16 +76,16 @@ ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
 ENGINES = ("native", "vllm")
 LOADS = ("quiet", "loaded")
-SETUPS = ("kvrelay", "smg", "vllm_router", "sglang_router", "round_robin", "kvrelay_attached")
+SETUPS = ("kvrelay", "smg", "vllm_router", "sglang_router", "round_robin", "kvrelay_workers")
 PEERS = {"smg": Peer.SMG, "vllm_router": Peer.VLLM_ROUTER, "sglang_router": Peer.SGLANG_ROUTER}
-KVRELAY_POLICIES = {"kvrelay": "kvrelay", "round_robin": "round_robin", "kvrelay_attached": "kvrelay"}
+KVRELAY_POLICIES = {"kvrelay": "kvrelay", "round_robin": "round_robin", "kvrelay_workers": "kvrelay"}
 LABELS = {
     "kvrelay": "kvrelay router (policy kvrelay)",
     "smg": "SGLang Model Gateway 1.13.0 cache_aware",
     "vllm_router": "vllm-router 0.1.17 cache_aware",
     "sglang_router": "sglang-router 0.3.2 cache_aware",
     "round_robin": "kvrelay router (policy round_robin)",
-    "kvrelay_attached": "kvrelay router driving the engines in-process",
+    "kvrelay_workers": "kvrelay router through a worker process per engine",
 }
 
 
@@ -232,7 +232,7 @@ def vllm_starter(engines: list[Any], model_dir: Path, peers: dict[str, str]):
         empty_caches(engines)
         urls = [e.spec.url for e in engines]
         if name in KVRELAY_POLICIES:
-            attached = name == "kvrelay_attached"
+            attached = name != "kvrelay_workers"
             face = kvrelay_over_vllm(name, KVRELAY_POLICIES[name], engines, model_dir, home, attached)
         else:
             face, _ = peer_face(name, engines, home)

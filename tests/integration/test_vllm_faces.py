@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from kvrelay.launch.vllm_server import VllmServer
-from tests.support.processes import CLUSTER_READY, Router, child_env, kvrelay, start_worker, stop_all, wait_until
+from tests.support.processes import Router, child_env, kvrelay, start_worker, stop_all, wait_until
 from tests.support.vllm_cluster import direct_completion, engine_counts, routed_completion, settle, vllm_worker
 
 BLOCK = 64
@@ -85,8 +85,10 @@ def test_cluster_with_vllm_engines_serves_the_openai_api(vllm_model: Path, tmp_p
     args += ["--kv-tokens", "4096", "--lanes", "4", "--db", f"sqlite:///{tmp_path / 'facts.sqlite3'}"]
     cluster = kvrelay("cluster", "cluster", args, child_env(tmp_path))
     try:
-        http_url = cluster.wait_for(CLUSTER_READY, 600).group(1)
-        engines = [m.group(1) for m in (cluster.wait_for(rf"w{i}'s vLLM engine: (\S+),", 5) for i in (1, 2))]
+        # The router drives both engines from its own process: workers v1 and v2, no worker process.
+        http_url = cluster.wait_for(r"kvrelay cluster ready http=(\S+) workers=v1,v2$", 600).group(1)
+        engines = [m.group(1) for m in (cluster.wait_for(rf"v{i}'s vLLM engine: (\S+),", 5) for i in (1, 2))]
+        assert not [line for line in cluster.lines if "kvrelay worker ready" in line]
         client = openai.OpenAI(base_url=http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == [vllm_model.name]
         stream = client.completions.create(

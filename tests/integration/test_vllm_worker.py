@@ -1,8 +1,9 @@
 """kvrelay workers serving through real vLLM servers: residency from KV events, admission, cancellation, failover.
 
 The two vLLM servers are the session's (``vllm_engines``, 64 blocks of 64 tokens each). The in-process tests
-drive ``VllmWorker`` with the messages a router would send; the process tests run ``kvrelay router`` and two
-``kvrelay worker --engine vllm`` processes in front of them.
+drive ``VllmWorker`` with the messages a router would send; the process tests run twice: ``kvrelay router``
+with two ``kvrelay worker --engine vllm`` processes in front of them, and ``kvrelay router --vllm-engine`` driving
+them from its own process (what ``kvrelay cluster --engine vllm`` deploys); either way the workers are v1 and v2.
 """
 
 from __future__ import annotations
@@ -124,21 +125,31 @@ def test_kv_events_become_the_routers_chain_and_a_full_engine_declines(vllm_engi
     asyncio.run(scenario())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["worker_processes", "attached"])
 def vllm_cluster(
-    vllm_engines: list[VllmServer], vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    vllm_engines: list[VllmServer],
+    vllm_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Router, list[ChildProcess]]]:
-    """``kvrelay router`` and workers v0 and v1, each ``--engine vllm`` in front of one session engine."""
-    home = tmp_path_factory.mktemp("vllm-cluster")
-    router = Router(home, vllm_model)
-    workers = [vllm_worker(home, f"v{i}", router.workers_url, engine) for i, engine in enumerate(vllm_engines)]
+    """A router with workers v1 and v2, each in front of one session engine, and the process that logs each
+    worker: a ``kvrelay worker --engine vllm`` process each, or the router driving both (``--vllm-engine``)."""
+    home = tmp_path_factory.mktemp(f"vllm-{request.param}")
+    if request.param == "attached":
+        flags = [arg for e in vllm_engines for arg in ("--vllm-engine", f"{e.spec.url},{e.spec.events_url}")]
+        router = Router(home, vllm_model, *flags, "--vllm-dtype", vllm_engines[0].spec.dtype)
+        workers = [router.child, router.child]
+    else:
+        router = Router(home, vllm_model)
+        workers = [vllm_worker(home, f"v{i}", router.workers_url, e) for i, e in enumerate(vllm_engines, start=1)]
     try:
         for worker in workers:
-            worker.wait_for(r"kvrelay worker ready", 120)
-        wait_until(lambda: len(router.live_workers()) == 2 or None, 30, "two live vLLM workers")
+            if worker is not router.child:
+                worker.wait_for(r"kvrelay worker ready", 120)
+        wait_until(lambda: sorted(router.live_workers()) == ["v1", "v2"] or None, 30, "two live vLLM workers")
         yield router, workers
     finally:
-        stop_all([*workers, router.child])
+        stop_all(list(dict.fromkeys([*workers, router.child])))
 
 
 def test_routing_follows_residency_learned_from_kv_events(
@@ -147,9 +158,9 @@ def test_routing_follows_residency_learned_from_kv_events(
     router, _ = vllm_cluster
     model = vllm_model.name
     prefix = [17 + (i * 5) % 290 for i in range(6 * BLOCK)]
-    # Warm the second engine behind kvrelay's back: only its KV events can tell the router (ties go to v0).
+    # Warm the second engine behind kvrelay's back: only its KV events can tell the router (ties go to v1).
     direct_completion(vllm_engines[1], [*prefix, 3], 1)
-    settle(router, "v1")
+    settle(router, "v2")
     before = [engine_counts(e)["done"] for e in vllm_engines]
     for k in range(3):
         wait_until(lambda: not router.cluster()["requests"] or None, 30, "no request in flight")
@@ -170,7 +181,7 @@ def kill_engine_mid_stream(router: Router, worker: ChildProcess, victim: VllmSer
     so the survivor can take both continuations at once."""
     budget, streams = 1500, 2
     wait_until(lambda: not router.cluster()["requests"] or None, 30, "no request in flight")
-    epoch_before = router.live_workers()["v0"]["epoch"]
+    epoch_before = router.live_workers()["v1"]["epoch"]
     retries_before = router.cluster()["router_counters"].get("retries", 0)
     results: dict[int, dict[str, Any]] = {}
     streaming = [threading.Event() for _ in range(streams)]
@@ -204,7 +215,7 @@ def kill_engine_mid_stream(router: Router, worker: ChildProcess, victim: VllmSer
         assert result["finish"]["choices"][0]["finish_reason"] == "length", result
     victim.start().wait_ready()
     worker.wait_for(r"vLLM engine at \S+ is back", 60, back)
-    wait_until(lambda: router.live_workers()["v0"]["epoch"] > epoch_before or None, 30, "v0 in a new epoch")
+    wait_until(lambda: router.live_workers()["v1"]["epoch"] > epoch_before or None, 30, "v1 in a new epoch")
     return bool(router.cluster()["router_counters"].get("retries", 0) > retries_before)
 
 
@@ -214,19 +225,19 @@ def test_killed_engine_streams_complete_and_its_restart_clears_the_routers_belie
 ) -> None:
     router, workers = vllm_cluster
     model, victim = vllm_model.name, vllm_engines[0]
-    # Two prefixes resident on v0's engine only: the streams start with the first, so the router sends them
+    # Two prefixes resident on v1's engine only: the streams start with the first, so the router sends them
     # there by residency; the second is for after the restart, which must have cleared the router's belief in it.
     lead = [29 + (i * 7) % 270 for i in range(4 * BLOCK)]
     prefix = [23 + (i * 11) % 280 for i in range(4 * BLOCK)]
     for _ in range(3):  # until a kill lands mid-stream (see kill_engine_mid_stream)
         direct_completion(victim, [*lead, 5], 1)
         direct_completion(victim, [*prefix, 5], 1)
-        settle(router, "v0")
+        settle(router, "v1")
         if kill_engine_mid_stream(router, workers[0], victim, lead):
             break
     else:
         raise AssertionError("no kill of three landed while a stream was running on the engine")
-    # Had the router kept v0's old residency, it would offer v0 a gpu route the worker declines (stale_route).
+    # Had the router kept v1's old residency, it would offer v1 a gpu route the worker declines (stale_route).
     counters = router.cluster()["router_counters"]
     answer = routed_completion(router.http_url, model, [*prefix, 77, 78], 4)
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, answer

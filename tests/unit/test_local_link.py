@@ -68,10 +68,10 @@ def test_a_local_link_carries_offers_results_and_fencing_in_order() -> None:
 
 
 def test_vllm_engine_arguments_become_workers_v1_v2() -> None:
-    engines = vllm_engines(["http://a:1/,tcp://a:2", "http://b:3"], "float32", ["/m"])
-    assert [(e.worker_id, e.engine_url, e.kv_events, e.model, e.dtype) for e in engines] == [
-        ("v1", "http://a:1", "tcp://a:2", "/m", "float32"),
-        ("v2", "http://b:3", None, "/m", "float32"),
+    engines = vllm_engines(["http://a:1/,tcp://a:2", "http://b:3"], "float32", ["/m"], lanes=16)
+    assert [(e.worker_id, e.engine_url, e.kv_events, e.model, e.dtype, e.max_lanes) for e in engines] == [
+        ("v1", "http://a:1", "tcp://a:2", "/m", "float32", 16),
+        ("v2", "http://b:3", None, "/m", "float32", 16),
     ]
     assert vllm_engines(["http://a:1"], "bfloat16", ["/m", "/n"])[0].model is None  # each engine's own
     for bad in ("a:1", "http://a:1,a:2"):

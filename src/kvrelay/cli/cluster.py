@@ -1,5 +1,6 @@
-"""``kvrelay cluster``: a router and N worker processes on this machine, restarted when they crash, stopped
-together on Ctrl-C or SIGTERM (the router drains first)."""
+"""``kvrelay cluster``: a router and N worker processes on this machine (with ``--engine vllm``: N vLLM servers
+the router drives from its own process), restarted when they crash, stopped together on Ctrl-C or SIGTERM (the
+router drains first)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ COMMAND = "cluster"
 RESTARTS = RestartPolicy()
 """The supervisor's restart defaults (their one home is ``launch.restarts``)."""
 OPTIONS = (
-    Option("workers", int, 2, "number of worker processes"),
+    Option("workers", int, 2, "number of workers (with --engine vllm: of vLLM servers, driven by the router)"),
     Option("host", str, defaults.HOST, "address for HTTP and the worker WebSocket"),
     Option("port", int, defaults.HTTP_PORT, "HTTP port of the OpenAI-compatible API"),
     Option("worker_port", int, 0, "port where the workers connect (0: any free port)"),
@@ -29,7 +30,8 @@ OPTIONS = (
         "engine",
         str,
         "native",
-        "the workers' runtime: kvrelay's own (native), or vllm: one vLLM server per worker (needs --model DIR)",
+        "the workers' runtime: kvrelay's own (native), or vllm: one vLLM server per worker, which the router drives "
+        "from its own process (needs --model DIR)",
         choices=("native", "vllm"),
     ),
     Option("vllm_python", str, None, "with --engine vllm: the Python of vLLM's venv (default: .venv-vllm)"),

@@ -41,6 +41,12 @@ OPTIONS = (
         repeated=True,
     ),
     Option("vllm_dtype", str, defaults.DTYPE, "the dtype the --vllm-engine servers run (it is in the KV fingerprint)"),
+    Option(
+        "vllm_lanes",
+        int,
+        defaults.VLLM_LANES,
+        "concurrent requests each --vllm-engine server runs at most (its --max-num-seqs)",
+    ),
     Option("status_host", str, defaults.STATUS_HOST, "address of the read-only status listener (GET /status)"),
     Option("status_port", int, 0, "port of the read-only status listener (0: any free port; named in the ready line)"),
     Option("db", str, None, "fact store URL (none: SQLite under the data directory)"),
@@ -144,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         queue=queue,
     )
     try:
-        engines = vllm_engines(values["vllm_engine"], values["vllm_dtype"], values["model"])
+        engines = vllm_engines(values["vllm_engine"], values["vllm_dtype"], values["model"], values["vllm_lanes"])
     except ValueError as exc:
         print(f"kvrelay router: {exc}", file=sys.stderr)
         return 2
@@ -186,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def vllm_engines(specs: list[str], dtype: str, models: list[str]) -> tuple[VllmSettings, ...]:
+def vllm_engines(
+    specs: list[str], dtype: str, models: list[str], lanes: int = defaults.VLLM_LANES
+) -> tuple[VllmSettings, ...]:
     """``--vllm-engine`` values as worker settings ``v1``, ``v2``, ...; the model directory is the one ``--model``
     given (when exactly one is), else the one each engine reports. Raises ValueError naming a malformed value."""
     from kvrelay.launch.vllm_worker import VllmSettings
@@ -199,5 +207,5 @@ def vllm_engines(specs: list[str], dtype: str, models: list[str]) -> tuple[VllmS
                 f"--vllm-engine {spec!r} is not URL or URL,KV_EVENTS; e.g. http://127.0.0.1:8100,tcp://127.0.0.1:5557"
             )
         model = models[0] if len(models) == 1 else None
-        out.append(VllmSettings(f"v{i}", url.rstrip("/"), events or None, model, dtype))
+        out.append(VllmSettings(f"v{i}", url.rstrip("/"), events or None, model, dtype, max_lanes=lanes))
     return tuple(out)

@@ -3,12 +3,14 @@
 Contract:
 - With ``engines`` (``kvrelay cluster --engine vllm``), one vLLM server per worker starts first (all at once,
   in process groups of their own, logs under the data directory's ``vllm/``); once each answers its health
-  check, worker i runs ``--engine vllm`` against server i. Engines stop after the workers; they are not
-  restarted.
+  check, the router child drives them from its own process (``kvrelay router --vllm-engine URL,KV_EVENTS``
+  per engine: workers ``v1`` .. ``vN`` in the router's process, no worker children; docs/design.md section 13
+  says why). Engines stop after the router; they are not restarted.
 - The router child starts first (``python -m kvrelay.cli.main router ...``); once it prints its ready line,
   N worker children start, each named on its command line (``kvrelay.cli.main worker --worker-id w1 --router
   ws://.../workers ...``). ``on_ready(http_url, worker_ids)`` is called when every worker has printed its
-  ready line. Children inherit stderr (their logs); their output lines are forwarded to this process's stdout.
+  ready line (with engines: when the router has). Children inherit stderr (their logs); their output lines are
+  forwarded to this process's stdout.
 - Without a configured shared secret, the supervisor makes a random one and hands it to its children in
   ``$KVRELAY_SECRET``. The children end (SIGTERM, their graceful stop) when the supervisor dies, even by
   SIGKILL (``launch.child.follow_parent``).
@@ -77,7 +79,7 @@ class ClusterOptions:
     """Further flags for every worker child (model, dtype, sizes, config file)."""
     grace_s: float = defaults.GRACE_S
     engines: tuple[VllmServerSpec, ...] = ()
-    """One vLLM server per worker (``--engine vllm``), or none: native workers."""
+    """One vLLM server per worker (``--engine vllm``; the router drives them), or none: native worker children."""
     drain_s: float = defaults.DRAIN_S
     restarts: RestartPolicy = field(default_factory=RestartPolicy)
 
@@ -133,7 +135,7 @@ def run_cluster(options: ClusterOptions, on_ready: Callable[[str, list[str]], No
         for engine in engines:
             engine.start()
         for i, engine in enumerate(engines, 1):
-            log.info("w%d's vLLM engine: %s, KV events %s", i, engine.spec.url, engine.spec.events_url)
+            log.info("v%d's vLLM engine: %s, KV events %s", i, engine.spec.url, engine.spec.events_url)
         try:
             for engine in engines:
                 engine.wait_ready(stop=stop)
@@ -152,18 +154,14 @@ def run_cluster(options: ClusterOptions, on_ready: Callable[[str, list[str]], No
         http_url, workers_url = ready.group(1), ready.group(2)
         router.argv = _router_argv(options, _port_of(http_url), _port_of(workers_url))  # restarts keep the ports
         workers = [
-            _Supervised(
-                f"worker w{i}",
-                child_argv("worker", _worker_args(options, i, workers_url, engines[i - 1].spec if engines else None)),
-                WORKER_READY,
-                env,
-            )
+            _Supervised(f"worker w{i}", child_argv("worker", _worker_args(options, i, workers_url)), WORKER_READY, env)
             for i in range(1, options.workers + 1)
+            if not engines
         ]
         children.extend(workers)
         named = [w.label.split()[-1] for w in workers if _wait_ready(w.child, WORKER_READY, stop) is not None]
         if len(named) == len(workers) and not stop.is_set():
-            on_ready(http_url, named)
+            on_ready(http_url, named or [f"v{i}" for i in range(1, len(engines) + 1)])
         while not stop.wait(POLL_S):
             if not _supervise(router, workers, options.restarts):
                 _stop_all(router, workers, options)
@@ -242,15 +240,20 @@ def _on_exit(supervised: _Supervised, code: int, now: float, policy: RestartPoli
 
 def _router_argv(options: ClusterOptions, port: int, worker_port: int) -> list[str]:
     args = ["--host", options.host, "--port", str(port), "--worker-port", str(worker_port)]
+    for engine in options.engines:
+        args += ["--vllm-engine", f"{engine.url},{engine.events_url}"]
+    if options.engines:  # one cluster's engines share the dtype and sizes (``cli.cluster``)
+        first = options.engines[0]
+        args += [
+            "--vllm-dtype",
+            first.dtype,
+            *(["--vllm-lanes", str(first.max_num_seqs)] if first.max_num_seqs else []),
+        ]
     return child_argv("router", [*args, "--drain-s", str(options.drain_s), *options.router_args])
 
 
-def _worker_args(options: ClusterOptions, i: int, workers_url: str, engine: VllmServerSpec | None) -> list[str]:
-    args = ["--worker-id", f"w{i}", "--router", workers_url, "--grace-s", str(options.grace_s), *options.worker_args]
-    if engine is not None:
-        args += ["--engine", "vllm", "--engine-url", engine.url, "--kv-events", engine.events_url]
-        args += ["--model", engine.model]
-    return args
+def _worker_args(options: ClusterOptions, i: int, workers_url: str) -> list[str]:
+    return ["--worker-id", f"w{i}", "--router", workers_url, "--grace-s", str(options.grace_s), *options.worker_args]
 
 
 def _port_of(url: str) -> int:

@@ -28,6 +28,8 @@ KV_TOKENS = 65536
 """A worker's KV cache capacity in tokens."""
 LANES = 16
 """Concurrent sequences on a worker's device."""
+VLLM_LANES = 256
+"""Concurrent requests a vLLM worker counts its engine to run at most (the engine's ``--max-num-seqs``)."""
 TOKEN_BUDGET = 512
 """Tokens per device iteration (the chunked prefill budget)."""
 PREFILL_ONLY_BUDGET = 4096

@@ -53,7 +53,7 @@ class VllmSettings:
     """The directory the engine serves; None: the ``root`` the engine reports."""
     dtype: str = defaults.DTYPE
     """The dtype the engine runs (it counts in the fingerprint and the KV bytes per token)."""
-    max_lanes: int = 256
+    max_lanes: int = defaults.VLLM_LANES
     """Concurrent requests the engine runs at most (its ``--max-num-seqs``)."""
     poll_s: float = 1.0
     """Seconds between ``/metrics`` polls. vLLM 0.32 renders its whole exposition (about 54 kB) for each, which

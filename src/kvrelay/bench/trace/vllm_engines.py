@@ -116,13 +116,20 @@ def kvrelay_over_vllm(
         for engine in engines:
             router += ["--vllm-engine", f"{engine.spec.url},{engine.spec.events_url}"]
         router += ["--vllm-dtype", engines[0].spec.dtype] if engines else []
+        router += (
+            ["--vllm-lanes", str(engines[0].spec.max_num_seqs)] if engines and engines[0].spec.max_num_seqs else []
+        )
     spawn(face, "router", kvrelay_argv("router", *router), process_env(home, 1, **secret))
     if attached:
         return face
     for i, engine in enumerate(engines, start=1):
         worker = ["--worker-id", f"w{i}", "--router", f"ws://127.0.0.1:{worker_port}/workers", "--engine", "vllm"]
         worker += ["--engine-url", engine.spec.url, "--kv-events", engine.spec.events_url, "--model", str(model_dir)]
-        worker += ["--dtype", engine.spec.dtype]
+        worker += [
+            "--dtype",
+            engine.spec.dtype,
+            *(["--lanes", str(engine.spec.max_num_seqs)] if engine.spec.max_num_seqs else []),
+        ]
         spawn(face, f"w{i}", kvrelay_argv("worker", *worker), process_env(home / f"w{i}", 1, **secret))
     return face
 
