@@ -85,7 +85,8 @@ def test_stored_then_removed_in_one_batch_nets_to_nothing() -> None:
     [
         stored([5], [1, 2, 3, 4], parent=999),  # a parent the mirror never saw
         stored([5], [1, 2, 3, 4], medium="CPU"),
-        stored([5], [1, 2, 3, 4], group_idx=1),
+        stored([5], [1, 2, 3, 4], group_idx=1, kv_cache_spec_kind="sliding_window"),
+        stored([5], [1, 2, 3, 4], group_idx=1, kv_cache_spec_kind=None),  # no kind: group 0 only
         stored([5], [1, 2, 3, 4], lora_name="adapter"),
         stored([5], [1, 2, 3, 4], extra_keys=[("salt",)]),
         stored([5], [1, 2, 3, 4, 5, 6, 7, 8], block_size=8),
@@ -94,6 +95,29 @@ def test_stored_then_removed_in_one_batch_nets_to_nothing() -> None:
 def test_blocks_that_are_not_the_chains_are_skipped(event: dict) -> None:
     m = mirror()
     assert apply(m, frame(0, event)).stored == () and m.skipped == 1 and not m.keys
+
+
+def test_the_mirror_follows_the_full_attention_group_of_a_sliding_window_model() -> None:
+    """Gemma 3 on vLLM: groups 0-4 sliding-window (blocks near the prompt's end only), group 5 full attention.
+    The chain comes from group 5 whole; group 0's stores, with parents it never stored, and its removals of the
+    same hashes change nothing."""
+    tokens = list(range(100, 116))  # four blocks of four
+    sliding = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8}
+    m = mirror()
+    first = apply(
+        m,
+        frame(
+            0,
+            stored([3, 4], tokens[8:], parent=2, group_idx=0, **sliding),
+            stored([1, 2, 3, 4], tokens, group_idx=5, kv_cache_spec_kind="full_attention"),
+        ),
+    )
+    chain = chunk_chain(FP, tokens, BS)
+    assert first.stored == chain and m.skipped == 2
+    gone = apply(m, frame(1, {"type": "BlockRemoved", "block_hashes": [3, 4], "group_idx": 0}))
+    assert gone == kv_events.MirrorChange() and set(m.keys) == set(chain)
+    tail = apply(m, frame(2, {"type": "BlockRemoved", "block_hashes": [4], "group_idx": 5}))
+    assert tail.removed == (chain[3],)
 
 
 def test_malformed_frames_raise() -> None:

@@ -266,8 +266,7 @@ class VllmWorker(MachineHost):
 
     async def _computed(self, ahead: tuple[Assignment, ...], deadline: float) -> bool:
         """Wait until every run of ``ahead`` has its first token (its prompt's blocks are computed) or has
-        ended, or ``deadline``; whether they did. (Not the KV events: on Gemma 3 the mirror never held a long
-        prefix whole; docs/design.md section 13.)"""
+        ended, or ``deadline``; whether they did. (A first token, not the KV events: docs/design.md section 13.)"""
         while any(a in self.runs and not self.runs[a].generated and not self.runs[a].fenced for a in ahead):
             left = deadline - self.clock()
             if left <= 0:

@@ -5,8 +5,9 @@ multipart frames ``(topic, seq as 8 bytes big-endian, payload)``; the payload
 is msgpack of ``[ts, [event, ...], data_parallel_rank]`` where each event is a
 map tagged by ``type``: ``BlockStored`` (``block_hashes``,
 ``parent_block_hash``, the blocks' ``token_ids`` concatenated, ``block_size``,
-``medium``, ``lora_name``, ``extra_keys``, ``group_idx``), ``BlockRemoved``
-(``block_hashes``) or ``AllBlocksCleared``. A block hash is an int or bytes.
+``medium``, ``lora_name``, ``extra_keys``, ``group_idx``, ``kv_cache_spec_kind``), ``BlockRemoved``
+(``block_hashes``, ``group_idx``) or ``AllBlocksCleared``. A block hash is an int or bytes; one KV group's
+blocks of the same tokens have the same hash as another's.
 
 ``BlockMirror`` follows one engine's blocks. A stored block's kvrelay key is
 ``chunk_key(parent key, its tokens)``, with the chain's root key for a block
@@ -14,9 +15,19 @@ without a parent, so with block size = chunk tokens the keys equal the
 router's chain over the same token ids. A block whose parent the mirror does
 not know (stored before the mirror started) is skipped: the router then
 under-credits, never over-credits. Blocks of another medium than the device,
-of a LoRA adapter, with extra hash keys (multimodal, cache salt), of another
-KV group than the first, or of another size are skipped too. The same hash
-stored twice is counted; its key is removed only with its last copy.
+of a LoRA adapter, with extra hash keys (multimodal, cache salt), or of another
+size are skipped too, and so are the blocks of a KV group that does not keep
+every block of a prefix. A model with sliding-window layers (Gemma 3: five
+groups of sliding-window layers, window 512, and one of full attention) has
+vLLM store only the blocks near each prompt's end in its sliding-window groups,
+so only a group of a ``PREFIX_KINDS`` kind can be followed from the chain's
+root; the mirror learns each group's kind from its stored blocks and follows
+those groups' stores and removals. Without kinds (older vLLM) it follows group
+0. vLLM's own hit on such a model also needs the sliding-window blocks of the
+last window before the hit's end, so a prefix that ends far inside a longer
+cached prompt is credited here and recomputed there: the one way this mirror
+over-credits (docs/design.md section 13). The same hash stored twice is counted;
+its key is removed only with its last copy.
 
 ``continuity(last_seq, seq)`` classifies a frame's sequence number: a gap means
 events were lost, a sequence number that does not grow means the publisher
@@ -36,6 +47,8 @@ from kvrelay.protocol.chunk_keys import chunk_key
 BlockHash = int | bytes
 DEVICE_MEDIUMS = (None, "GPU")
 """The ``medium`` values of blocks on the engine's device (its CPU build names them GPU too)."""
+PREFIX_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+"""KV cache spec kinds (vLLM's ``KVCacheSpecKind``) whose group keeps every block of a cached prefix."""
 
 
 class BlockStored(msgspec.Struct, tag=True, kw_only=True):
@@ -47,6 +60,7 @@ class BlockStored(msgspec.Struct, tag=True, kw_only=True):
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, kw_only=True):
@@ -126,9 +140,17 @@ class BlockMirror:
     """kvrelay key -> vLLM block hash, for the keys held."""
     skipped: int = 0
     """Blocks not mirrored (unknown parent, another medium, group, size, adapter or extra keys)."""
+    group_kinds: dict[int, bool] = field(default_factory=dict)
+    """Group index -> whether it keeps every block of a prefix, for the groups whose stored blocks named a kind."""
+
+    def follows(self, group_idx: int | None) -> bool:
+        """Whether the blocks of KV group ``group_idx`` are mirrored (see the module docstring)."""
+        if group_idx is not None and group_idx in self.group_kinds:
+            return self.group_kinds[group_idx]
+        return group_idx in (None, 0)
 
     def clear(self) -> tuple[bytes, ...]:
-        """Forget every block; the keys that were held."""
+        """Forget every block (not the groups' kinds: they are the engine's); the keys that were held."""
         gone = tuple(self.keys)
         self.held.clear()
         self.keys.clear()
@@ -144,7 +166,7 @@ def apply_batch(mirror: BlockMirror, events: list[KvEvent]) -> MirrorChange:
             case BlockStored():
                 _store(mirror, event, before)
             case BlockRemoved():
-                if event.medium in DEVICE_MEDIUMS and event.group_idx in (None, 0):
+                if event.medium in DEVICE_MEDIUMS and mirror.follows(event.group_idx):
                     for h in event.block_hashes:
                         _remove(mirror, h, before)
             case AllBlocksCleared():
@@ -159,9 +181,11 @@ def apply_batch(mirror: BlockMirror, events: list[KvEvent]) -> MirrorChange:
 
 def _store(mirror: BlockMirror, event: BlockStored, before: dict[bytes, bool]) -> None:
     n, size = len(event.block_hashes), mirror.block_tokens
+    if event.group_idx is not None and event.kv_cache_spec_kind is not None:
+        mirror.group_kinds[event.group_idx] = event.kv_cache_spec_kind in PREFIX_KINDS
     if (
         event.medium not in DEVICE_MEDIUMS
-        or event.group_idx not in (None, 0)
+        or not mirror.follows(event.group_idx)
         or event.block_size != size
         or event.lora_name is not None
         or any(k is not None for k in event.extra_keys or ())
