@@ -26,9 +26,8 @@ it; the mirror's promises only keep this worker from over-admitting.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Container
 from dataclasses import dataclass
-from typing import TypeVar
 
 from kvrelay.protocol.chunk_keys import prompt_chain
 from kvrelay.protocol.messages import DeclineReason, Offer
@@ -129,53 +128,3 @@ def admit_offer(
             f"{capacity.promised_blocks} promised",
         )
     return EngineAdmission(True, None, "", chain, resident, demand)
-
-
-def shared_prefix(chain: Sequence[bytes], other: Sequence[bytes]) -> int:
-    """Leading chunks two chains share."""
-    n = 0
-    for a, b in zip(chain, other, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n
-
-
-def prefix_to_await(chain: Sequence[bytes], resident: int, computing: Iterable[Sequence[bytes]]) -> int:
-    """The leading chunks of ``chain`` a new request should wait for before it reaches the engine: the longest
-    prefix it shares with a request on the engine that has no first token yet (``computing``), when that is
-    longer than the ``resident`` chunks the engine holds now; 0 when there is nothing to wait for.
-
-    vLLM reuses only blocks already computed: a request it schedules while a predecessor is still computing the
-    shared prefix computes that prefix again, in the predecessor's steps, and delays its first token."""
-    longest = max((shared_prefix(chain, other) for other in computing), default=0)
-    return longest if longest > resident else 0
-
-
-Key = TypeVar("Key")
-
-
-@dataclass(frozen=True, slots=True)
-class Computing:
-    """A request on the engine still before its first token: its chain, and its prefill left (seconds)."""
-
-    chain: Sequence[bytes]
-    left_s: float
-
-
-def hold_for(
-    chain: Sequence[bytes], resident: int, computing: Mapping[Key, Computing], step_s: float, saved_s_per_chunk: float
-) -> tuple[int, tuple[Key, ...]]:
-    """The prefix a new request could wait for (``prefix_to_await``; 0: none) and the requests (keys of
-    ``computing``) whose first tokens it waits for; none when it goes to the engine now.
-
-    It waits when the longest prefill left among those requests, plus one engine step (``step_s``, the fixed
-    part of a first token), costs no more than computing the chunks it would reuse (``saved_s_per_chunk``
-    each)."""
-    awaited = prefix_to_await(chain, resident, (c.chain for c in computing.values()))
-    if not awaited:
-        return 0, ()
-    ahead = {k: c for k, c in computing.items() if shared_prefix(chain, c.chain) > resident}
-    if max(c.left_s for c in ahead.values()) + step_s > (awaited - resident) * saved_s_per_chunk:
-        return awaited, ()
-    return awaited, tuple(ahead)

@@ -11,15 +11,8 @@ attempts, deltas with sequence numbers, results) is the same machine,
   worker's promises);
 - ``StartWork`` -> a streaming token-id completion of the offer's prompt
   (continuations included: the prompt holds the tokens delivered before) with
-  the remaining budget; a run that shares more leading chunks with a run still
-  before its first token than the engine holds waits until that run has its
-  first token (``admission.hold_for``; at most ``HOLD_SLACK`` times the
-  worker's queue plus ``HOLD_MIN_S``), so vLLM reuses the blocks instead of
-  computing them again in its predecessor's steps, when that run's prefill
-  left and one engine step (the fixed part of a first token) are expected to
-  take no longer than computing the shared chunks would;
-  each chunk's token ids -> ``TokensProduced``; the end -> ``WorkFinished``
-  with the cached tokens vLLM reports (tier ``gpu``);
+  the remaining budget; each chunk's token ids -> ``TokensProduced``; the end
+  -> ``WorkFinished`` with the cached tokens vLLM reports (tier ``gpu``);
 - ``FenceWork`` -> the stream is closed, which makes vLLM abort the request;
   once the stream task has ended -> ``WorkQuiesced``;
 - ``ReleaseReservation`` -> the request's promised blocks are returned.
@@ -64,13 +57,7 @@ from dataclasses import dataclass, field, replace
 from kvrelay.core.worker import events as worker_events
 from kvrelay.engines.machine_host import MachineHost
 from kvrelay.engines.vllm import kv_events
-from kvrelay.engines.vllm.admission import (
-    Computing,
-    EngineCapacity,
-    EngineIdentity,
-    admit_offer,
-    hold_for,
-)
+from kvrelay.engines.vllm.admission import EngineCapacity, EngineIdentity, admit_offer
 from kvrelay.engines.vllm.client import EngineClient, EngineError
 from kvrelay.engines.vllm.metrics import EngineFigures
 from kvrelay.engines.vllm.served import ServedSpeeds
@@ -97,12 +84,6 @@ def attempt_seed(seed: int, generated_before: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-HOLD_SLACK = 2.0
-"""A run held for its predecessor's prefix waits at most this many times the worker's queue at its start..."""
-HOLD_MIN_S = 0.1
-"""...plus this many seconds; then it goes to the engine without the prefix."""
-
-
 @dataclass(slots=True)
 class EngineRun:
     """One admitted assignment, from admission to release."""
@@ -110,10 +91,7 @@ class EngineRun:
     offer: Offer
     demand_blocks: int
     prefix_chunks: int
-    """Leading chunks the engine held at admission, or that this run waits for before it reaches the engine."""
     accepted_at: float
-    chain: tuple[bytes, ...] = ()
-    """This worker's chain of the prompt."""
     task: asyncio.Task[None] | None = None
     fenced: bool = False
     generated: list[int] = field(default_factory=list)
@@ -158,8 +136,6 @@ class VllmWorker(MachineHost):
         self._last_frame: int | None = None
         self._handing_over = False
         self._republish = False
-        self._progress = asyncio.Event()
-        """Set, then replaced, whenever a run gets its first token or ends (``_progressed``)."""
 
     # --- transport-facing host interface ------------------------------------------
 
@@ -259,24 +235,6 @@ class VllmWorker(MachineHost):
         if change.stored or change.removed:
             self.publish_residency(change.stored, change.removed)
 
-    def _progressed(self) -> None:
-        """A run got its first token or ended: wake the runs held for their predecessors."""
-        self._progress.set()
-        self._progress = asyncio.Event()
-
-    async def _computed(self, ahead: tuple[Assignment, ...], deadline: float) -> bool:
-        """Wait until every run of ``ahead`` has its first token (its prompt's blocks are computed) or has
-        ended, or ``deadline``; whether they did. (A first token, not the KV events: docs/design.md section 13.)"""
-        while any(a in self.runs and not self.runs[a].generated and not self.runs[a].fenced for a in ahead):
-            left = deadline - self.clock()
-            if left <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._progress.wait(), left)
-            except TimeoutError:
-                return False
-        return True
-
     def on_kv_reconnect(self) -> None:
         self._last_frame = None
         self.begin_epoch("the KV event stream reconnected")
@@ -314,16 +272,13 @@ class VllmWorker(MachineHost):
     def _release(self, assignment: Assignment) -> None:
         self.runs.pop(assignment, None)
         self._replies.pop(assignment, None)
-        self._progressed()
 
     def _admit(self, offer: Offer) -> None:
         result = admit_offer(
             self.me, offer, self.capacity(), self.mirror.keys, self.engine_up, self.state.shutting_down
         )
         if result.accepted:
-            run = EngineRun(
-                offer, result.demand_blocks, result.prefix_chunks, self.clock(), result.chain, in_flight=len(self.runs)
-            )
+            run = EngineRun(offer, result.demand_blocks, result.prefix_chunks, self.clock(), in_flight=len(self.runs))
             run.waited_tokens = self._pending_tokens() + self._uncached(run)
             self.runs[offer.assignment] = run
         self._step(
@@ -335,24 +290,7 @@ class VllmWorker(MachineHost):
     def _start(self, offer: Offer) -> None:
         run = self.runs[offer.assignment]
         run.submitted_at = self.clock()
-        now = run.submitted_at
-        step_s, prefill_s_per_token, _ = self.speeds.rested(now).reported()
-        computing = {
-            a: Computing(r.chain, self._uncached(r) * prefill_s_per_token - (now - r.submitted_at))
-            for a, r in self.runs.items()
-            if r is not run and not r.generated and not r.fenced
-        }
-        saved_s_per_chunk = self.me.block_tokens * prefill_s_per_token
-        awaited, ahead = hold_for(run.chain, run.prefix_chunks, computing, step_s, saved_s_per_chunk)
-        hold: tuple[tuple[Assignment, ...], float] | None = None
-        if ahead:
-            bound = HOLD_SLACK * queue_delay(self._pending_tokens(), prefill_s_per_token) + HOLD_MIN_S
-            hold = (ahead, now + bound)
-            run.prefix_chunks = awaited
-            self._count("held_for_prefix")
-        elif awaited:
-            self._count("not_held_longer_than_recompute")
-        run.task = asyncio.get_running_loop().create_task(self._generate(run, hold))
+        run.task = asyncio.get_running_loop().create_task(self._generate(run))
         if self._handing_over:
             run.task.cancel()
 
@@ -363,17 +301,14 @@ class VllmWorker(MachineHost):
         run.fenced = True
         if run.task is not None:
             run.task.cancel()
-        self._progressed()
 
-    async def _generate(self, run: EngineRun, hold: tuple[tuple[Assignment, ...], float] | None) -> None:
+    async def _generate(self, run: EngineRun) -> None:
         offer = run.offer
         a = offer.assignment
         seed = attempt_seed(offer.sampling.seed, offer.generated_before)
         finish: FinishReason = FinishReason.ERROR
         error: str | None = None
         try:
-            if hold is not None and not await self._computed(*hold):
-                self._count("hold_timed_out")
             stream = self.engine.stream(self.engine_model, offer.prompt, offer.max_new_tokens, offer.sampling, seed)
             async for event in stream:
                 if event.tokens:
@@ -382,7 +317,6 @@ class VllmWorker(MachineHost):
                         self.speeds = self.speeds.with_served(
                             run.waited_tokens, now - run.accepted_at, now, run.in_flight
                         )
-                        self._progressed()
                     run.generated.extend(event.tokens)
                     run.token_times.extend([now] * len(event.tokens))
                     self._step(worker_events.TokensProduced(now, a, event.tokens))
