@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from kvrelay.launch.vllm_server import VllmServer
+from kvrelay.launch.vllm_server import VllmServer, attached_router_flags
 from tests.support.processes import Router, child_env, kvrelay, start_worker, stop_all, wait_until
 from tests.support.vllm_cluster import direct_completion, engine_counts, routed_completion, settle, vllm_worker
 
@@ -49,8 +49,7 @@ def test_a_router_drives_vllm_engines_from_its_own_process(
     """No worker process: the router's in-process workers v1 and v2 learn residency from the engines' KV events,
     so a prefix warmed on the second engine behind the router's back draws the requests there, and the official
     client streams them with the cached tokens the engine reports."""
-    flags = [arg for e in vllm_engines for arg in ("--vllm-engine", f"{e.spec.url},{e.spec.events_url}")]
-    router = Router(tmp_path, vllm_model, *flags, "--vllm-dtype", "float32")
+    router = Router(tmp_path, vllm_model, *attached_router_flags([e.spec for e in vllm_engines]))
     try:
         wait_until(lambda: sorted(router.live_workers()) == ["v1", "v2"] or None, 30, "both attached workers live")
         prefix = [19 + (i * 7) % 280 for i in range(6 * BLOCK)]

@@ -18,7 +18,7 @@ import pytest
 
 from kvrelay.engines.vllm.host import VllmWorker
 from kvrelay.launch.child import ChildProcess
-from kvrelay.launch.vllm_server import VllmServer
+from kvrelay.launch.vllm_server import VllmServer, attached_router_flags
 from kvrelay.launch.vllm_worker import VllmSettings, build_vllm_worker
 from kvrelay.protocol.chunk_keys import prompt_chain
 from kvrelay.protocol.messages import Assignment, Cancel, Delta, Offer, OfferResult, Residency, Result, WireMessage
@@ -136,8 +136,7 @@ def vllm_cluster(
     worker: a ``kvrelay worker --engine vllm`` process each, or the router driving both (``--vllm-engine``)."""
     home = tmp_path_factory.mktemp(f"vllm-{request.param}")
     if request.param == "attached":
-        flags = [arg for e in vllm_engines for arg in ("--vllm-engine", f"{e.spec.url},{e.spec.events_url}")]
-        router = Router(home, vllm_model, *flags, "--vllm-dtype", vllm_engines[0].spec.dtype)
+        router = Router(home, vllm_model, *attached_router_flags([e.spec for e in vllm_engines]))
         workers = [router.child, router.child]
     else:
         router = Router(home, vllm_model)

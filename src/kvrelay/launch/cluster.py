@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from kvrelay.launch import defaults
 from kvrelay.launch.child import PARENT_PID_ENV, ChildProcess, ChildTimeout
 from kvrelay.launch.restarts import RestartPolicy, Verdict, decide, describe_exit
-from kvrelay.launch.vllm_server import VllmServer, VllmServerSpec, VllmStartError
+from kvrelay.launch.vllm_server import VllmServer, VllmServerSpec, VllmStartError, attached_router_flags
 from kvrelay.paths import data_dir
 from kvrelay.transport.auth import SECRET_ENV_VAR, SecretError, load_secret
 
@@ -155,8 +155,7 @@ def run_cluster(options: ClusterOptions, on_ready: Callable[[str, list[str]], No
         router.argv = _router_argv(options, _port_of(http_url), _port_of(workers_url))  # restarts keep the ports
         workers = [
             _Supervised(f"worker w{i}", child_argv("worker", _worker_args(options, i, workers_url)), WORKER_READY, env)
-            for i in range(1, options.workers + 1)
-            if not engines
+            for i in range(1, 0 if engines else options.workers + 1)
         ]
         children.extend(workers)
         named = [w.label.split()[-1] for w in workers if _wait_ready(w.child, WORKER_READY, stop) is not None]
@@ -240,15 +239,7 @@ def _on_exit(supervised: _Supervised, code: int, now: float, policy: RestartPoli
 
 def _router_argv(options: ClusterOptions, port: int, worker_port: int) -> list[str]:
     args = ["--host", options.host, "--port", str(port), "--worker-port", str(worker_port)]
-    for engine in options.engines:
-        args += ["--vllm-engine", f"{engine.url},{engine.events_url}"]
-    if options.engines:  # one cluster's engines share the dtype and sizes (``cli.cluster``)
-        first = options.engines[0]
-        args += [
-            "--vllm-dtype",
-            first.dtype,
-            *(["--vllm-lanes", str(first.max_num_seqs)] if first.max_num_seqs else []),
-        ]
+    args += attached_router_flags(options.engines)
     return child_argv("router", [*args, "--drain-s", str(options.drain_s), *options.router_args])
 
 

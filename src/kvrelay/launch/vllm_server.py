@@ -33,6 +33,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,6 +140,16 @@ class VllmServerSpec:
             env.update(UNIPROCESS_ENV)
         env["PYTHONUNBUFFERED"] = "1"
         return env
+
+
+def attached_router_flags(specs: Sequence[VllmServerSpec]) -> list[str]:
+    """The ``kvrelay router`` flags that make it drive these servers from its own process (``--vllm-engine``
+    each, then the dtype and lanes of the first: one cluster's servers share them)."""
+    flags = [arg for spec in specs for arg in ("--vllm-engine", f"{spec.url},{spec.events_url}")]
+    if specs:
+        flags += ["--vllm-dtype", specs[0].dtype]
+        flags += ["--vllm-lanes", str(specs[0].max_num_seqs)] if specs[0].max_num_seqs else []
+    return flags
 
 
 @dataclass

@@ -34,7 +34,7 @@ import httpx
 
 from kvrelay.bench.trace.faces import Face, kvrelay_argv, process_env, spawn
 from kvrelay.engines.vllm.identity import kv_bytes_per_token
-from kvrelay.launch.vllm_server import VllmServer
+from kvrelay.launch.vllm_server import VllmServer, attached_router_flags
 from kvrelay.testing.ports import free_port
 from kvrelay.testing.vllm import VLLM_BLOCK_TOKENS, started_vllm_servers, tiny_vllm_spec
 from kvrelay.transport.auth import SECRET_ENV_VAR
@@ -113,12 +113,7 @@ def kvrelay_over_vllm(
     router = ["--host", "127.0.0.1", "--port", str(port), "--worker-port", str(worker_port)]
     router += ["--model", str(model_dir), "--policy", policy]
     if attached:
-        for engine in engines:
-            router += ["--vllm-engine", f"{engine.spec.url},{engine.spec.events_url}"]
-        router += ["--vllm-dtype", engines[0].spec.dtype] if engines else []
-        router += (
-            ["--vllm-lanes", str(engines[0].spec.max_num_seqs)] if engines and engines[0].spec.max_num_seqs else []
-        )
+        router += attached_router_flags([e.spec for e in engines])
     spawn(face, "router", kvrelay_argv("router", *router), process_env(home, 1, **secret))
     if attached:
         return face
