@@ -19,7 +19,10 @@ passes (so both see the same load on a shared machine). Figures:
 - ``ssd_dropped_*``: the same after ``posix_fadvise(POSIX_FADV_DONTNEED)``
   of every file before each pass (the files are fsynced, so the pages can go);
 - ``s3_verified``: ``S3Tier`` against a moto_server on loopback (``--s3-chunks``);
-  ``s3_localized_verified``: S3 to the local ssd tier, read back mapped.
+  ``s3_localized_verified``: S3 to the local ssd tier, read back mapped;
+- ``peer_verified``: ``PeerTier`` from a ``PeerServer`` on loopback serving a ram tier (as a
+  worker's); ``peer_localized_verified``: the same through a worker's stack (ram and ssd tiers),
+  which keeps a peer's chunk in ram.
 
 Copies run with ``--torch-threads`` (1) intra-op threads, as on one restore
 thread. With ``--threads N`` (N > 1) the chunks of a pass restore on N threads (blake2b
@@ -46,6 +49,7 @@ from kvrelay.bench.report import Figure, report  # noqa: E402
 from kvrelay.protocol.chunk_keys import chunk_chain  # noqa: E402
 from kvrelay.store.chunk_format import digest, encode_chunk  # noqa: E402
 from kvrelay.store.files import SsdTier  # noqa: E402
+from kvrelay.store.peer import PeerServer, PeerTier  # noqa: E402
 from kvrelay.store.ram import RamTier  # noqa: E402
 from kvrelay.store.tier import ChunkSource, ChunkTier  # noqa: E402
 from kvrelay.store.tier_stack import TierStack  # noqa: E402
@@ -204,6 +208,32 @@ def measure_s3(
     return direct, localized
 
 
+def measure_peer(
+    keys: Sequence[bytes], blobs: Sequence[bytearray], pages: torch.Tensor, repeats: int, workdir: Path
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(GB/s, memcpy GB/s) from a peer server on loopback: direct into pages, and localized through a worker's
+    stack (ram, then ssd), each pass starting without the local copies."""
+    server = PeerServer([fill(RamTier(sum(len(b) for b in blobs), verify_payload=False), blobs)])
+    try:
+        peer = PeerTier(server.url)
+        direct = measure_restore(peer, keys, pages, repeats)
+        local_ram = RamTier(sum(len(b) for b in blobs), verify_payload=False)
+        local_ssd = SsdTier(workdir / "peer-localized", 1 << 40)
+        stack = TierStack(local_ram, local_ssd, None)
+
+        def forget_localized() -> None:
+            for key in keys:
+                local_ram.remove(key)
+                local_ssd.remove(key)
+
+        localized = measure_restore(
+            lambda k: stack.fetch(k, FINGERPRINT, [peer]), keys, pages, repeats, before_pass=forget_localized
+        )
+    finally:
+        server.close()
+    return direct, localized
+
+
 def run_all(args: argparse.Namespace) -> list[Figure]:
     """Every figure, each next to the memcpy baseline measured alternately with it."""
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
@@ -237,6 +267,9 @@ def run_all(args: argparse.Namespace) -> list[Figure]:
             add(f"ram_verified_t{t}", measure_ram(keys, blobs, pages, repeats, verify=True, threads=t))
             add(f"ssd_cached_verified_t{t}", measure_ssd_cached(ssd, keys, pages, repeats, threads=t))
             add(f"ssd_dropped_verified_t{t}", measure_ssd_dropped(fresh, keys, pages, repeats, threads=t))
+        direct, localized = measure_peer(keys, blobs, pages, repeats, workdir)
+        add("peer_verified", direct)
+        add("peer_localized_verified", localized)
         if args.s3_chunks > 0:
             n = min(args.s3_chunks, args.chunks)
             direct, localized = measure_s3(keys[:n], blobs[:n], pages[:n], repeats, workdir)

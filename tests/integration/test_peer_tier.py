@@ -7,6 +7,7 @@ import mmap
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -105,7 +106,7 @@ def test_unreachable_peer_is_a_counted_miss_within_the_timeout() -> None:
         PeerTier("ftp://nowhere")
 
 
-def test_localize_from_peer_into_local_ssd_then_read_mapped(
+def test_localize_from_peer_into_local_ram_without_writing_a_file(
     peer: tuple[RamTier, SsdTier, PeerServer], tmp_path: Path
 ) -> None:
     _, peer_ssd, server = peer
@@ -113,9 +114,75 @@ def test_localize_from_peer_into_local_ssd_then_read_mapped(
     local = TierStack(RamTier(1 << 20), SsdTier(tmp_path / "local-ssd", 1 << 20, fsync=False), None)
     hit = local.fetch(KEYS[5], FP, remotes=[PeerTier(server.url)])
     assert hit is not None and hit.tier == "peer"
+    assert isinstance(hit.view.buffer, bytearray)  # the fetched buffer itself, kept by ram
+    assert torch.equal(hit.view.tensor(), torch.full(SHAPE, 5.0))
+    assert local.residency(KEYS[5]) == ("ram",)
+    assert list((tmp_path / "local-ssd").glob("*.kvc")) == []
+    again = local.fetch(KEYS[5], FP, remotes=[PeerTier(server.url)])
+    assert again is not None and again.tier == "ram"
+    assert server.counters().hits == 1
+
+
+def test_a_peer_chunk_ram_cannot_hold_goes_to_local_ssd_read_mapped(
+    peer: tuple[RamTier, SsdTier, PeerServer], tmp_path: Path
+) -> None:
+    _, peer_ssd, server = peer
+    peer_ssd.put(chunk(5))
+    local = TierStack(RamTier(len(chunk(5)) - 1), SsdTier(tmp_path / "local-ssd", 1 << 20, fsync=False), None)
+    hit = local.fetch(KEYS[5], FP, remotes=[PeerTier(server.url)])
+    assert hit is not None and hit.tier == "peer"
     assert isinstance(hit.view.buffer, mmap.mmap)
     assert torch.equal(hit.view.tensor(), torch.full(SHAPE, 5.0))
     assert local.residency(KEYS[5]) == ("ssd",)
     again = local.fetch(KEYS[5], FP, remotes=[PeerTier(server.url)])
     assert again is not None and again.tier == "ssd"
-    assert server.counters().hits == 1
+
+
+def test_a_restore_of_many_chunks_opens_one_connection(
+    peer: tuple[RamTier, SsdTier, PeerServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ram, _, server = peer
+    for i in range(6):
+        ram.put(chunk(i))
+    opened: list[object] = []
+    connect = socket.create_connection
+
+    def counted(*args: Any, **kwargs: Any) -> socket.socket:
+        opened.append(args[0])
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(http.client.socket, "create_connection", counted)
+    client = PeerTier(server.url)
+    views = [client.get(KEYS[i], FP) for i in range(6)]
+    assert all(v is not None and torch.equal(v.tensor(), torch.full(SHAPE, float(i))) for i, v in enumerate(views))
+    assert client.contains(KEYS[0]) and client.get(KEYS[0], FP) is not None
+    assert len(opened) == 1 and server.counters().hits == 7
+
+
+def test_a_closed_server_serves_nothing_over_the_connections_it_held(
+    peer: tuple[RamTier, SsdTier, PeerServer],
+) -> None:
+    ram, _, server = peer
+    ram.put(chunk(0))
+    client = PeerTier(server.url, timeout_s=2.0)
+    assert client.get(KEYS[0], FP) is not None  # its connection is kept open
+    server.close()
+    assert client.get(KEYS[0], FP) is None
+    assert client.counters().errors == 1 and server.counters().hits == 1
+
+
+def test_a_kept_connection_the_server_dropped_is_retried_on_a_new_one(
+    peer: tuple[RamTier, SsdTier, PeerServer],
+) -> None:
+    ram, ssd, server = peer
+    ram.put(chunk(0))
+    client = PeerTier(server.url, timeout_s=2.0)
+    assert client.get(KEYS[0], FP) is not None
+    server.close()
+    restarted = PeerServer([ram, ssd], port=int(server.url.rsplit(":", 1)[1]))
+    try:
+        view = client.get(KEYS[0], FP)
+        assert view is not None and torch.equal(view.tensor(), torch.full(SHAPE, 0.0))
+        assert client.counters().errors == 0 and restarted.counters().hits == 1
+    finally:
+        restarted.close()

@@ -11,12 +11,19 @@ Client: ``PeerTier(base_url)`` is a read-only ``ChunkSource`` for the peer the
 router named. Every request has a timeout; a timeout, a refused connection or a
 bad answer is a miss (logged and counted as an error), and a chunk that fails
 verification is a miss reported through ``on_corrupt`` (the peer owns its copy).
+The client keeps its connections open between requests (HTTP/1.1 keep-alive, at
+most ``IDLE_CONNECTIONS`` idle), so a restore of many chunks pays one connection
+and the server one handler thread; a request that fails on a kept connection is
+sent once more on a new one (the server may have closed it). ``PeerServer.close``
+also ends the connections it holds open.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import logging
+import socket
 import threading
 import urllib.parse
 from collections.abc import Sequence
@@ -29,6 +36,8 @@ from kvrelay.store.tier import ChunkSource, CorruptionListener, Counters, TierCo
 log = logging.getLogger(__name__)
 
 CHUNK_PATH = "/chunks/"
+IDLE_CONNECTIONS = 4
+"""Connections a ``PeerTier`` keeps open for its next requests."""
 
 
 def _parse_request(path: str) -> tuple[bytes, bytes | None] | None:
@@ -51,6 +60,8 @@ class PeerServer:
     def __init__(self, sources: Sequence[ChunkSource], host: str = "127.0.0.1", port: int = 0) -> None:
         self._sources = tuple(sources)
         self._counters = Counters()
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
         self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(
@@ -75,8 +86,14 @@ class PeerServer:
         return None
 
     def close(self) -> None:
+        """Stop accepting, end the connections held open, and wait for the accepting thread."""
         self._httpd.shutdown()
         self._httpd.server_close()
+        with self._open_lock:
+            held = list(self._open)
+        for sock in held:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         self._thread.join()
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
@@ -84,6 +101,16 @@ class PeerServer:
 
         class ChunkHandler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                with server._open_lock:
+                    server._open.add(self.connection)
+
+            def finish(self) -> None:
+                with server._open_lock:
+                    server._open.discard(self.connection)
+                super().finish()
 
             def _answer(self, with_body: bool) -> None:
                 parsed = _parse_request(self.path)
@@ -140,15 +167,29 @@ class PeerTier(ChunkSource):
         self._host = parts.hostname
         self._port = parts.port or 80
         self.timeout_s = timeout_s
+        self._idle: list[http.client.HTTPConnection] = []
+        self._idle_lock = threading.Lock()
 
     def _request(self, method: str, key: bytes, fingerprint: bytes | None) -> tuple[int, bytearray]:
         path = CHUNK_PATH + key.hex() + (f"?fingerprint={fingerprint.hex()}" if fingerprint is not None else "")
-        conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s)
+        with self._idle_lock:
+            kept = self._idle.pop() if self._idle else None
+        if kept is not None:
+            try:
+                return self._exchange(kept, method, path)
+            except (OSError, http.client.HTTPException):
+                pass  # the server may have closed a kept connection: once more on a new one
+        return self._exchange(http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s), method, path)
+
+    def _exchange(self, conn: http.client.HTTPConnection, method: str, path: str) -> tuple[int, bytearray]:
+        """One request and its whole answer on ``conn``, which is kept for the next request if both ends allow."""
+        keep = False
         try:
             conn.request(method, path)
             response = conn.getresponse()
             if response.status != 200 or method == "HEAD":
                 response.read()
+                keep = not response.will_close
                 return response.status, bytearray()
             length = int(response.getheader("Content-Length", "-1"))
             if length < 0:
@@ -161,9 +202,15 @@ class PeerTier(ChunkSource):
                 if not n:
                     raise http.client.IncompleteRead(b"", length - pos)
                 pos += n
+            keep = not response.will_close
             return 200, buffer
         finally:
-            conn.close()
+            with self._idle_lock:
+                keep = keep and len(self._idle) < IDLE_CONNECTIONS
+                if keep:
+                    self._idle.append(conn)
+            if not keep:
+                conn.close()
 
     def get(self, key: bytes, fingerprint: bytes | None = None) -> ChunkView | None:
         try:

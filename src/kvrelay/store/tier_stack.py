@@ -4,10 +4,10 @@
   tier that cannot write, e.g. a full disk, stores nothing and the others go on;
   any other error from a tier propagates, and tiers before it keep the chunk).
 - ``get`` looks the chunk up fastest first and says which tier answered.
-- ``localize`` brings a chunk from a slower source (the object tier, or a peer
-  the router named) into the local ssd tier and returns it read back through
-  ``mmap`` from there (into ram when there is no ssd tier; as fetched when
-  neither can hold it). docs/design.md section 8: restores copy from that mapped view.
+- ``localize`` brings a chunk from a slower source into a local tier: one from a
+  peer the router named into ram (ssd when there is no ram tier), one from the
+  object tier into ssd, read back through ``mmap`` (ram when there is no ssd
+  tier); as fetched when neither can hold it. docs/design.md section 8.
 """
 
 from __future__ import annotations
@@ -76,15 +76,21 @@ class TierStack:
         return hit
 
     def localize(self, key: bytes, fingerprint: bytes | None, source: ChunkSource) -> StackHit | None:
-        """Copy ``key`` from ``source`` into the local ssd tier (else ram) and return the local view.
+        """Copy ``key`` from ``source`` into a local tier and return the local view: a peer's chunk into ram
+        (else ssd), an object-tier chunk into ssd (else ram).
 
         Returns None when ``source`` misses (a corrupt copy is a miss). The hit's
         tier names ``source``; its view is the ssd file's mapping when ssd holds it.
+        A peer's chunk goes to ram because it is on a restore's path and the peer
+        still holds it: ram keeps the fetched buffer (no copy, no file write); an
+        object-tier chunk goes to ssd, the local copy that outlives ram's eviction
+        of a chunk slow to fetch again (docs/design.md section 8).
         """
         fetched = source.get(key, fingerprint)
         if fetched is None:
             return None
-        for local in (self.ssd, self.ram):
+        order = (self.ram, self.ssd) if source.name == "peer" else (self.ssd, self.ram)
+        for local in order:
             if local is None:
                 continue
             local.put(fetched.buffer)
