@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 
 from kvrelay.launch.child import ChildProcess
-from kvrelay.launch.vllm_server import VllmServer
+from kvrelay.launch.vllm_server import VllmServer, worker_engine_flags
 from tests.support.processes import Router, child_env, kvrelay, stream_completion, wait_until
 
 
@@ -42,8 +42,8 @@ def direct_completion(server: VllmServer, prompt: list[int], max_tokens: int) ->
 
 
 def vllm_worker(home: Path, worker_id: str, router_url: str, engine: VllmServer, *flags: str) -> ChildProcess:
-    args = ["--worker-id", worker_id, "--router", router_url, "--engine", "vllm", "--engine-url", engine.spec.url]
-    args += ["--kv-events", engine.spec.events_url, "--dtype", "float32", "--heartbeat-s", "0.2", *flags]
+    args = ["--worker-id", worker_id, "--router", router_url, *worker_engine_flags(engine.spec), "--heartbeat-s", "0.2"]
+    args += flags
     return kvrelay(worker_id, "worker", args, child_env(home))
 
 

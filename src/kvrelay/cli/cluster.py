@@ -122,24 +122,12 @@ def run(args: argparse.Namespace) -> int:
 def _engines(values: dict[str, Any]) -> tuple[VllmServerSpec, ...]:
     """One vLLM server per worker on free loopback ports, its KV cache sized to ``kv_tokens``."""
     from kvrelay.engines.vllm.identity import kv_bytes_per_token
-    from kvrelay.launch.ports import free_port
-    from kvrelay.launch.vllm_server import VllmServerSpec, vllm_python
+    from kvrelay.launch.vllm_server import loopback_specs, vllm_python
 
     model = values["model"]
     if not model or not Path(model).expanduser().is_dir():
         raise ConfigError("--engine vllm needs --model DIR, a model directory (config.json + weights) vLLM can load")
     model_dir = Path(model).expanduser().resolve()
-    python = vllm_python(values["vllm_python"])
     kv_bytes = values["kv_tokens"] * kv_bytes_per_token(model_dir, values["dtype"])
-    return tuple(
-        VllmServerSpec(
-            model=str(model_dir),
-            port=free_port(),
-            events_port=free_port(),
-            python=python,
-            dtype=values["dtype"],
-            kv_cache_bytes=kv_bytes,
-            max_num_seqs=values["lanes"],
-        )
-        for _ in range(values["workers"])
-    )
+    python = vllm_python(values["vllm_python"])
+    return loopback_specs(model_dir, values["workers"], values["dtype"], kv_bytes, values["lanes"], python)

@@ -23,6 +23,8 @@ Contract:
   ``kill()`` sends SIGKILL to the group (what a crash looks like); ``stop()``
   sends SIGTERM, then SIGKILL after ``timeout``; ``start()`` again after either
   restarts it on the same ports.
+- ``loopback_specs`` builds a cluster's alike servers on free loopback ports; ``worker_engine_flags`` and
+  ``attached_router_flags`` are the ``kvrelay worker`` and ``kvrelay router`` flags that serve through them.
 """
 
 from __future__ import annotations
@@ -140,6 +142,42 @@ class VllmServerSpec:
             env.update(UNIPROCESS_ENV)
         env["PYTHONUNBUFFERED"] = "1"
         return env
+
+
+def loopback_specs(
+    model_dir: Path,
+    count: int,
+    dtype: str,
+    kv_cache_bytes: int,
+    lanes: int | None,
+    python: str,
+    max_model_len: int | None = None,
+    served_name: str | None = None,
+) -> tuple[VllmServerSpec, ...]:
+    """``count`` servers of ``model_dir`` on free loopback ports, alike but for their ports."""
+    from kvrelay.launch.ports import free_port
+
+    return tuple(
+        VllmServerSpec(
+            model=str(model_dir),
+            port=free_port(),
+            events_port=free_port(),
+            python=python,
+            served_name=served_name,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            kv_cache_bytes=kv_cache_bytes,
+            max_num_seqs=lanes,
+        )
+        for _ in range(count)
+    )
+
+
+def worker_engine_flags(spec: VllmServerSpec) -> list[str]:
+    """The ``kvrelay worker`` flags that make it serve through this server (``--engine vllm``, its URL and KV
+    events, its dtype and lanes)."""
+    flags = ["--engine", "vllm", "--engine-url", spec.url, "--kv-events", spec.events_url, "--dtype", spec.dtype]
+    return flags + (["--lanes", str(spec.max_num_seqs)] if spec.max_num_seqs else [])
 
 
 def attached_router_flags(specs: Sequence[VllmServerSpec]) -> list[str]:

@@ -23,6 +23,8 @@ from kvrelay.testing.tiny_models import make_tiny_model
 VLLM_BLOCK_TOKENS = 64
 """vLLM's KV block size in these tests: kvrelay's default chunk, a multiple of 32 as vLLM's CPU attention needs."""
 TINY_CONTEXT = 2048
+TINY_LANES = 16
+"""Sequences a test's server runs at once (``--max-num-seqs``)."""
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4
 """Layers x (K, V) x KV heads x head size x float32 bytes of the tiny Llama."""
 READY_TIMEOUT_S = 420.0
@@ -48,7 +50,7 @@ def tiny_vllm_spec(model_dir: Path, blocks: int = 64, python: str | None = None)
         block_tokens=VLLM_BLOCK_TOKENS,
         max_model_len=TINY_CONTEXT,
         kv_cache_bytes=blocks * VLLM_BLOCK_TOKENS * TINY_KV_BYTES_PER_TOKEN,
-        max_num_seqs=16,
+        max_num_seqs=TINY_LANES,
     )
 
 

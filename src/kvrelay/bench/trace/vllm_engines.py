@@ -34,9 +34,15 @@ import httpx
 
 from kvrelay.bench.trace.faces import Face, kvrelay_argv, process_env, spawn
 from kvrelay.engines.vllm.identity import kv_bytes_per_token
-from kvrelay.launch.vllm_server import VllmServer, attached_router_flags
+from kvrelay.launch.vllm_server import (
+    VllmServer,
+    attached_router_flags,
+    loopback_specs,
+    vllm_python,
+    worker_engine_flags,
+)
 from kvrelay.testing.ports import free_port
-from kvrelay.testing.vllm import VLLM_BLOCK_TOKENS, started_vllm_servers, tiny_vllm_spec
+from kvrelay.testing.vllm import TINY_LANES, VLLM_BLOCK_TOKENS, started_vllm_servers, tiny_vllm_spec
 from kvrelay.transport.auth import SECRET_ENV_VAR
 
 
@@ -61,13 +67,12 @@ def shared_engines(
 ) -> Iterator[list[VllmServer]]:
     """Start ``count`` vLLM servers at once, yield them when all are ready, stop them all (module contract)."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    specs = []
-    for _ in range(count):
-        spec = replace(tiny_vllm_spec(model_dir, blocks), served_name=model_dir.name)
-        if real is not None:
-            kv_bytes = blocks * VLLM_BLOCK_TOKENS * kv_bytes_per_token(model_dir, real.dtype)
-            spec = replace(spec, dtype=real.dtype, max_model_len=real.context, kv_cache_bytes=kv_bytes)
-        specs.append(spec)
+    if real is None:
+        specs = [replace(tiny_vllm_spec(model_dir, blocks), served_name=model_dir.name) for _ in range(count)]
+    else:
+        kv_bytes = blocks * VLLM_BLOCK_TOKENS * kv_bytes_per_token(model_dir, real.dtype)
+        python, name = vllm_python(), model_dir.name
+        specs = list(loopback_specs(model_dir, count, real.dtype, kv_bytes, TINY_LANES, python, real.context, name))
     with started_vllm_servers(specs, log_dir, env) as servers:
         yield servers
 
@@ -118,13 +123,8 @@ def kvrelay_over_vllm(
     if attached:
         return face
     for i, engine in enumerate(engines, start=1):
-        worker = ["--worker-id", f"w{i}", "--router", f"ws://127.0.0.1:{worker_port}/workers", "--engine", "vllm"]
-        worker += ["--engine-url", engine.spec.url, "--kv-events", engine.spec.events_url, "--model", str(model_dir)]
-        worker += [
-            "--dtype",
-            engine.spec.dtype,
-            *(["--lanes", str(engine.spec.max_num_seqs)] if engine.spec.max_num_seqs else []),
-        ]
+        worker = ["--worker-id", f"w{i}", "--router", f"ws://127.0.0.1:{worker_port}/workers"]
+        worker += ["--model", str(model_dir), *worker_engine_flags(engine.spec)]
         spawn(face, f"w{i}", kvrelay_argv("worker", *worker), process_env(home / f"w{i}", 1, **secret))
     return face
 
