@@ -159,26 +159,29 @@ def test_a_restore_of_many_chunks_opens_one_connection(
     assert len(opened) == 1 and server.counters().hits == 7
 
 
-def test_a_closed_server_serves_nothing_over_the_connections_it_held(
-    peer: tuple[RamTier, SsdTier, PeerServer],
-) -> None:
+def kept_then_closed(peer: tuple[RamTier, SsdTier, PeerServer]) -> PeerTier:
+    """A client that fetched chunk 0 over a connection it keeps, from a server closed since."""
     ram, _, server = peer
     ram.put(chunk(0))
     client = PeerTier(server.url, timeout_s=2.0)
-    assert client.get(KEYS[0], FP) is not None  # its connection is kept open
+    assert client.get(KEYS[0], FP) is not None
     server.close()
+    return client
+
+
+def test_a_closed_server_serves_nothing_over_the_connections_it_held(
+    peer: tuple[RamTier, SsdTier, PeerServer],
+) -> None:
+    client = kept_then_closed(peer)
     assert client.get(KEYS[0], FP) is None
-    assert client.counters().errors == 1 and server.counters().hits == 1
+    assert client.counters().errors == 1 and peer[2].counters().hits == 1
 
 
 def test_a_kept_connection_the_server_dropped_is_retried_on_a_new_one(
     peer: tuple[RamTier, SsdTier, PeerServer],
 ) -> None:
     ram, ssd, server = peer
-    ram.put(chunk(0))
-    client = PeerTier(server.url, timeout_s=2.0)
-    assert client.get(KEYS[0], FP) is not None
-    server.close()
+    client = kept_then_closed(peer)
     restarted = PeerServer([ram, ssd], port=int(server.url.rsplit(":", 1)[1]))
     try:
         view = client.get(KEYS[0], FP)
