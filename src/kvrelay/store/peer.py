@@ -13,8 +13,8 @@ bad answer is a miss (logged and counted as an error), and a chunk that fails
 verification is a miss reported through ``on_corrupt`` (the peer owns its copy).
 The client keeps its connections open between requests (HTTP/1.1 keep-alive, at
 most ``IDLE_CONNECTIONS`` idle), so a restore of many chunks pays one connection
-and the server one handler thread; a request that fails on a kept connection is
-sent once more on a new one (the server may have closed it). ``PeerServer.close``
+and the server one handler thread; a request whose kept connection the server
+closed is sent once more on a new one (a timeout is not). ``PeerServer.close``
 also ends the connections it holds open.
 """
 
@@ -177,8 +177,8 @@ class PeerTier(ChunkSource):
         if kept is not None:
             try:
                 return self._exchange(kept, method, path)
-            except (OSError, http.client.HTTPException):
-                pass  # the server may have closed a kept connection: once more on a new one
+            except (ConnectionError, http.client.BadStatusLine):
+                pass  # the server closed the kept connection: once more on a new one (a timeout is not retried)
         return self._exchange(http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s), method, path)
 
     def _exchange(self, conn: http.client.HTTPConnection, method: str, path: str) -> tuple[int, bytearray]:
