@@ -41,6 +41,8 @@ from pathlib import Path
 
 import httpx
 
+from kvrelay.launch.ports import free_port
+
 VLLM_PYTHON_ENV = "KVRELAY_VLLM_PYTHON"
 VLLM_VENV = ".venv-vllm"
 READY_TIMEOUT_S = 300.0
@@ -155,8 +157,6 @@ def loopback_specs(
     served_name: str | None = None,
 ) -> tuple[VllmServerSpec, ...]:
     """``count`` servers of ``model_dir`` on free loopback ports, alike but for their ports."""
-    from kvrelay.launch.ports import free_port
-
     return tuple(
         VllmServerSpec(
             model=str(model_dir),
