@@ -5,14 +5,15 @@ tokens, 1 kv head, 256 head_dim] in ``--dtype`` (bf16: 1.18 MB of KV). ``--chunk
 distinct chunks are restored per pass into a preallocated tensor standing in for
 the device pages (``pages[i].copy_(chunk)``); a figure is payload bytes over the
 fastest pass time, in GB/s. Each restore is the real read path: look up, map or
-download, verify (header digest and, for "verified" figures, the blake2b payload
+download, verify (header digest and, for "verified" figures, the XXH3-128 payload
 digest), view in place, copy.
 
 Every figure carries its own baseline ``memcpy``: the same bytes copied from one
 host tensor into the same pages, timed in passes alternating with the figure's
 passes (so both see the same load on a shared machine). Figures:
 
-- ``blake2b``: the payload digest alone, the cost of verification;
+- ``blake2b``: blake2b-16 over the stored chunks alone, the payload digest of chunk format 1
+  (format 2's XXH3 replaced it: docs/performance.md, "Chunk payload digest"), kept to compare;
 - ``ram_verified`` / ``ram_header_only``: ``RamTier`` verifying every read / checking the
   header on reads (its payload digest was checked once, when the chunk was admitted);
 - ``ssd_cached_*``: ``SsdTier`` files in the page cache, read through mmap;
@@ -25,7 +26,7 @@ passes (so both see the same load on a shared machine). Figures:
   which keeps a peer's chunk in ram.
 
 Copies run with ``--torch-threads`` (1) intra-op threads, as on one restore
-thread. With ``--threads N`` (N > 1) the chunks of a pass restore on N threads (blake2b
+thread. With ``--threads N`` (N > 1) the chunks of a pass restore on N threads (hashlib's blake2b
 and the copies release the GIL) and the ``*_verified`` figures get a ``_tN`` twin.
 Goal: ram and page-cached ssd at least 50% of memcpy.
 
@@ -107,7 +108,7 @@ def memcpy_pass(pages: torch.Tensor) -> Callable[[], None]:
 
 
 def measure_digest(blobs: Sequence[bytearray], pages: torch.Tensor, repeats: int) -> tuple[float, float]:
-    """GB/s of blake2b-16 over the stored chunks (the cost of payload verification), and of memcpy."""
+    """GB/s of blake2b-16 over the stored chunks (format 1's payload verification), and of memcpy."""
 
     def one_pass() -> None:
         for blob in blobs:
