@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import http.client
+import logging
 import mmap
 import socket
+import struct
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -93,6 +96,35 @@ def test_client_detects_corrupt_bytes_from_a_peer(peer: tuple[RamTier, SsdTier, 
     assert client.get(KEYS[4], FP) is None
     assert client.counters().corrupt == 1
     assert [(r.tier, r.key, r.source) for r in reports] == [("peer", KEYS[4], server.url)]
+
+
+def test_a_connection_its_client_resets_is_logged_not_printed(
+    peer: tuple[RamTier, SsdTier, PeerServer], capfd: pytest.CaptureFixture[str]
+) -> None:
+    _, _, server = peer
+    ended = threading.Event()
+    records: list[logging.LogRecord] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+            ended.set()
+
+    logger = logging.getLogger("kvrelay.store.peer")
+    catch, level = Catch(), logger.level
+    logger.addHandler(catch)
+    logger.setLevel(logging.DEBUG)
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(b"GET /chunks/")  # half a request line: the handler waits for the rest
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        assert ended.wait(10), "the server did not log the reset connection"
+    finally:
+        logger.removeHandler(catch)
+        logger.setLevel(level)
+    assert records[0].levelno == logging.DEBUG and "ended" in records[0].getMessage()
+    assert "Exception occurred" not in capfd.readouterr().err
 
 
 def test_unreachable_peer_is_a_counted_miss_within_the_timeout() -> None:

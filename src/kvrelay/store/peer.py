@@ -24,6 +24,7 @@ import contextlib
 import http.client
 import logging
 import socket
+import sys
 import threading
 import urllib.parse
 from collections.abc import Sequence
@@ -54,6 +55,18 @@ def _parse_request(path: str) -> tuple[bytes, bytes | None] | None:
     return (key, fingerprint) if len(key) == DIGEST_BYTES else None
 
 
+class _ChunkHTTPServer(ThreadingHTTPServer):
+    """A threading HTTP server whose failed connections are logged, not printed: a client that drops a kept
+    connection (or a ``close`` that ends one) is routine, at debug; anything else is a warning."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        error = sys.exc_info()[1]
+        level = logging.DEBUG if isinstance(error, ConnectionError) else logging.WARNING
+        log.log(level, "peer server: the connection from %s ended: %r", client_address, error, exc_info=True)
+
+
 class PeerServer:
     """Serves the chunks of ``sources`` (fastest first) over HTTP until ``close``."""
 
@@ -62,8 +75,7 @@ class PeerServer:
         self._counters = Counters()
         self._open: set[socket.socket] = set()
         self._open_lock = threading.Lock()
-        self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
-        self._httpd.daemon_threads = True
+        self._httpd = _ChunkHTTPServer((host, port), self._handler_class())
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, args=(0.05,), name="kvrelay-peer-server", daemon=True
         )
