@@ -16,8 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvrelay.launch.ports import free_port
-from kvrelay.launch.vllm_server import VllmServer, VllmServerSpec, vllm_python
+from kvrelay.launch.vllm_server import VllmServer, VllmServerSpec, loopback_specs, vllm_python
 from kvrelay.testing.tiny_models import make_tiny_model
 
 VLLM_BLOCK_TOKENS = 64
@@ -41,17 +40,8 @@ def make_vllm_tiny_model(directory: Path, seed: int = 0) -> Path:
 
 def tiny_vllm_spec(model_dir: Path, blocks: int = 64, python: str | None = None) -> VllmServerSpec:
     """A loopback vLLM server of ``model_dir`` on free ports with ``blocks`` KV blocks (float32, eager)."""
-    return VllmServerSpec(
-        model=str(model_dir),
-        port=free_port(),
-        events_port=free_port(),
-        python=vllm_python(python),
-        dtype="float32",
-        block_tokens=VLLM_BLOCK_TOKENS,
-        max_model_len=TINY_CONTEXT,
-        kv_cache_bytes=blocks * VLLM_BLOCK_TOKENS * TINY_KV_BYTES_PER_TOKEN,
-        max_num_seqs=TINY_LANES,
-    )
+    kv_bytes = blocks * VLLM_BLOCK_TOKENS * TINY_KV_BYTES_PER_TOKEN
+    return loopback_specs(model_dir, 1, "float32", kv_bytes, TINY_LANES, vllm_python(python), TINY_CONTEXT)[0]
 
 
 @contextmanager

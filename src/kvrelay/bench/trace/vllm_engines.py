@@ -2,11 +2,12 @@
 
 Contract:
 - ``shared_engines(model_dir, count, blocks, log_dir, real)`` starts ``count`` vLLM OpenAI servers of
-  ``model_dir`` (``kvrelay.testing.vllm.tiny_vllm_spec``: float32, eager, ``blocks`` KV blocks of 64 tokens,
-  prefix caching, KV events on ZMQ; with ``real``, a ``RealModel``'s dtype, context and KV bytes per token
-  instead, ``real_model``), served under the directory's name (the name kvrelay's router gives that model, so
-  every setup takes the same requests), with vLLM's development endpoints on (``VLLM_SERVER_DEV_MODE``, for
-  ``/reset_prefix_cache``); yields them once all are ready and stops them all after, also on error.
+  ``model_dir`` (``launch.vllm_server.loopback_specs`` at ``kvrelay.testing.vllm``'s tiny sizes: float32,
+  eager, ``blocks`` KV blocks of 64 tokens, prefix caching, KV events on ZMQ; with ``real``, a ``RealModel``'s
+  dtype, context and KV bytes per token instead, ``real_model``), served under the directory's name (the name
+  kvrelay's router gives that model, so every setup takes the same requests), with vLLM's development endpoints
+  on (``VLLM_SERVER_DEV_MODE``, for ``/reset_prefix_cache``); yields them once all are ready and stops them all
+  after, also on error.
 - ``empty_caches(engines)`` makes every engine forget its prefix cache (``POST /reset_prefix_cache``, retried
   while blocks are still held, ``RuntimeError`` naming the engine after ``limit_s``), so each replay starts
   cold as the native setups do, without the minutes of a vLLM start; then sends each a one-token completion,
@@ -27,7 +28,7 @@ import secrets
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -42,7 +43,13 @@ from kvrelay.launch.vllm_server import (
     worker_engine_flags,
 )
 from kvrelay.testing.ports import free_port
-from kvrelay.testing.vllm import TINY_LANES, VLLM_BLOCK_TOKENS, started_vllm_servers, tiny_vllm_spec
+from kvrelay.testing.vllm import (
+    TINY_CONTEXT,
+    TINY_KV_BYTES_PER_TOKEN,
+    TINY_LANES,
+    VLLM_BLOCK_TOKENS,
+    started_vllm_servers,
+)
 from kvrelay.transport.auth import SECRET_ENV_VAR
 
 
@@ -68,11 +75,11 @@ def shared_engines(
     """Start ``count`` vLLM servers at once, yield them when all are ready, stop them all (module contract)."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     if real is None:
-        specs = [replace(tiny_vllm_spec(model_dir, blocks), served_name=model_dir.name) for _ in range(count)]
+        dtype, context, per_token = "float32", TINY_CONTEXT, TINY_KV_BYTES_PER_TOKEN
     else:
-        kv_bytes = blocks * VLLM_BLOCK_TOKENS * kv_bytes_per_token(model_dir, real.dtype)
-        python, name = vllm_python(), model_dir.name
-        specs = list(loopback_specs(model_dir, count, real.dtype, kv_bytes, TINY_LANES, python, real.context, name))
+        dtype, context, per_token = real.dtype, real.context, kv_bytes_per_token(model_dir, real.dtype)
+    kv_bytes = blocks * VLLM_BLOCK_TOKENS * per_token
+    specs = loopback_specs(model_dir, count, dtype, kv_bytes, TINY_LANES, vllm_python(), context, model_dir.name)
     with started_vllm_servers(specs, log_dir, env) as servers:
         yield servers
 
