@@ -182,6 +182,26 @@ def measure_ssd_dropped(
     return measure_restore(tier, keys, pages, repeats, threads, before_pass=lambda: drop_from_page_cache(paths))
 
 
+def direct_and_localized(
+    remote: ChunkSource,
+    localize: Callable[[bytes], object],
+    local: Sequence[ChunkTier],
+    keys: Sequence[bytes],
+    pages: torch.Tensor,
+    repeats: int,
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(GB/s, memcpy GB/s) of restoring ``keys`` from ``remote`` straight into pages, then through ``localize``
+    (a worker's stack keeping a local copy in ``local``), each localized pass starting without those copies."""
+    direct = measure_restore(remote, keys, pages, repeats)
+
+    def forget_localized() -> None:
+        for key in keys:
+            for tier in local:
+                tier.remove(key)
+
+    return direct, measure_restore(localize, keys, pages, repeats, before_pass=forget_localized)
+
+
 def measure_s3(
     keys: Sequence[bytes], blobs: Sequence[bytearray], pages: torch.Tensor, repeats: int, workdir: Path
 ) -> tuple[tuple[float, float], tuple[float, float]]:
@@ -195,18 +215,9 @@ def measure_s3(
         s3 = S3Tier(S3Tier.make_client(endpoint), "kvrelay-bench", "restore/")
         s3.create_bucket()
         fill(s3, blobs)
-        direct = measure_restore(s3, keys, pages, repeats)
         local_ssd = SsdTier(workdir / "localized", 1 << 40)
         stack = TierStack(None, local_ssd, None)
-
-        def forget_localized() -> None:
-            for key in keys:
-                local_ssd.remove(key)
-
-        localized = measure_restore(
-            lambda k: stack.localize(k, FINGERPRINT, s3), keys, pages, repeats, before_pass=forget_localized
-        )
-    return direct, localized
+        return direct_and_localized(s3, lambda k: stack.localize(k, FINGERPRINT, s3), [local_ssd], keys, pages, repeats)
 
 
 def measure_peer(
@@ -217,22 +228,14 @@ def measure_peer(
     server = PeerServer([fill(RamTier(sum(len(b) for b in blobs), verify_payload=False), blobs)])
     try:
         peer = PeerTier(server.url)
-        direct = measure_restore(peer, keys, pages, repeats)
         local_ram = RamTier(sum(len(b) for b in blobs), verify_payload=False)
         local_ssd = SsdTier(workdir / "peer-localized", 1 << 40)
         stack = TierStack(local_ram, local_ssd, None)
-
-        def forget_localized() -> None:
-            for key in keys:
-                local_ram.remove(key)
-                local_ssd.remove(key)
-
-        localized = measure_restore(
-            lambda k: stack.fetch(k, FINGERPRINT, [peer]), keys, pages, repeats, before_pass=forget_localized
+        return direct_and_localized(
+            peer, lambda k: stack.fetch(k, FINGERPRINT, [peer]), [local_ram, local_ssd], keys, pages, repeats
         )
     finally:
         server.close()
-    return direct, localized
 
 
 def run_all(args: argparse.Namespace) -> list[Figure]:
