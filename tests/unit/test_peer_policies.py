@@ -454,3 +454,30 @@ def test_kvrelay_affinity_margin_grows_with_the_score(w1_fixed_s: float, winner:
     ctx = context(workers, residency=[("w1", "gpu", 1)])._replace(busy_share=0.0)
     chosen = PredictedTTFT().choose(ctx)
     assert chosen is not None and chosen.worker_id == winner
+
+
+@pytest.mark.parametrize(
+    ("fast_prefill_s", "slow_prefill_s", "slow_fixed_s", "busy", "winner"),
+    [
+        (1e-4, 2.5e-4, 0.5, 0.5, "w1"),  # a slow class, within the margin on a busy cluster: the slow worker
+        (1e-4, 2.5e-4, 0.9, 0.5, "w0"),  # beyond the margin: the lowest score
+        (1e-4, 1.5e-4, 0.5, 0.5, "w0"),  # one class (1.5x apart): the lowest score
+        (1e-4, 2.5e-4, 0.5, 0.0, "w0"),  # a calm cluster: the calm rule, which this does not touch
+        (0.0, 2.5e-4, 0.45, 0.5, "w0"),  # a rate not measured yet: the lowest score
+    ],
+)
+def test_kvrelay_spares_the_fast_workers_on_a_busy_mixed_fleet(
+    fast_prefill_s: float, slow_prefill_s: float, slow_fixed_s: float, busy: float, winner: str
+) -> None:
+    """w0 prefills at ``fast_prefill_s`` a token with a fixed cost per request of 0.5 s, w1 at ``slow_prefill_s``
+    with ``slow_fixed_s``; both idle and cold, so w0's score is the lowest. On a busy cluster w1 takes the request
+    when it is of a slower class (2x or more) and its score is within a quarter of w0's."""
+    workers = [
+        idle_heartbeat("w0", prefill_s_per_token=fast_prefill_s, decode_s_per_token=0.5),
+        idle_heartbeat("w1", prefill_s_per_token=slow_prefill_s, decode_s_per_token=slow_fixed_s),
+    ]
+    ctx = context(workers)._replace(busy_share=busy)
+    scores = {r.worker_id: r.best_score for r in ctx.plan.routes}
+    assert scores["w0"] < scores["w1"]
+    chosen = PredictedTTFT().choose(ctx)
+    assert chosen is not None and chosen.worker_id == winner

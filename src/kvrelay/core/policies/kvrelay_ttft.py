@@ -44,6 +44,14 @@ well, but it may have fewer requests in flight, and then the rule does not see i
 calm cluster to see it lost simulated cells: docs/performance.md, same section). Ties go to the lower worker
 id.
 
+On a busy cluster of two speed classes (one worker's prefill per token ``SLOW_CLASS_RATIO`` times another's
+or more, ``Heartbeat.prefill_s_per_token``), a request goes to the slowest worker whose score is within
+``SPARE_FAST_MARGIN_SHARE`` of the lowest (then the lower score, then the lower worker id): a fast worker's queue
+is what the long prompts arriving next wait behind, and only a fast worker serves them in time, so a request that
+loses little on a slow worker leaves it to them (docs/performance.md, "Sparing the fast workers"). The margin is a
+share, so a fitted rate that is off on a live fleet costs a request at most that share of its predicted TTFT. A
+worker with no measured rate (0) leaves the rule out; on a fleet of one class it changes nothing.
+
 The offer's priority (``Offer.priority``, the worker's prefill-queue order) is a
 deadline: the request's arrival plus ``DEADLINE_STRETCH`` times its predicted
 prefill seconds, earliest first. Under a backlog a short prompt then passes long
@@ -58,6 +66,9 @@ A user's requests waiting in the router queue go by the same deadline (``hold_or
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from kvrelay.core.planning.candidates import WorkerRoute
 from kvrelay.core.planning.predicted_ttft import Candidate
 from kvrelay.core.policies.base import Policy, RoutingContext
 
@@ -66,6 +77,8 @@ AFFINITY_MARGIN_S = 0.05
 CALM_BUSY_SHARE = 0.5
 AFFINITY_MARGIN_SHARE = 0.25
 DEADLINE_STRETCH = 5.0
+SLOW_CLASS_RATIO = 2.0
+SPARE_FAST_MARGIN_SHARE = 0.25
 
 
 class PredictedTTFT(Policy):
@@ -77,10 +90,13 @@ class PredictedTTFT(Policy):
 
     def choose(self, ctx: RoutingContext) -> Candidate | None:
         """The lowest score; on a calm cluster, the most cached tokens among the routes within the affinity margin
-        of it on the workers with the fewest requests in flight."""
+        of it on the workers with the fewest requests in flight; on a busy one of two speed classes, the slowest
+        worker within ``SPARE_FAST_MARGIN_SHARE`` of it."""
         routes = ctx.plan.routes
-        if not routes or ctx.busy_share >= CALM_BUSY_SHARE:
-            return ctx.plan.best()
+        if not routes:
+            return None
+        if ctx.busy_share >= CALM_BUSY_SHARE:
+            return spare_fast_workers(routes).best
         best = min(r.best_score for r in routes)
         within = best + max(AFFINITY_MARGIN_S, AFFINITY_MARGIN_SHARE * best)
         in_flight = {r.worker_id: ctx.workers[r.worker_id].load.active for r in routes if r.best_score <= within}
@@ -95,3 +111,15 @@ class PredictedTTFT(Policy):
     def hold_order(self, arrived: float, work_s: float) -> float:
         """The same deadline for a request waiting in the router queue, with the queue's work estimate."""
         return arrived + DEADLINE_STRETCH * work_s
+
+
+def spare_fast_workers(routes: Sequence[WorkerRoute]) -> WorkerRoute:
+    """The route with the lowest score (ties: the lower worker id), unless routes within ``SPARE_FAST_MARGIN_SHARE``
+    of it run on workers ``SLOW_CLASS_RATIO`` times slower to prefill than the fastest of them: then the slowest of
+    those (ties: the lower score, the lower worker id). Rates of 0 (not measured yet) leave the lowest score."""
+    best = min(routes, key=lambda r: (r.best_score, r.worker_id))
+    within = [r for r in routes if r.best_score <= best.best_score * (1.0 + SPARE_FAST_MARGIN_SHARE)]
+    rates = [r.heartbeat.prefill_s_per_token for r in within]
+    if min(rates) <= 0.0 or max(rates) < SLOW_CLASS_RATIO * min(rates):
+        return best
+    return min(within, key=lambda r: (-r.heartbeat.prefill_s_per_token, r.best_score, r.worker_id))
