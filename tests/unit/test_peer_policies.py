@@ -481,3 +481,15 @@ def test_kvrelay_spares_the_fast_workers_on_a_busy_mixed_fleet(
     assert scores["w0"] < scores["w1"]
     chosen = PredictedTTFT().choose(ctx)
     assert chosen is not None and chosen.worker_id == winner
+
+
+def test_kvrelay_caps_how_long_a_waiting_request_is_passed_under_a_long_backlog_and_peers_stay_fifo() -> None:
+    from kvrelay.core.policies.kvrelay_ttft import DEADLINE_STRETCH, PASS_LIMIT_S
+
+    kvrelay = make_policy("kvrelay")
+    short, long = kvrelay.hold_order(100.0, 0.1), kvrelay.hold_order(100.0, 30.0)
+    assert short.usual == short.long_backlog == 100.0 + DEADLINE_STRETCH * 0.1, "a short request's deadline stands"
+    assert long.usual == 100.0 + DEADLINE_STRETCH * 30.0, "usually, the full deadline"
+    assert long.long_backlog == 100.0 + PASS_LIMIT_S, "under a long backlog, passed for at most the limit"
+    for name in ("round_robin", "mooncake", "llm_d", "sglang_cache_aware", "dynamo"):
+        assert tuple(make_policy(name).hold_order(100.0, 30.0)) == (100.0, 100.0), name

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvrelay.core.router.events import ConsumerCancelled, Effect, ErrorKind, Request, RequestArrived, Tick
@@ -145,3 +147,28 @@ def test_an_offer_counts_in_the_queue_until_a_heartbeat_made_after_its_acceptanc
     assert load.unheard_s == b_estimate
     d.delta(b.offer.assignment, "w0", 0, (7,))  # b's first token: nothing of it is left to count
     assert load.unheard_s == 0.0
+
+
+def test_kvrelay_passes_a_long_request_for_a_while_only_under_a_long_backlog_on_a_cluster_that_keeps_up() -> None:
+    """One worker with no room; prefill 10 ms a token, so the 513-token prompt is 5.13 s of work (deadline
+    arrival + 25.7 s, capped at arrival + ``PASS_LIMIT_S`` under a long backlog) and a 3-token one 0.03 s.
+    ``sleepers`` are long requests of a later priority class (never ahead of class 0), waiting since -100 s
+    and arriving slowly: 16 s of work each, they make the backlog long. A short request arriving 10 s
+    after a long one goes first with a short backlog (shortest-first), second with a long one, and first
+    again when a burst offers over twice the capacity."""
+    cases = ((0, (), ["short", "old-long"]), (5, (), ["old-long", "short"]), (5, ("long-2", "long-3"), ["short"]))
+    for sleepers, burst, order in cases:
+        d = Driver(RouterConfig(queue=Limits(start_within_s=math.inf)))  # they wait for room only
+        d.now = -100.0
+        d.message(heartbeat("w0", pages_free=3, pages_total=1000, prefill_s_per_token=0.01))
+        for i in range(sleepers):
+            assert not offers(arrive(d, f"sleeper{i}", priority=9, prompt=tuple(range(1, 64 * 25))))
+            d.now += 10.0
+        d.now = 0.0
+        assert not offers(arrive(d, "old-long"))
+        d.now = 10.0
+        for rid in burst:
+            assert not offers(arrive(d, rid))
+        assert not offers(arrive(d, "short", prompt=(1, 2, 3)))
+        released = offered(d.message(heartbeat("w0", seq=2, pages_free=1000, prefill_s_per_token=0.01)))
+        assert released[: len(order)] == order, (sleepers, burst)

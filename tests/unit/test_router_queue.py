@@ -7,13 +7,19 @@ import random
 
 import pytest
 
-from kvrelay.core.router.queue import QUEUE_OFF, Limits, RouterQueue
+from kvrelay.core.router.queue import QUEUE_OFF, HoldOrder, Limits, RouterQueue
 
 ROOMY = Limits(max_requests=1000, max_wait_s=math.inf)
 
 
 def admit(
-    q: RouterQueue, rid: str, *, priority: int = 0, user: str = "", work: float = 1.0, order: float = 0.0
+    q: RouterQueue,
+    rid: str,
+    *,
+    priority: int = 0,
+    user: str = "",
+    work: float = 1.0,
+    order: HoldOrder | float = 0.0,
 ) -> None:
     assert q.admit(ROOMY, rid, priority, user, work, order, workers=1) is None
 
@@ -140,7 +146,7 @@ def test_removing_requests_empties_the_queue_and_its_work() -> None:
 )
 def test_invalid_limits_name_the_bound(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        Limits(**kwargs)  # type: ignore[arg-type]
+        Limits(**kwargs)
 
 
 def test_the_queue_off_limits_admit_everything() -> None:
@@ -159,11 +165,14 @@ def test_random_operations_keep_every_admitted_request_until_it_leaves_once() ->
     left: list[str] = []
     for i in range(2000):
         op = rng.random()
-        if op < 0.5:
+        if op < 0.05:
+            q.long_backlog = not q.long_backlog
+        elif op < 0.5:
             rid, priority = f"r{i}", rng.randrange(3)
             work = rng.choice((0.0, 0.5, 2.0))
             full = len(waiting) >= limits.max_requests
-            refusal = q.admit(limits, rid, priority, rng.choice("abc"), work, rng.random(), workers=1)
+            order = HoldOrder(rng.random(), rng.random())
+            refusal = q.admit(limits, rid, priority, rng.choice("abc"), work, order, workers=1)
             assert (refusal is not None) >= full, f"seed {seed}"
             if refusal is None:
                 waiting[rid] = priority
@@ -180,3 +189,38 @@ def test_random_operations_keep_every_admitted_request_until_it_leaves_once() ->
             del waiting[gone]
         assert sorted(q) == sorted(waiting) and len(q) == len(waiting), f"seed {seed}"
     assert len(left) == len(set(left)), f"seed {seed}: a request left twice"
+
+
+def test_the_long_backlog_order_reorders_every_waiting_request_at_once_and_back() -> None:
+    q = RouterQueue()
+    for rid, usual, long_backlog in (("old-long", 30.0, 1.0), ("new-short", 6.5, 6.0), ("newer-short", 7.2, 7.0)):
+        admit(q, rid, order=HoldOrder(usual, long_backlog))
+    assert q.head() == "new-short"
+    q.long_backlog = True
+    assert q.head() == "old-long"
+    q.take("old-long")
+    q.long_backlog = False
+    assert drain(q) == ["new-short", "newer-short"]
+
+
+def test_a_request_that_came_back_goes_first_in_either_order() -> None:
+    q = RouterQueue()
+    admit(q, "a", order=HoldOrder(1.0, 1.0))
+    q.requeue("back", 0, "", 1.0)
+    for long_backlog in (False, True):
+        q.long_backlog = long_backlog
+        assert q.head() == "back"
+
+
+def test_the_order_not_read_sheds_the_requests_that_left_and_keeps_its_order() -> None:
+    q = RouterQueue()
+    admit(q, "anchor", order=HoldOrder(1e9, 1e9))  # keeps the flow from emptying
+    for i in range(500):
+        admit(q, f"r{i}", order=HoldOrder(float(i), float(-i)))
+        q.take(f"r{i}")  # usual order: each leaves at once, the long-backlog heap keeps its entry
+    (flow,) = q._classes[0].flows.values()
+    assert len(flow.heaps[1]) <= 2 * len(q) + 65, "stale entries are compacted"
+    for i in range(3):
+        admit(q, f"s{i}", order=HoldOrder(float(i), float(-i)))
+    q.long_backlog = True
+    assert drain(q) == ["s2", "s1", "s0", "anchor"]

@@ -9,7 +9,8 @@ state. ``on_routed`` lets stateful policies (round-robin's cursor, SGLang's
 approximate tree) learn the choice; it is called exactly once per offer sent.
 ``priority`` sets the offer's place in the chosen worker's prefill queue
 (``Offer.priority``); the peers' published policies set none (0: FIFO).
-``hold_order`` orders a user's requests while they wait in the router queue.
+``hold_order`` orders a user's requests while they wait in the router queue, with one key for usual
+times and one for a long backlog on a cluster that is not overloaded (``router.offered_load``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import NamedTuple
 from kvrelay.core.planning.candidates import Plan, WorkerRoute
 from kvrelay.core.planning.predicted_ttft import Candidate, WorkerView
 from kvrelay.core.router.events import Request
+from kvrelay.core.router.queue import HoldOrder
 
 
 class RoutingContext(NamedTuple):
@@ -65,11 +67,11 @@ class Policy(ABC):
         """The ``Offer.priority`` of an offer of ``chosen`` (default 0: every worker queue is FIFO)."""
         return 0.0
 
-    def hold_order(self, arrived: float, work_s: float) -> float:
-        """The key that orders one user's requests waiting in the router queue, lower first (``router.queue``):
+    def hold_order(self, arrived: float, work_s: float) -> HoldOrder:
+        """The keys that order one user's requests waiting in the router queue, lower first (``router.queue``):
         ``arrived`` is when the request reached the router, ``work_s`` its predicted prefill seconds
-        (default: arrival, FIFO)."""
-        return arrived
+        (default: arrival, FIFO, in either regime)."""
+        return HoldOrder.of(arrived)
 
     def on_routed(self, ctx: RoutingContext, chosen: Candidate) -> None:  # noqa: B027 (an optional hook)
         """Learn that ``chosen`` was offered (default: nothing to learn)."""

@@ -61,7 +61,13 @@ much shorter, so it is never starved). With queues empty the order is moot.
 The peers set no priority (their routers do not), so their workers stay FIFO.
 A started prefill keeps its place (``prefill_order``): preempting it lets long
 prompts starve (the stretch and that choice: docs/performance.md, "Deadline priority").
-A user's requests waiting in the router queue go by the same deadline (``hold_order``).
+A user's requests waiting in the router queue go by the same deadline, except while over
+``router.offered_load.LONG_BACKLOG_S`` of work per worker waits and the cluster is not overloaded: then by a
+deadline at most ``PASS_LIMIT_S`` after their arrival (``hold_order``). On a fleet saturated for minutes the
+full stretch let a long prompt be passed by every shorter one arriving up to five times its prefill later,
+which made the tail; with a short backlog, or under overload where most requests must be refused and
+shortest-first is what lets the admitted ones start in time, the full deadline does better
+(docs/performance.md, "Router queue order under a long backlog").
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ from collections.abc import Sequence
 from kvrelay.core.planning.candidates import WorkerRoute
 from kvrelay.core.planning.predicted_ttft import Candidate
 from kvrelay.core.policies.base import Policy, RoutingContext
+from kvrelay.core.router.queue import HoldOrder
 
 WORK_WEIGHT = 2.0
 AFFINITY_MARGIN_S = 0.05
@@ -79,6 +86,7 @@ AFFINITY_MARGIN_SHARE = 0.25
 DEADLINE_STRETCH = 5.0
 SLOW_CLASS_RATIO = 2.0
 SPARE_FAST_MARGIN_SHARE = 0.25
+PASS_LIMIT_S = 5.0
 
 
 class PredictedTTFT(Policy):
@@ -108,9 +116,11 @@ class PredictedTTFT(Policy):
         """The deadline ``arrived + DEADLINE_STRETCH * predicted prefill seconds``: earliest runs first."""
         return ctx.arrived + DEADLINE_STRETCH * chosen.terms.prefill_s
 
-    def hold_order(self, arrived: float, work_s: float) -> float:
-        """The same deadline for a request waiting in the router queue, with the queue's work estimate."""
-        return arrived + DEADLINE_STRETCH * work_s
+    def hold_order(self, arrived: float, work_s: float) -> HoldOrder:
+        """The same deadline for a request waiting in the router queue, with the queue's work estimate; at
+        most ``PASS_LIMIT_S`` after arrival under a long backlog."""
+        deadline = arrived + DEADLINE_STRETCH * work_s
+        return HoldOrder(deadline, min(deadline, arrived + PASS_LIMIT_S))
 
 
 def spare_fast_workers(routes: Sequence[WorkerRoute]) -> WorkerRoute:

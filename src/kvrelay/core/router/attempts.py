@@ -13,10 +13,11 @@ never fails for load: it waits.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 from kvrelay.core.planning import candidates as cand
 from kvrelay.core.planning import exclusions, predicted_ttft
-from kvrelay.core.planning.predicted_ttft import Candidate
+from kvrelay.core.planning.predicted_ttft import Candidate, WorkerView
 from kvrelay.core.planning.roster import plan_pruned
 from kvrelay.core.planning.routes import offered_route
 from kvrelay.core.policies.base import RoutingContext
@@ -36,6 +37,7 @@ from kvrelay.core.router.events import (
     StartTimer,
     TimerKind,
 )
+from kvrelay.core.router.offered_load import OfferedLoad, long_backlog
 from kvrelay.core.router.queue import RouterQueue
 from kvrelay.core.router.servable import unservable
 from kvrelay.core.router.state import Phase, RequestState, RouterState, usage_of
@@ -107,6 +109,9 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> bool
             now,
             scoring,
         )
+    if rs.attempt == 0 and rs.phase is not Phase.QUEUED:  # a new request: count its work as offered
+        offered = state.offered.get(request.model, OfferedLoad())
+        state.offered[request.model] = offered.arrived(now, _work_s(state, request.model, plan, len(prompt)))
     behind = rs.attempt == 0 and rs.phase is not Phase.QUEUED and bool(state.queues.get(request.model))
     if plan.routes and not behind and _can_start(state, rs, plan, len(prompt) + remaining):
         ctx = RoutingContext(
@@ -228,12 +233,11 @@ def _hold(state: RouterState, rs: RequestState, plan: cand.Plan, prompt_len: int
     queue = state.queues.setdefault(request.model, RouterQueue())
     if rid in queue:
         return
-    serving = [v for v in state.views.values() if request.model in v.heartbeat.models]
-    rate = min((v.heartbeat.prefill_s_per_token for v in serving), default=0.0)
-    work = (prompt_len - max((r.cached_tokens for r in plan.routes), default=0)) * rate
+    work = _work_s(state, request.model, plan, prompt_len)
     if rs.attempt == 0:
         order = state.policy.hold_order(rs.arrived, work)
-        refusal = queue.admit(state.config.queue, rid, request.priority, request.user, work, order, len(serving))
+        serving = sum(1 for _ in _serving(state, request.model))
+        refusal = queue.admit(state.config.queue, rid, request.priority, request.user, work, order, serving)
         if refusal is not None:
             state.count("queue_refused")
             full = RequestError(ErrorKind.QUEUE_FULL, refusal.reason, refusal.retry_after_s)
@@ -245,10 +249,24 @@ def _hold(state: RouterState, rs: RequestState, plan: cand.Plan, prompt_len: int
     state.count("queued")
 
 
+def _serving(state: RouterState, model: str) -> Iterator[WorkerView]:
+    return (v for v in state.views.values() if model in v.heartbeat.models)
+
+
+def _work_s(state: RouterState, model: str, plan: cand.Plan, prompt_len: int) -> float:
+    """A request's predicted prefill seconds for the router queue: its tokens no planned route holds, at the
+    fastest serving worker's rate."""
+    rate = min((v.heartbeat.prefill_s_per_token for v in _serving(state, model)), default=0.0)
+    return (prompt_len - max((r.cached_tokens for r in plan.routes), default=0)) * rate
+
+
 def dispatch(state: RouterState, now: float, fx: Effects) -> None:
-    """Send each model's waiting requests on, the head first, while its head can go (``router.queue``)."""
+    """Send each model's waiting requests on, the head first, while its head can go (``router.queue``), in the
+    order its backlog and offered load call for (``router.offered_load``)."""
     state.wake = False
     for model, queue in list(state.queues.items()):
+        rates = (v.heartbeat.prefill_s_per_token for v in _serving(state, model))
+        queue.long_backlog = long_backlog(state.offered.get(model, OfferedLoad()), now, queue.work_s, rates)
         going = True
         while going and (rid := queue.head()) is not None:
             going = route(state, state.requests[rid], now, fx)

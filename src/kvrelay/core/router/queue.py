@@ -12,7 +12,10 @@ live router run them alike:
   tag grows by that request's work and the class's virtual time becomes the
   start tag. A user who sends much gets the same share of service as one who
   sends little while both wait. Within a user's flow, requests go by the
-  policy's ``hold_order`` key (arrival for FIFO), then arrival.
+  policy's ``hold_order`` keys (``HoldOrder``; arrival for FIFO), then arrival:
+  its ``usual`` key, or its ``long_backlog`` key while the router has set
+  ``long_backlog`` (``router.offered_load``). Each request is kept under both,
+  so the switch reorders every waiting request at once.
 - Head of line. Only the head may leave, so a request that needs more room than
   is free now is never passed by smaller ones and never starves.
 - Bounds, at arrival only. A new request is refused (``Refusal``; a 429 with
@@ -33,8 +36,9 @@ import heapq
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-__all__ = ["QUEUE_OFF", "Limits", "Refusal", "RouterQueue"]
+__all__ = ["QUEUE_OFF", "HoldOrder", "Limits", "Refusal", "RouterQueue"]
 
 MIN_CHARGE_S = 1e-3
 """The least work a request is charged in fair queuing, so fully cached requests still take turns."""
@@ -66,6 +70,19 @@ QUEUE_OFF = Limits(start_within_s=math.inf, max_requests=2**62, max_wait_s=math.
 """No router queue: every request goes to a worker's queue as soon as one has room for it."""
 
 
+class HoldOrder(NamedTuple):
+    """A waiting request's keys, lower first: usually, and while a long backlog waits on a cluster that is not
+    overloaded (``router.offered_load.long_backlog``)."""
+
+    usual: float
+    long_backlog: float
+
+    @classmethod
+    def of(cls, key: float) -> HoldOrder:
+        """One key for both."""
+        return cls(key, key)
+
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """Why a new request was not admitted, and when to try again (seconds, at least 1)."""
@@ -85,8 +102,9 @@ class _Held:
 
 @dataclass(slots=True)
 class _Flow:
-    heap: list[tuple[float, int, str]] = field(default_factory=list)
-    """``(order key, seq, request id)``; entries whose request left are skipped when met."""
+    heaps: tuple[list[tuple[float, int, str]], list[tuple[float, int, str]]] = field(default_factory=lambda: ([], []))
+    """``(order key, seq, request id)`` by the usual and by the long-backlog key; entries whose request left are
+    skipped when met."""
     finish: float = 0.0
     """Finish tag: the start tag of its last served request plus that request's work."""
 
@@ -108,6 +126,8 @@ class RouterQueue:
         self._seq = 0
         self.work_s = 0.0
         """Predicted work of every waiting request (seconds)."""
+        self.long_backlog = False
+        """Serve by the requests' ``HoldOrder.long_backlog`` keys (set by the router)."""
 
     def __len__(self) -> int:
         return len(self._held)
@@ -130,7 +150,7 @@ class RouterQueue:
         priority: int,
         user: str,
         work_s: float,
-        order: float,
+        order: HoldOrder | float,
         workers: int,
     ) -> Refusal | None:
         """Queue a new request unless a bound refuses it; ``workers``: the live workers its work spreads over."""
@@ -145,21 +165,25 @@ class RouterQueue:
                 f"{limits.max_wait_s:g} s",
                 _secs(wait - limits.max_wait_s),
             )
-        self._push(request_id, priority, user, work_s, order)
+        self._push(request_id, priority, user, work_s, order if isinstance(order, HoldOrder) else HoldOrder.of(order))
         return None
 
     def requeue(self, request_id: str, priority: int, user: str, work_s: float) -> None:
         """Queue an admitted request that came back, at the front of its flow, whatever the bounds."""
-        self._push(request_id, priority, user, work_s, -math.inf)
+        self._push(request_id, priority, user, work_s, HoldOrder.of(-math.inf))
 
-    def _push(self, request_id: str, priority: int, user: str, work_s: float, order: float) -> None:
+    def _push(self, request_id: str, priority: int, user: str, work_s: float, order: HoldOrder) -> None:
         if request_id in self._held:
             raise ValueError(f"request '{request_id}' is already waiting in the router queue")
         self._seq += 1
         held = self._held[request_id] = _Held(request_id, priority, user, max(0.0, work_s), self._seq)
         klass = self._classes.setdefault(priority, _Class())
         flow = klass.flows.setdefault(user, _Flow())
-        heapq.heappush(flow.heap, (order, held.seq, request_id))
+        for heap, key in zip(flow.heaps, order, strict=True):
+            if len(heap) > 2 * len(self._held) + 64:  # the heap not read keeps entries of requests that left
+                heap[:] = [e for e in heap if (h := self._held.get(e[2])) is not None and h.seq == e[1]]
+                heapq.heapify(heap)
+            heapq.heappush(heap, (key, held.seq, request_id))
         klass.count += 1
         klass.work_s += held.work_s
         self.work_s += held.work_s
@@ -192,7 +216,7 @@ class RouterQueue:
         return klass, chosen[0], chosen[1]
 
     def _top(self, flow: _Flow) -> tuple[float, int, str] | None:
-        heap = flow.heap
+        heap = flow.heaps[self.long_backlog]
         while heap:
             _, seq, rid = top = heap[0]
             held = self._held.get(rid)

@@ -20,6 +20,7 @@ from kvrelay.core.planning.roster import Roster
 from kvrelay.core.policies import DEFAULT_POLICY
 from kvrelay.core.policies.base import Policy
 from kvrelay.core.router.events import Request
+from kvrelay.core.router.offered_load import OfferedLoad
 from kvrelay.core.router.queue import Limits, RouterQueue
 from kvrelay.protocol.chunk_keys import DEFAULT_CHUNK_TOKENS
 from kvrelay.protocol.messages import Tier, Usage
@@ -115,6 +116,9 @@ class RouterState:
     queues: dict[str, RouterQueue] = field(default_factory=dict)
     """Requests waiting at the router, one queue per model (``router.queue``); a model's queue never blocks
     another's."""
+    offered: dict[str, OfferedLoad] = field(default_factory=dict)
+    """Each model's arrival rate of predicted prefill work (``router.offered_load``), which sets the order its
+    router queue serves by."""
     wake: bool = False
     """Set when room may have appeared; ``router.step`` then tries the queues' heads again."""
     counters: dict[str, int] = field(default_factory=dict)
