@@ -25,8 +25,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 WINDOW_S = 5.0
-"""Time constant of the arrival rate (seconds). With 20 or 60 s the rate crossed ``OVERLOAD_RATIO`` only
-after the backlog had been built in the long-backlog order, which cost most of the overload's goodput."""
+"""Time constant of the arrival rate (seconds). In a first version of the rule, without ``LONG_BACKLOG_S``,
+a window of 20 or 60 s crossed ``OVERLOAD_RATIO`` only after the backlog had been built in the long-backlog
+order, which cost most of the overload's goodput (docs/performance.md)."""
 OVERLOAD_RATIO = 2.0
 """Offered load over capacity from which the queue serves by the usual keys whatever its backlog. On the
 development trace the simulated 2x regimes peak at 1.6 to 2.3 (99th percentiles 1.3 to 1.9) and 6x on
