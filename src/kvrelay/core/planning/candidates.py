@@ -175,9 +175,12 @@ class Plan:
 
     def best(self) -> Candidate | None:
         """The lowest score; ties broken by worker id."""
-        if not self.routes:
-            return None
-        return min(self.routes, key=lambda r: (r.best_score, r.worker_id)).best
+        return lowest_route(self.routes).best if self.routes else None
+
+
+def lowest_route(routes: Sequence[WorkerRoute]) -> WorkerRoute:
+    """The route with the lowest score; ties broken by worker id (``routes`` not empty)."""
+    return min(routes, key=lambda r: (r.best_score, r.worker_id))
 
 
 def _evaluate(

@@ -74,7 +74,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvrelay.core.planning.candidates import WorkerRoute
+from kvrelay.core.planning.candidates import WorkerRoute, lowest_route
 from kvrelay.core.planning.predicted_ttft import Candidate
 from kvrelay.core.policies.base import Policy, RoutingContext
 from kvrelay.core.router.queue import HoldOrder
@@ -127,7 +127,7 @@ def spare_fast_workers(routes: Sequence[WorkerRoute]) -> WorkerRoute:
     """The route with the lowest score (ties: the lower worker id), unless routes within ``SPARE_FAST_MARGIN_SHARE``
     of it run on workers ``SLOW_CLASS_RATIO`` times slower to prefill than the fastest of them: then the slowest of
     those (ties: the lower score, the lower worker id). Rates of 0 (not measured yet) leave the lowest score."""
-    best = min(routes, key=lambda r: (r.best_score, r.worker_id))
+    best = lowest_route(routes)
     within = [r for r in routes if r.best_score <= best.best_score * (1.0 + SPARE_FAST_MARGIN_SHARE)]
     rates = [r.heartbeat.prefill_s_per_token for r in within]
     if min(rates) <= 0.0 or max(rates) < SLOW_CLASS_RATIO * min(rates):

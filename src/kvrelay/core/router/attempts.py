@@ -109,10 +109,11 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> bool
             now,
             scoring,
         )
-    if rs.attempt == 0 and rs.phase is not Phase.QUEUED:  # a new request: count its work as offered
-        offered = state.offered.get(request.model, OfferedLoad())
-        state.offered[request.model] = offered.arrived(now, _work_s(state, request.model, plan, len(prompt)))
-    behind = rs.attempt == 0 and rs.phase is not Phase.QUEUED and bool(state.queues.get(request.model))
+    new = rs.attempt == 0 and rs.phase is not Phase.QUEUED
+    work = _work_s(state, request.model, plan, len(prompt))
+    if new:  # count its work as offered (``router.offered_load``)
+        state.offered[request.model] = state.offered.get(request.model, OfferedLoad()).arrived(now, work)
+    behind = new and bool(state.queues.get(request.model))
     if plan.routes and not behind and _can_start(state, rs, plan, len(prompt) + remaining):
         ctx = RoutingContext(
             request, prompt, chain, config.chunk_tokens, plan, state.views, state.rng, now, rs.arrived, busy
@@ -124,7 +125,7 @@ def route(state: RouterState, rs: RequestState, now: float, fx: Effects) -> bool
     if not plan.routes and (error := unservable(state, rs, plan, len(prompt), remaining, now)) is not None:
         finish(state, rs, FinishReason.ERROR, now, fx, error)
         return True
-    _hold(state, rs, plan, len(prompt), now, fx)
+    _hold(state, rs, work, now, fx)
     return rs.phase is Phase.DONE
 
 
@@ -226,14 +227,14 @@ def _can_start(state: RouterState, rs: RequestState, plan: cand.Plan, need: int)
     return state.roster.least_queue(rs.request.model, need, plan.excluded.keys() | rs.excluded_workers) <= bound
 
 
-def _hold(state: RouterState, rs: RequestState, plan: cand.Plan, prompt_len: int, now: float, fx: Effects) -> None:
-    """Keep the request in the router queue: admit a new one (or refuse it), put one that came back in front."""
+def _hold(state: RouterState, rs: RequestState, work: float, now: float, fx: Effects) -> None:
+    """Keep the request in the router queue: admit a new one (or refuse it), put one that came back in front;
+    ``work``: its predicted prefill seconds (``_work_s``)."""
     request = rs.request
     rid = request.request_id
     queue = state.queues.setdefault(request.model, RouterQueue())
     if rid in queue:
         return
-    work = _work_s(state, request.model, plan, prompt_len)
     if rs.attempt == 0:
         order = state.policy.hold_order(rs.arrived, work)
         serving = sum(1 for _ in _serving(state, request.model))
