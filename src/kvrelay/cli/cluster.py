@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvrelay.cli.ready import say_ready
 from kvrelay.launch import defaults
 from kvrelay.launch.config import ConfigError, Option, add_options, resolve
 from kvrelay.launch.restarts import RestartPolicy
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def ready(http_url: str, workers: list[str]) -> None:
-        print(f"kvrelay cluster ready http={http_url} workers={','.join(workers)}", flush=True)
+        say_ready(f"kvrelay cluster ready http={http_url} workers={','.join(workers)}")
 
     try:
         return run_cluster(options, ready)

@@ -12,6 +12,7 @@ import sys
 
 from kvrelay.bench.worker_probe import WorkerProbe
 from kvrelay.cli.main import main as kvrelay_main
+from kvrelay.cli.ready import say_ready
 from kvrelay.launch import worker as worker_process
 from kvrelay.launch.worker_assembly import WorkerParts, WorkerSettings
 
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     async def build_and_probe(settings: WorkerSettings) -> WorkerParts:
         parts = await build(settings)
         url = WorkerProbe(parts, asyncio.get_running_loop()).start()
-        print(f"kvrelay probe ready id={settings.worker_id} url={url}", flush=True)
+        say_ready(f"kvrelay probe ready id={settings.worker_id} url={url}")
         return parts
 
     worker_process.build_worker = build_and_probe

@@ -7,6 +7,7 @@ import asyncio
 import sys
 from typing import TYPE_CHECKING
 
+from kvrelay.cli.ready import say_ready
 from kvrelay.core.router.queue import Limits
 from kvrelay.core.router.state import RouterConfig
 from kvrelay.launch import defaults
@@ -172,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def ready(http_url: str, workers_url: str, status_url: str) -> None:
-        print(f"kvrelay router ready http={http_url} workers={workers_url} status={status_url}", flush=True)
+        say_ready(f"kvrelay router ready http={http_url} workers={workers_url} status={status_url}")
 
     try:
         asyncio.run(run_router(options, ready))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from kvrelay.cli.ready import say_ready
 from kvrelay.launch import defaults
 from kvrelay.models.dtypes import DTYPE_NAMES
 
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def ready(http_url: str) -> None:
-        print(f"kvrelay serve ready http={http_url}", flush=True)
+        say_ready(f"kvrelay serve ready http={http_url}")
 
     asyncio.run(serve(options, ready))
     return 0

@@ -7,6 +7,7 @@ import asyncio
 import socket
 import sys
 
+from kvrelay.cli.ready import say_ready
 from kvrelay.launch import defaults
 from kvrelay.launch.config import ConfigError, Option, add_options, parse_bool, resolve
 from kvrelay.models.dtypes import DTYPE_NAMES
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def ready(worker_id: str, epoch: int, model: str, status_url: str) -> None:
-        print(f"kvrelay worker ready id={worker_id} epoch={epoch} model={model} status={status_url}", flush=True)
+        say_ready(f"kvrelay worker ready id={worker_id} epoch={epoch} model={model} status={status_url}")
 
     try:
         asyncio.run(run_worker(options, ready))
