@@ -8,24 +8,41 @@ text ends with U+FFFD (a character whose bytes are not all there yet) it holds
 the tail back. The concatenation of everything pushed and then flushed is the
 tokens' whole text; each call decodes only the tokens since the last emission
 and the window before them, never the whole output.
+
+``text_decoder(tokenizer)`` is what each decode calls: ``tokenizer.decode(ids, skip_special_tokens=True)``,
+taken from the ``tokenizers`` backend directly where transformers adds nothing to it (no clean-up of
+tokenization spaces), which saves transformers' argument conversion on every relayed token
+(docs/performance.md, "The router's CPU per request on vLLM engines").
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
+
+TextDecoder = Callable[[Sequence[int]], str]
+
+
+def text_decoder(tokenizer: Any) -> TextDecoder:
+    """``ids -> tokenizer.decode(ids, skip_special_tokens=True)``, by the backend where that is the same text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return partial(tokenizer.decode, skip_special_tokens=True)
+    return partial(backend.decode, skip_special_tokens=True)
 
 
 class IncrementalText:
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, decode: TextDecoder) -> None:
+        self.decode = decode
         self.tokens: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
 
-    def push(self, tokens: list[int] | tuple[int, ...]) -> str:
+    def push(self, tokens: Sequence[int]) -> str:
         self.tokens.extend(tokens)
-        prefix = self.tokenizer.decode(self.tokens[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        full = self.tokenizer.decode(self.tokens[self._prefix_offset :], skip_special_tokens=True)
+        prefix = self.decode(self.tokens[self._prefix_offset : self._read_offset])
+        full = self.decode(self.tokens[self._prefix_offset :])
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""
         new = full[len(prefix) :]
@@ -35,7 +52,7 @@ class IncrementalText:
 
     def flush(self) -> str:
         """At the end of the stream: whatever ``push`` held back (an incomplete character decodes as U+FFFD)."""
-        prefix = self.tokenizer.decode(self.tokens[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        full = self.tokenizer.decode(self.tokens[self._prefix_offset :], skip_special_tokens=True)
+        prefix = self.decode(self.tokens[self._prefix_offset : self._read_offset])
+        full = self.decode(self.tokens[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self.tokens)
         return full[len(prefix) :]

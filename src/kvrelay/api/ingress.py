@@ -282,7 +282,7 @@ class Ingress:
             ),
         )
         self.series.requests.labels(model=p.model.name).inc()
-        detok = IncrementalText(p.model.tokenizer)
+        detok = IncrementalText(p.model.decode)
         emitted = ""
         held = ""
         finished = False
