@@ -10,6 +10,7 @@ import pytest
 from kvrelay.core.router.queue import QUEUE_OFF, HoldOrder, Limits, RouterQueue
 
 ROOMY = Limits(max_requests=1000, max_wait_s=math.inf)
+FIFO = HoldOrder.of(0.0)
 
 
 def admit(
@@ -21,7 +22,8 @@ def admit(
     work: float = 1.0,
     order: HoldOrder | float = 0.0,
 ) -> None:
-    assert q.admit(ROOMY, rid, priority, user, work, order, workers=1) is None
+    key = order if isinstance(order, HoldOrder) else HoldOrder.of(order)
+    assert q.admit(ROOMY, rid, priority, user, work, key, workers=1) is None
 
 
 def drain(q: RouterQueue) -> list[str]:
@@ -96,9 +98,9 @@ def test_only_the_head_may_leave() -> None:
 def test_the_request_count_bound_refuses_a_new_request_with_a_retry_after() -> None:
     limits = Limits(max_requests=2, max_wait_s=math.inf)
     q = RouterQueue()
-    assert q.admit(limits, "a", 0, "", 4.0, 0.0, workers=2) is None
-    assert q.admit(limits, "b", 0, "", 4.0, 0.0, workers=2) is None
-    refusal = q.admit(limits, "c", 0, "", 4.0, 0.0, workers=2)
+    assert q.admit(limits, "a", 0, "", 4.0, FIFO, workers=2) is None
+    assert q.admit(limits, "b", 0, "", 4.0, FIFO, workers=2) is None
+    refusal = q.admit(limits, "c", 0, "", 4.0, FIFO, workers=2)
     assert refusal is not None and "2 requests are waiting" in refusal.reason
     assert refusal.retry_after_s == 2  # the mean wait per worker of one waiting request
     assert "c" not in q and len(q) == 2
@@ -108,17 +110,17 @@ def test_the_work_bound_counts_only_the_classes_that_go_first() -> None:
     limits = Limits(max_requests=100, max_wait_s=10.0)
     q = RouterQueue()
     for i in range(3):  # 0, 5 and 10 s ahead per worker: within the bound
-        assert q.admit(limits, f"batch{i}", 9, "", 10.0, 0.0, workers=2) is None
-    refusal = q.admit(limits, "more-batch", 9, "", 10.0, 0.0, workers=2)
+        assert q.admit(limits, f"batch{i}", 9, "", 10.0, FIFO, workers=2) is None
+    refusal = q.admit(limits, "more-batch", 9, "", 10.0, FIFO, workers=2)
     assert refusal is not None and "would take 15.0 s" in refusal.reason and refusal.retry_after_s == 5
-    assert q.admit(limits, "urgent", 0, "", 10.0, 0.0, workers=2) is None
+    assert q.admit(limits, "urgent", 0, "", 10.0, FIFO, workers=2) is None
     assert q.work_ahead(0) == 10.0 and q.work_ahead(9) == 40.0
 
 
 def test_a_request_that_came_back_goes_first_in_its_flow_whatever_the_bounds() -> None:
     limits = Limits(max_requests=1, max_wait_s=0.0)
     q = RouterQueue()
-    assert q.admit(limits, "waiting", 0, "u", 1.0, 0.0, workers=1) is None
+    assert q.admit(limits, "waiting", 0, "u", 1.0, FIFO, workers=1) is None
     q.requeue("retried", 0, "u", 1.0)
     assert drain(q) == ["retried", "waiting"]
 
@@ -152,7 +154,7 @@ def test_invalid_limits_name_the_bound(kwargs: dict[str, float], message: str) -
 def test_the_queue_off_limits_admit_everything() -> None:
     q = RouterQueue()
     for i in range(100):
-        assert q.admit(QUEUE_OFF, f"r{i}", 0, "", 1e6, 0.0, workers=1) is None
+        assert q.admit(QUEUE_OFF, f"r{i}", 0, "", 1e6, FIFO, workers=1) is None
 
 
 def test_random_operations_keep_every_admitted_request_until_it_leaves_once() -> None:

@@ -150,7 +150,7 @@ class RouterQueue:
         priority: int,
         user: str,
         work_s: float,
-        order: HoldOrder | float,
+        order: HoldOrder,
         workers: int,
     ) -> Refusal | None:
         """Queue a new request unless a bound refuses it; ``workers``: the live workers its work spreads over."""
@@ -165,7 +165,7 @@ class RouterQueue:
                 f"{limits.max_wait_s:g} s",
                 _secs(wait - limits.max_wait_s),
             )
-        self._push(request_id, priority, user, work_s, order if isinstance(order, HoldOrder) else HoldOrder.of(order))
+        self._push(request_id, priority, user, work_s, order)
         return None
 
     def requeue(self, request_id: str, priority: int, user: str, work_s: float) -> None:
