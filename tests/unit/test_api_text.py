@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvrelay.api.detokenize import IncrementalText, text_decoder
+from kvrelay.api.served_model import ServedModel, encode_prompt
 from kvrelay.api.stop_strings import cut_at_stop
 from kvrelay.launch.catalog import load_served_model
 from kvrelay.models.loading.loader import load_artifacts
@@ -37,6 +38,22 @@ def test_the_decoder_gives_transformers_text_for_any_ids(which: str, request: py
     for _ in range(300):
         ids = [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))]
         assert decode(ids) == tok.decode(ids, skip_special_tokens=True), f"seed {seed}, ids {ids}"
+
+
+@pytest.mark.parametrize("which", ["tiny", "gemma"])
+def test_prompts_encode_to_the_tokenizers_ids(which: str, request: pytest.FixtureRequest) -> None:
+    """Random texts (letters, spaces, newlines, accents, CJK, emoji, special-token markup) get the ids of the
+    backend's ``encode``, with and without special tokens."""
+    tok = request.getfixturevalue("tokenizer" if which == "tiny" else "gemma_tokenizer")
+    model = ServedModel("m", tok, "llama", 1 << 20)
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    pieces = ["a", "word", " ", "  ", "\n", "\n\n", "é", "naïve", "東京", "🚀", "<bos>", "<start_of_turn>", "1234", "."]
+    for _ in range(100):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 60)))
+        for special in (True, False):
+            expected = tok.backend_tokenizer.encode(text, add_special_tokens=special).ids
+            assert encode_prompt(model, text, special, "prompt") == expected, f"seed {seed}, text {text!r}"
 
 
 def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers(tokenizer) -> None:  # type: ignore[no-untyped-def]
