@@ -1,12 +1,12 @@
 """Pytest fixtures over ``kvrelay.testing``: a moto S3 endpoint, test credentials, a fact-store database, real
-vLLM servers of a tiny model shared by the session; and ``isa``, which runs a native kernel's test once per
-instruction set it is written for."""
+vLLM servers of a tiny model shared by the session, the default model's (Gemma 3 270M's) tokenizer shared by
+the session; and ``isa``, which runs a native kernel's test once per instruction set it is written for."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -69,6 +69,14 @@ def vllm_engines(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     specs = [tiny_vllm_spec(vllm_model), tiny_vllm_spec(vllm_model)]
     with started_vllm_servers(specs, tmp_path_factory.mktemp("vllm-logs")) as servers:
         yield servers
+
+
+@pytest.fixture(scope="session")
+def gemma_tokenizer() -> Any:
+    """The tokenizer ``kvrelay serve`` serves its default model with."""
+    from kvrelay.launch.catalog import load_served_model
+
+    return load_served_model(None).tokenizer
 
 
 @pytest.fixture(params=sorted(build.ISA_FLAGS))

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 
 from kvrelay.api.templates import TemplateRejected, canonical_turns, render_chat
-from kvrelay.launch.catalog import load_served_model
 from kvrelay.models.loading.loader import load_artifacts
 from kvrelay.testing.tiny_models import make_tiny_model
 
@@ -64,11 +63,6 @@ def test_roles_map_onto_alternating_turns(messages: list[tuple[str, str]], turns
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return load_artifacts(make_tiny_model("llama", tmp_path_factory.mktemp("templates"))).tokenizer
-
-
-@pytest.fixture(scope="module")
-def gemma_tokenizer() -> Any:
-    return load_served_model(None).tokenizer
 
 
 def check_rendering(tokenizer: Any, architecture: str, model_turn: str) -> None:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import pytest
 
 from kvrelay.api.detokenize import IncrementalText, text_decoder
 from kvrelay.api.served_model import ServedModel, encode_prompt
 from kvrelay.api.stop_strings import cut_at_stop
-from kvrelay.launch.catalog import load_served_model
 from kvrelay.models.loading.loader import load_artifacts
 from kvrelay.testing.tiny_models import make_tiny_model
 
@@ -18,11 +16,6 @@ from kvrelay.testing.tiny_models import make_tiny_model
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     return load_artifacts(make_tiny_model("llama", tmp_path_factory.mktemp("tok"))).tokenizer
-
-
-@pytest.fixture(scope="module")
-def gemma_tokenizer() -> Any:
-    return load_served_model(None).tokenizer
 
 
 @pytest.mark.parametrize("which", ["tiny", "gemma"])
