@@ -6,7 +6,8 @@ a fault can land mid-decode. Every fault test streams the same greedy request
 and compares it with the uninterrupted answer: the consumer must see every
 token exactly once, in order, and exactly the budget.
 
-Timeouts of the module's router: offers 1 s, worker expiry 4 s.
+Timeouts of the module's router: offers 1 s, worker expiry 4 s; the directed-partition test has its own
+router with an expiry of 30 s.
 
 Partition semantics (what ``test_directed_partition...`` checks): while
 worker -> router bytes are held, offers and cancels still reach the worker.
@@ -50,6 +51,9 @@ BUDGET = 300
 LONG_BUDGET = 1200
 """Long enough that the partitioned worker is still decoding when the offer times out."""
 ROUTER_FLAGS = ("--offer-timeout-s", "1.0", "--worker-expiry-s", "4.0")
+PARTITION_EXPIRY_S = 30.0
+"""Longer than the partition of the directed-partition test, which outlasts a worker's start."""
+PARTITION_ROUTER_FLAGS = ("--offer-timeout-s", "1.0", "--worker-expiry-s", str(PARTITION_EXPIRY_S))
 
 
 @dataclass
@@ -199,36 +203,44 @@ def test_sigterm_lets_a_running_request_finish_within_the_grace_period(cluster: 
     assert after["finished_length"] == before.get("finished_length", 0) + 1
 
 
-def test_directed_partition_offer_times_out_and_the_worker_releases_on_cancel(cluster: Cluster) -> None:
-    """Worker -> router bytes held; see the module docstring for what happens when."""
-    twin = "twinllama"
-    proxy = TcpProxy(cluster.router.worker_port).start()
+def test_directed_partition_offer_times_out_and_the_worker_releases_on_cancel(cluster: Cluster, tmp_path: Path) -> None:
+    """Worker -> router bytes held; see the module docstring for what happens when.
+
+    The partition lasts until pb, started during it, is live (seconds on a loaded machine): this test has its own
+    router, with the module's offer timeout and an expiry of ``PARTITION_EXPIRY_S``, so that it heals before expiry.
+    """
+    twin = cluster.home / "twinllama"
+    router = Router(tmp_path, twin, *PARTITION_ROUTER_FLAGS)
+    part = Cluster(tmp_path, twin, router)
+    proxy = TcpProxy(router.worker_port).start()
     prompt = PROMPT * 16
     try:
-        cluster.start("pa", model=cluster.home / twin, url=f"ws://127.0.0.1:{proxy.port}/workers")
-        complete(cluster.router.http_url, twin, prompt, 1)  # pa's one-off costs paid
-        pa = cluster.workers["pa"]
-        epoch = cluster.router.live_workers()["pa"]["epoch"]
-        timeouts = cluster.counters().get("offer_timeouts", 0)
+        part.start("pa", url=f"ws://127.0.0.1:{proxy.port}/workers")
+        complete(router.http_url, twin.name, prompt, 1)  # pa's one-off costs paid
+        pa = part.workers["pa"]
+        epoch = router.live_workers()["pa"]["epoch"]
+        timeouts = part.counters().get("offer_timeouts", 0)
         mark = pa.mark()
         proxy.block("upstream")
-        request = StreamingRequest(cluster.router.http_url, twin, prompt, LONG_BUDGET)
-        # pa is the only worker serving twinllama, so the router offers it there (not by residency against a
-        # second worker: once a prefill of this prompt is cheap, the workers' measured fixed costs decide that);
-        # pa starts decoding, its acceptance held. pb, started now, is where the request goes after the timeout.
-        cluster.start("pb", model=cluster.home / twin)
+        request = StreamingRequest(router.http_url, twin.name, prompt, LONG_BUDGET)
+        # pa is the only worker, so the router offers it there (not by residency against a second worker: once a
+        # prefill of this prompt is cheap, the workers' measured fixed costs decide that); pa starts decoding, its
+        # acceptance held. pb, started now, is where the request goes after the timeout.
+        part.start("pb")
         # until pb is live the router may offer the request to pa again, and that offer times out as well: when the
         # second offer is reserved before the first one's release, pa first holds nothing after both are cancelled
         pa.wait_for(r"worker pa holds no reservations \(epoch \d+; assignments finished 1, cancelled [1-9]", 30, mark)
-        assert cluster.counters()["offer_timeouts"] >= timeouts + 1
+        assert part.counters()["offer_timeouts"] >= timeouts + 1
         assert proxy.forwarded["downstream"] > 0
         proxy.heal()
         text = request.result(90)
         assert request.usage is not None and request.usage["completion_tokens"] == LONG_BUDGET
-        wait_until(lambda: cluster.counters().get("stale_dropped", 0) > 0, 10, "pa's held messages dropped as stale")
-        uninterrupted = complete(cluster.router.http_url, twin, prompt, LONG_BUDGET)
+        wait_until(lambda: part.counters().get("stale_dropped", 0) > 0, 10, "pa's held messages dropped as stale")
+        uninterrupted = complete(router.http_url, twin.name, prompt, LONG_BUDGET)
         assert text == uninterrupted["choices"][0]["text"]
-        assert cluster.router.live_workers()["pa"]["epoch"] == epoch
-        wait_until(lambda: holds_nothing(cluster, "pa"), 10, "a heartbeat of pa with every page free or cached")
+        assert part.counters().get("workers_expired", 0) == 0
+        assert router.live_workers()["pa"]["epoch"] == epoch
+        wait_until(lambda: holds_nothing(part, "pa"), 10, "a heartbeat of pa with every page free or cached")
     finally:
         proxy.close()
+        stop_all([*part.workers.values(), router.child])
