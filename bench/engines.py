@@ -7,7 +7,9 @@ directory under the model cache (``kvrelay.models.loading.loader.model_directory
 under the same name. Each round measures, on both servers one after the other (kvrelay first in even rounds,
 vLLM first in odd ones), with fresh prompts both servers share (``kvrelay.bench.engines.measure``), each
 measurement starting once both servers are quiet (``servers.wait_quiet``: vLLM keeps a core busy for about
-1 s after each request):
+1 s after each request). Both are read by the same streaming client (``--client``: by default the light
+one of ``kvrelay.bench.light_streams``, which takes about a fifth of the official ``openai`` client's CPU a
+token from the cores the servers run on; ``openai`` for the official one):
 
 1. ``decode_c{N}_tokens_per_s`` for each ``--streams`` N: N completions of ``--decode-prompt`` random tokens
    and ``--decode-tokens`` new tokens each, sent at once; the aggregate rate while every stream decodes.
@@ -47,7 +49,7 @@ from pathlib import Path
 import httpx
 
 from kvrelay.bench.engines.compute import bytes_per_token, flops_per_token, peak_flops, read_rate
-from kvrelay.bench.engines.measure import decode, prompts, ttft
+from kvrelay.bench.engines.measure import Client, decode, prompts, ttft
 from kvrelay.bench.engines.report import Comparison, Samples, figures, plot, print_comparisons
 from kvrelay.bench.engines.servers import EngineServer, ServerSpec, start_kvrelay, start_vllm, wait_quiet
 from kvrelay.bench.report import Figure, report
@@ -103,6 +105,14 @@ def main(argv: list[str] | None = None) -> int:
         help="GOMP_SPINCOUNT of both servers (default unset: passive OpenMP threads sleep at once); for a machine "
         "dedicated to the server, e.g. 20000",
     )
+    parser.add_argument(
+        "--client",
+        type=Client,
+        choices=list(Client),
+        default=Client.LIGHT,
+        help="the streaming client of both servers: light (aiohttp and msgspec, the default: it takes a fifth of "
+        "the official client's CPU from the cores the servers run on) or openai (the official client)",
+    )
     parser.add_argument("--ready-timeout", type=float, default=1200.0, help="seconds a server may take to start")
     parser.add_argument("--work-dir", type=Path, default=None, help="logs and kvrelay's data (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here (and the PNG next to it)")
@@ -122,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     read = read_rate(args.threads)
     print(
         f"model {name} ({model_dir}); bf16 GEMM peak {peak / 1e9:.1f} GFLOP/s (as {peak_way}); "
-        f"memory read {read / 1e9:.1f} GB/s",
+        f"memory read {read / 1e9:.1f} GB/s; the {args.client.value} client",
         flush=True,
     )
     load_before = os.getloadavg()
@@ -249,7 +259,7 @@ def run_rounds(
             for engine in order:
                 server = servers[engine]
                 wait_quiet(list(servers.values()))
-                result = decode(server.url, server.model_name, batch, args.decode_tokens)
+                result = decode(server.url, server.model_name, batch, args.decode_tokens, args.client)
                 samples.add(engine, f"decode_c{n}_tokens_per_s", result.tokens_per_s)
                 print(
                     f"round {round_} {engine:8} {n:3} streams: {result.tokens_per_s:8.1f} tokens/s "
@@ -262,10 +272,10 @@ def run_rounds(
         for engine in order:
             server = servers[engine]
             wait_quiet(list(servers.values()))
-            cold = ttft(server.url, server.model_name, cold_prompt)
+            cold = ttft(server.url, server.model_name, cold_prompt, args.client)
             before = prefix_cache_counts(server) if engine == "vllm" else None
             wait_quiet(list(servers.values()))
-            warm = ttft(server.url, server.model_name, warm_prompt)
+            warm = ttft(server.url, server.model_name, warm_prompt, args.client)
             if before is not None:
                 queries, hits = (b - a for a, b in zip(before, prefix_cache_counts(server)))
                 hit_shares.append(hits / queries if queries else 0.0)
@@ -287,8 +297,8 @@ def warm_up(servers: dict[str, EngineServer], vocab: int, streams: list[int], ar
     for engine in ENGINES:
         server = servers[engine]
         for n in streams:
-            decode(server.url, server.model_name, prompts(n, 64, vocab, seed=-n), 8)
-        ttft(server.url, server.model_name, prompts(1, args.cold_prompt, vocab, seed=-1)[0])
+            decode(server.url, server.model_name, prompts(n, 64, vocab, seed=-n), 8, args.client)
+        ttft(server.url, server.model_name, prompts(1, args.cold_prompt, vocab, seed=-1)[0], args.client)
 
 
 def prefix_cache_counts(server: EngineServer) -> tuple[float, float]:
