@@ -55,6 +55,7 @@ def test_engines_bench_writes_every_figure_and_the_plot(tmp_path: Path, python: 
     assert {"prefill_tokens_per_s", "peak_rss_mib", "vllm_prefix_cache_hit_share", "bf16_peak_gflops"} <= names
     assert {"decode_c1_share_of_compute_limit", "decode_c3_share_of_compute_limit", "warm_cached_share"} <= names
     assert {"memory_read_gbs", "decode_c1_bandwidth_floor_tokens_per_s", "decode_c1_share_of_bandwidth_floor"} <= names
+    assert {"cold_ttft_compute_floor_s", "cold_ttft_share_of_compute_floor"} <= names
     assert out.with_suffix(".png").stat().st_size > 0
     assert not processes_naming(tmp_path), "the bench left a server running"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.bench.engines.compute import bytes_per_token, flops_per_token, read_rate
+from kvrelay.bench.engines.compute import bytes_per_token, flops_per_token, prefill_flops, read_rate
 from kvrelay.models.config import ModelConfig
 
 HF = {
@@ -34,6 +34,14 @@ def test_flops_per_token_counts_projections_head_and_attention() -> None:
     config = ModelConfig.from_hf(HF)
     macs = 2 * (64 * 6 * 16 + 64 * 64 + 3 * 64 * 128) + 1000 * 64 + 2 * 4 * 16 * (8 + 20)
     assert flops_per_token(config, 20) == pytest.approx(2 * macs)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 8, 9, 37])
+def test_prefill_flops_are_each_positions_token_without_the_head_but_the_last(tokens: int) -> None:
+    config = ModelConfig.from_hf(HF)
+    head = 2 * 1000 * 64
+    by_token = sum(flops_per_token(config, position) - head for position in range(1, tokens + 1)) + head
+    assert prefill_flops(config, tokens) == pytest.approx(by_token)
 
 
 def test_read_rate_is_a_positive_rate_and_restores_the_thread_count() -> None:

@@ -5,6 +5,10 @@ of every layer, the LM head, and attention's scores and weighted values over the
 (its sliding window in sliding layers, all of them in full ones). Norms, rope and activations are left out
 (under 1 %).
 
+``prefill_flops(config, tokens)`` is a cold prefill's: every token's projections and causal attention (the
+token at position ``i`` sees ``i`` keys, or its window), and the LM head for the last token only. Over the
+peak it is the least time any runtime can take to a first token on this machine (the compute floor).
+
 ``peak_flops(threads)`` is ``threads`` times the best rate, in FLOP per second of CPU time, of a square
 bfloat16 GEMM on one torch thread, taken as torch's bfloat16 ``matmul`` or as a float32 ``matmul`` of the same
 (exactly representable) values, whichever is faster: a CPU without bfloat16 instructions (AVX2) multiplies
@@ -38,6 +42,22 @@ def flops_per_token(config: ModelConfig, context: float) -> float:
     window = config.sliding_window or 0
     for kind in config.layer_types:
         seen = min(context, window) if kind == "sliding_attention" and window else context
+        macs += 2 * heads * d * seen
+    return 2.0 * macs
+
+
+def prefill_flops(config: ModelConfig, tokens: int) -> float:
+    """FLOPs of a cold prefill of ``tokens`` positions (see the module docstring)."""
+    hidden, inner, d = config.hidden_size, config.intermediate_size, config.head_dim
+    heads, kv_heads = config.num_heads, config.num_kv_heads
+    per_layer = hidden * (heads + 2 * kv_heads) * d + heads * d * hidden + 3 * hidden * inner
+    macs = float(tokens * config.num_layers * per_layer + config.vocab_size * hidden)
+    window = config.sliding_window or 0
+    for kind in config.layer_types:
+        if kind == "sliding_attention" and window and tokens > window:
+            seen = window * (window + 1) / 2 + (tokens - window) * window
+        else:
+            seen = tokens * (tokens + 1) / 2
         macs += 2 * heads * d * seen
     return 2.0 * macs
 
