@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 from kvrelay.api.app import create_app
 from kvrelay.api.body import body_limit
 from kvrelay.api.errors import APIError
-from kvrelay.api.ingress import Ingress, Prepared
+from kvrelay.api.ingress import INLINE_PREPARE_BYTES, Ingress, Prepared
 from kvrelay.api.metrics import Metrics
 from kvrelay.api.served_model import CUT_SLACK, PROBE_CHARS_PER_TOKEN, ServedModel
 from kvrelay.cli import router as router_cli
@@ -150,6 +151,30 @@ def test_priority_and_user_reach_the_router_queue_in_both_bodies(ingress: Ingres
     assert (completion(ingress, prompt="hi", priority=None).priority, completion(ingress, prompt="hi").user) == (0, "")
     error = refusal(completion, ingress, prompt="hi", priority=2**40)
     assert (error.status, error.param) == (400, "priority"), error.message
+
+
+def test_a_small_body_is_prepared_on_the_loop_and_a_large_one_on_a_prepare_thread(
+    ingress: Ingress, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both give the same request; only where the work runs differs (the module contract)."""
+    threads: list[str] = []
+    prepare = Ingress.prepare_completion
+
+    def recorded(self: Ingress, body: Any) -> Prepared:
+        threads.append(threading.current_thread().name)
+        return prepare(self, body)
+
+    monkeypatch.setattr(Ingress, "prepare_completion", recorded)
+    small = json.dumps({"model": "m", "max_tokens": 1, "prompt": "hello world", "seed": 7}).encode()
+    large = small[:-1] + b" " * INLINE_PREPARE_BYTES + b"}"  # the same request, past the bound by its whitespace
+    loop_thread = threading.current_thread().name
+    results = asyncio.run(gather_prepared(ingress, [small, large]))
+    assert threads[0] == loop_thread and threads[1].startswith("kvrelay-prepare")
+    assert results[0] == results[1]
+
+
+async def gather_prepared(ingress: Ingress, bodies: list[bytes]) -> list[Prepared]:
+    return [(await ingress.completion(body))[1] for body in bodies]
 
 
 def test_the_body_bound_comes_from_the_contexts_unless_configured(tokenizer: Any) -> None:

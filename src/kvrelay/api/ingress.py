@@ -3,8 +3,9 @@
 It never depends on the model runtime: it submits protocol requests to a
 ``ClusterRouter`` and turns the consumer's token deltas into text. Contract:
 - ``Ingress.completion(raw)`` / ``Ingress.chat(raw)`` decode a body
-  (``api.body``), render the chat (``api.templates``), tokenize and validate it on
-  a pool of ``PREPARE_THREADS`` threads, so a huge prompt never stalls the event
+  (``api.body``), render the chat (``api.templates``), tokenize and validate it:
+  a body of at most ``INLINE_PREPARE_BYTES`` on the event loop itself, a larger
+  one on a pool of ``PREPARE_THREADS`` threads, so a huge prompt never stalls the
   loop; invalid input raises ``APIError`` naming the field.
 - ``Ingress.body_limit()`` is the byte bound of a request body (``api.body``).
 - ``Ingress.generate`` yields ``TextDelta``s then exactly one ``Final``, or
@@ -88,6 +89,10 @@ class Final:
 
 PREPARE_THREADS = 4
 """Threads that decode, template and tokenize request bodies, off the event loop."""
+INLINE_PREPARE_BYTES = 8192
+"""Bodies up to this size are prepared on the event loop (a prompt of about 2,000 tokens, under a millisecond):
+the hop to a thread and back cost more CPU than that, and the threads' hold of the GIL slowed the loop
+(docs/performance.md, "The router's CPU per request on vLLM engines")."""
 AWAITED_RETRY_S = 2
 """Seconds a client is told to wait (``Retry-After``) when its model's workers have not registered yet."""
 
@@ -129,11 +134,15 @@ class Ingress:
         return body_limit(model.context_limit for model in list(self.models.values()))
 
     async def completion(self, raw: bytes) -> tuple[CompletionRequest, Prepared]:
-        """The completion request in ``raw``, decoded and prepared on a worker thread; ``APIError`` if invalid."""
+        """The completion request in ``raw``, decoded and prepared (module contract); ``APIError`` if invalid."""
+        if len(raw) <= INLINE_PREPARE_BYTES:
+            return self._completion(raw)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._completion, raw)
 
     async def chat(self, raw: bytes) -> tuple[ChatRequest, Prepared]:
-        """The chat request in ``raw``, decoded, templated and prepared on a worker thread; ``APIError`` if invalid."""
+        """The chat request in ``raw``, decoded, templated and prepared (module contract); ``APIError`` if invalid."""
+        if len(raw) <= INLINE_PREPARE_BYTES:
+            return self._chat(raw)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._chat, raw)
 
     def close(self) -> None:
