@@ -47,7 +47,7 @@ class _Chunk(msgspec.Struct):
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 
 
-def read_chunk(record: StreamRecord, chunk: _Chunk, now: float) -> None:
+def _read_chunk(record: StreamRecord, chunk: _Chunk, now: float) -> None:
     """Fold one streamed chunk into ``record`` (text chunks timed at ``now``)."""
     if chunk.error is not None:
         record.error = f"error chunk: {chunk.error}"
@@ -94,7 +94,7 @@ async def _one(
                 *lines, rest = (rest + data).split(b"\n")
                 for line in lines:
                     if line.startswith(b"data: ") and line != b"data: [DONE]":
-                        read_chunk(record, _decode_chunk(line[6:]), now)
+                        _read_chunk(record, _decode_chunk(line[6:]), now)
                 if record.error is not None:
                     return
                 if cancel_at is not None and len(record.token_times) >= cancel_at:
