@@ -8,7 +8,7 @@ under the same name. Each round measures, on both servers one after the other (k
 vLLM first in odd ones), with fresh prompts both servers share (``kvrelay.bench.engines.measure``), each
 measurement starting once both servers are quiet (``servers.wait_quiet``: vLLM keeps a core busy for about
 1 s after each request). Both are read by the same streaming client (``--client``: by default the light
-one of ``kvrelay.bench.light_streams``, which takes about a fifth of the official ``openai`` client's CPU a
+one of ``kvrelay.bench.streams``, which takes about a fifth of the official ``openai`` client's CPU a
 token from the cores the servers run on; ``openai`` for the official one):
 
 1. ``decode_c{N}_tokens_per_s`` for each ``--streams`` N: N completions of ``--decode-prompt`` random tokens
@@ -53,10 +53,11 @@ from statistics import median
 import httpx
 
 from kvrelay.bench.engines.compute import bytes_per_token, flops_per_token, peak_flops, prefill_flops, read_rate
-from kvrelay.bench.engines.measure import Client, decode, prompts, ttft
+from kvrelay.bench.engines.measure import decode, prompts, ttft
 from kvrelay.bench.engines.report import Comparison, Samples, figures, plot, print_comparisons
 from kvrelay.bench.engines.servers import EngineServer, ServerSpec, start_kvrelay, start_vllm, wait_quiet
 from kvrelay.bench.report import Figure, report
+from kvrelay.bench.streams import StreamClient
 from kvrelay.engines.vllm.identity import DTYPE_BYTES
 from kvrelay.launch.vllm_server import UNIPROCESS_ARGS, UNIPROCESS_ENV, VllmNotInstalled, vllm_python
 from kvrelay.models.config import ModelConfig
@@ -111,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--client",
-        type=Client,
-        choices=list(Client),
-        default=Client.LIGHT,
+        type=StreamClient,
+        choices=list(StreamClient),
+        default=StreamClient.LIGHT,
         help="the streaming client of both servers: light (aiohttp and msgspec, the default: it takes a fifth of "
         "the official client's CPU from the cores the servers run on) or openai (the official client)",
     )

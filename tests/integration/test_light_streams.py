@@ -1,7 +1,7 @@
 """The benchmarks' light streaming client reads what the official ``openai`` client reads, from a real server.
 
 An embedded kvrelay server of a tiny random Gemma 3: the same token-id prompts streamed by
-``bench.light_streams`` and by ``bench.streams`` (the official client) give the same text, finish reason,
+``bench.streams``' light client and by the official one give the same text, finish reason,
 completion and cached tokens; a cancelled stream stops after its chunks;
 an unknown model is an error in the record, not an exception.
 """
@@ -12,8 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvrelay.bench.light_streams import run_light_streams
-from kvrelay.bench.streams import run_streams
+from kvrelay.bench.streams import StreamClient, run_streams
 from kvrelay.testing.tiny_models import make_tiny_model
 from tests.support.server_thread import ServerThread
 
@@ -32,23 +31,23 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
 def test_the_light_client_reads_what_the_official_client_reads(server: ServerThread) -> None:
     model = served_name(server)
     official = run_streams(server.base_url, model, PROMPTS, MAX_TOKENS, concurrency=len(PROMPTS))
-    light = run_light_streams(server.base_url, model, PROMPTS, MAX_TOKENS, concurrency=len(PROMPTS))
+    light = run_streams(server.base_url, model, PROMPTS, MAX_TOKENS, len(PROMPTS), client=StreamClient.LIGHT)
     assert all(r.error is None and r.completed for r in official + light), [r.error for r in official + light]
     for a, b in zip(official, light, strict=True):
         assert b.text == a.text and b.text
         assert b.finish_reason == a.finish_reason
         assert b.completion_tokens == a.completion_tokens
-        assert b.cached_tokens is not None and b.cached_tokens >= a.cached_tokens  # the same prompt again: cached
+        assert b.cached_tokens is not None and b.cached_tokens >= (a.cached_tokens or 0)  # the same prompt again
         assert 1 <= len(b.token_times) <= MAX_TOKENS  # chunks: the server relays tokens that queued as one
         assert b.sent <= b.token_times[0] <= b.token_times[-1]
 
 
 def test_a_cancelled_light_stream_stops_and_a_refused_one_records_the_error(server: ServerThread) -> None:
     model = served_name(server)
-    (cancelled,) = run_light_streams(server.base_url, model, PROMPTS[:1], 200, concurrency=1, cancel_after={0: 2})
+    (cancelled,) = run_streams(server.base_url, model, PROMPTS[:1], 200, 1, {0: 2}, client=StreamClient.LIGHT)
     assert cancelled.cancelled and cancelled.error is None
     assert 2 <= len(cancelled.token_times) < 200 and cancelled.completion_tokens is None
-    (refused,) = run_light_streams(server.base_url, "no-such-model", PROMPTS[:1], 4, concurrency=1)
+    (refused,) = run_streams(server.base_url, "no-such-model", PROMPTS[:1], 4, 1, client=StreamClient.LIGHT)
     assert refused.error is not None and refused.error.startswith("HTTP 404") and "no-such-model" in refused.error
     assert not refused.token_times and not refused.completed
 

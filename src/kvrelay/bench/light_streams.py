@@ -1,8 +1,8 @@
-"""Streaming completions read by a light SSE client (``aiohttp`` and ``msgspec``), timed at the client.
+"""The light client of ``bench.streams`` (``StreamClient.LIGHT``): ``aiohttp`` and ``msgspec``.
 
-The contract of ``bench.streams.run_streams`` (one ``StreamRecord`` per prompt, in prompt order; token-id
-prompts, greedy, usage included; ``cancel_after``; ``timeout_s`` for the next bytes; errors kept in the
-record, never raised), at a small part of the official ``openai`` client's CPU a chunk. On a machine where
+``light_session(base_url, model, timeout_s)`` yields a ``bench.streams.Send`` with the official client's
+contract (a token-id prompt, greedy, usage included; ``timeout_s`` for the next bytes; a cancel after so many
+text chunks; errors kept in the record, never raised), at a small part of its CPU a chunk. On a machine where
 the client shares the cores with the server it measures, each core-second the client takes is taken from
 the server's device team, which pays nearly two for it (docs/performance.md, "Served decode against the
 engine alone"); a user's clients run elsewhere.
@@ -13,15 +13,16 @@ client that falls behind does not stretch the server's figures.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import aiohttp
 import msgspec
 
-from kvrelay.bench.streams import StreamRecord, new_records
+from kvrelay.bench.streams import Send, StreamRecord
 
 
 class _Details(msgspec.Struct):
@@ -45,22 +46,6 @@ class _Chunk(msgspec.Struct):
 
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
-
-
-def _read_chunk(record: StreamRecord, chunk: _Chunk, now: float) -> None:
-    """Fold one streamed chunk into ``record`` (text chunks timed at ``now``)."""
-    if chunk.error is not None:
-        record.error = f"error chunk: {chunk.error}"
-    if chunk.usage is not None:
-        record.completion_tokens = chunk.usage.completion_tokens
-        details = chunk.usage.prompt_tokens_details
-        record.cached_tokens = details.cached_tokens if details is not None else None
-    for choice in chunk.choices:
-        if choice.text:
-            record.token_times.append(now)
-            record.text += choice.text
-        if choice.finish_reason:
-            record.finish_reason = choice.finish_reason
 
 
 async def _one(
@@ -94,9 +79,11 @@ async def _one(
                 *lines, rest = (rest + data).split(b"\n")
                 for line in lines:
                     if line.startswith(b"data: ") and line != b"data: [DONE]":
-                        _read_chunk(record, _decode_chunk(line[6:]), now)
-                if record.error is not None:
-                    return
+                        chunk = _decode_chunk(line[6:])
+                        if chunk.error is not None:
+                            record.error = f"error chunk: {chunk.error}"
+                            return
+                        record.read(chunk, now)
                 if cancel_at is not None and len(record.token_times) >= cancel_at:
                     record.cancelled = True
                     response.close()
@@ -105,44 +92,10 @@ async def _one(
         record.error = f"{type(exc).__name__}: {exc}"
 
 
-async def _run(
-    base_url: str,
-    model: str,
-    prompts: Sequence[Sequence[int]],
-    max_tokens: int,
-    concurrency: int,
-    cancel_after: dict[int, int],
-    on_done: Callable[[StreamRecord], None],
-    records: list[StreamRecord],
-    timeout_s: float,
-) -> list[StreamRecord]:
-    gate = asyncio.Semaphore(max(1, concurrency))
+@asynccontextmanager
+async def light_session(base_url: str, model: str, timeout_s: float) -> AsyncIterator[Send]:
+    """A session of unlimited connections; ``send`` streams one completion (see the module contract)."""
     timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout_s)
     url = base_url + "/v1/completions"
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-
-        async def guarded(i: int) -> None:
-            async with gate:
-                await _one(session, url, model, prompts[i], max_tokens, records[i], cancel_after.get(i))
-            on_done(records[i])
-
-        await asyncio.gather(*(guarded(i) for i in range(len(prompts))))
-    return records
-
-
-def run_light_streams(
-    base_url: str,
-    model: str,
-    prompts: Sequence[Sequence[int]],
-    max_tokens: int,
-    concurrency: int,
-    cancel_after: dict[int, int] | None = None,
-    on_done: Callable[[StreamRecord], None] = lambda r: None,
-    records: list[StreamRecord] | None = None,
-    timeout_s: float = 300.0,
-) -> list[StreamRecord]:
-    """``bench.streams.run_streams`` with the light client (see the module contract)."""
-    records = new_records(prompts) if records is None else records
-    return asyncio.run(
-        _run(base_url, model, prompts, max_tokens, concurrency, cancel_after or {}, on_done, records, timeout_s)
-    )
+        yield partial(_one, session, url, model)

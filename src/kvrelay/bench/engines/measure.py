@@ -1,6 +1,6 @@
 """The figures ``bench/engines.py`` takes of one OpenAI-compatible server, through the same streaming client
-for both servers (``Client``: the light one of ``kvrelay.bench.light_streams`` or the official ``openai``
-client of ``kvrelay.bench.streams``; token-id prompts, greedy).
+for both servers (``kvrelay.bench.streams`` with its ``StreamClient``: the light one or the official ``openai``
+client; token-id prompts, greedy).
 
 - ``decode``: ``streams`` completions sent at once, each a fresh prompt; the aggregate decode rate is counted
   in the window where every stream is decoding (from the moment the last stream got its first token to the
@@ -18,28 +18,14 @@ ones at the start of a large vocabulary); the same seed gives both servers the s
 
 from __future__ import annotations
 
-import enum
 import random
 from dataclasses import dataclass
 
-from kvrelay.bench.light_streams import run_light_streams
-from kvrelay.bench.streams import StreamRecord, run_streams
+from kvrelay.bench.streams import StreamClient, StreamRecord, run_streams
 
 STREAM_TIMEOUT_S = 3600.0
 """How long a stream may wait for its next bytes: a slow server is measured, not failed (vLLM's bfloat16 path on
 a CPU without AVX-512 takes minutes for a 32-stream prefill on a busy 2-core machine)."""
-
-
-class Client(enum.Enum):
-    """The streaming client both servers are measured through."""
-
-    LIGHT = "light"
-    """``aiohttp`` and ``msgspec``: about a fifth of the official client's CPU a token."""
-    OPENAI = "openai"
-
-    def run(self, url: str, model: str, batch: list[list[int]], max_tokens: int) -> list[StreamRecord]:
-        streams = run_light_streams if self is Client.LIGHT else run_streams
-        return streams(url, model, batch, max_tokens, concurrency=len(batch), timeout_s=STREAM_TIMEOUT_S)
 
 
 class MeasureError(RuntimeError):
@@ -69,9 +55,9 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(low, high) for _ in range(length)] for _ in range(count)]
 
 
-def decode(url: str, model: str, batch: list[list[int]], max_tokens: int, client: Client) -> Decode:
+def decode(url: str, model: str, batch: list[list[int]], max_tokens: int, client: StreamClient) -> Decode:
     """The aggregate decode rate of ``batch`` streamed at once (see the module docstring)."""
-    records = client.run(url, model, batch, max_tokens)
+    records = _streams(url, model, batch, max_tokens, client)
     _check(url, records)
     return Decode(len(batch), decode_rate(records), decode_window(records), sum(_tokens(r) for r in records))
 
@@ -101,12 +87,16 @@ def decode_rate(records: list[StreamRecord]) -> float:
     return tokens / (end - start)
 
 
-def ttft(url: str, model: str, prompt: list[int], client: Client, max_tokens: int = 4) -> Ttft:
+def ttft(url: str, model: str, prompt: list[int], client: StreamClient, max_tokens: int = 4) -> Ttft:
     """The first text's delay of ``prompt`` sent alone, and its cached prompt tokens."""
-    (record,) = client.run(url, model, [prompt], max_tokens)
+    (record,) = _streams(url, model, [prompt], max_tokens, client)
     _check(url, [record])
     assert record.ttft_s is not None
     return Ttft(record.ttft_s, len(prompt), record.cached_tokens or 0)
+
+
+def _streams(url: str, model: str, batch: list[list[int]], max_tokens: int, client: StreamClient) -> list[StreamRecord]:
+    return run_streams(url, model, batch, max_tokens, len(batch), timeout_s=STREAM_TIMEOUT_S, client=client)
 
 
 def _tokens(record: StreamRecord) -> int:
