@@ -47,6 +47,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 
@@ -193,28 +194,19 @@ def main(argv: list[str] | None = None) -> int:
     context = args.decode_prompt + args.decode_tokens / 2
     limit = peak / flops_per_token(config, context)
     for n, c in decodes:
-        shares = Samples()
-        for engine, values in (("kvrelay", c.ours), ("vllm", c.theirs)):
-            for value in values:
-                shares.add(engine, "share", value / limit)
-        comparisons.append(compare(shares, "share", "ratio", True, name=f"decode_c{n}_share_of_compute_limit"))
+        comparisons.append(share_of(c, lambda engine, value: value / limit, f"decode_c{n}_share_of_compute_limit"))
     floors = {
         "kvrelay": read / bytes_per_token(config, context, SCREENED_HEAD_BYTES * config.hidden_size + 36),
         "vllm": read / bytes_per_token(config, context, 2 * config.hidden_size),
     }
     one_stream = dict(decodes).get(1)
     if one_stream is not None:
-        shares = Samples()
-        for engine, values in (("kvrelay", one_stream.ours), ("vllm", one_stream.theirs)):
-            for value in values:
-                shares.add(engine, "share", value / floors[engine])
-        comparisons.append(compare(shares, "share", "ratio", True, name="decode_c1_share_of_bandwidth_floor"))
+        by_floor = share_of(
+            one_stream, lambda engine, value: value / floors[engine], "decode_c1_share_of_bandwidth_floor"
+        )
+        comparisons.append(by_floor)
     floor_s = prefill_flops(config, args.cold_prompt) / peak
-    shares = Samples()
-    for engine, values in (("kvrelay", cold.ours), ("vllm", cold.theirs)):
-        for value in values:
-            shares.add(engine, "share", floor_s / value)
-    comparisons.append(compare(shares, "share", "ratio", True, name="cold_ttft_share_of_compute_floor"))
+    comparisons.append(share_of(cold, lambda engine, value: floor_s / value, "cold_ttft_share_of_compute_floor"))
     print_comparisons(comparisons, peer)
     out = figures(comparisons, peer)
     out += [
@@ -331,6 +323,15 @@ def compare(
     return Comparison(
         name or figure, unit, tuple(samples.of("kvrelay", figure)), tuple(samples.of("vllm", figure)), higher, goal
     )
+
+
+def share_of(c: Comparison, share: Callable[[str, float], float], name: str) -> Comparison:
+    """Each round's ``share(engine, value)`` of ``c`` on both servers, compared as a ratio named ``name``."""
+    shares = Samples()
+    for engine, values in (("kvrelay", c.ours), ("vllm", c.theirs)):
+        for value in values:
+            shares.add(engine, "share", share(engine, value))
+    return compare(shares, "share", "ratio", True, name=name)
 
 
 if __name__ == "__main__":

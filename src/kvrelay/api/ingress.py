@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvrelay.api.body import body_limit, decode_body
 from kvrelay.api.detokenize import IncrementalText
@@ -87,6 +87,8 @@ class Final:
     ttft_s: float | None
 
 
+T = TypeVar("T")
+
 PREPARE_THREADS = 4
 """Threads that decode, template and tokenize request bodies, off the event loop."""
 INLINE_PREPARE_BYTES = 8192
@@ -135,15 +137,17 @@ class Ingress:
 
     async def completion(self, raw: bytes) -> tuple[CompletionRequest, Prepared]:
         """The completion request in ``raw``, decoded and prepared (module contract); ``APIError`` if invalid."""
-        if len(raw) <= INLINE_PREPARE_BYTES:
-            return self._completion(raw)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._completion, raw)
+        return await self._prepared(self._completion, raw)
 
     async def chat(self, raw: bytes) -> tuple[ChatRequest, Prepared]:
         """The chat request in ``raw``, decoded, templated and prepared (module contract); ``APIError`` if invalid."""
+        return await self._prepared(self._chat, raw)
+
+    async def _prepared(self, prepare: Callable[[bytes], T], raw: bytes) -> T:
+        """``prepare(raw)`` on the loop for a body up to ``INLINE_PREPARE_BYTES``, else on a prepare thread."""
         if len(raw) <= INLINE_PREPARE_BYTES:
-            return self._chat(raw)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._chat, raw)
+            return prepare(raw)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, prepare, raw)
 
     def close(self) -> None:
         """Stop the preparing threads; a preparation under way finishes on its own."""

@@ -3,8 +3,9 @@
 ``run_streams`` sends one streaming completion per prompt (token ids), at most
 ``concurrency`` at a time, through ``client`` (``StreamClient``: the official
 ``openai`` client by default, or the light one of ``bench.light_streams``), and
-returns one ``StreamRecord`` per prompt in prompt order. Times are ``time.monotonic()``: ``sent`` before the request,
-``token_times`` at every chunk that carries text. A prompt whose index is in
+returns one ``StreamRecord`` per prompt in prompt order. Times are
+``time.monotonic()``: ``sent`` before the request, ``token_times`` at every
+chunk that carries text. A prompt whose index is in
 ``cancel_after`` is cancelled by the client (its connection closed) once it
 has received that many text chunks. A stream that waits ``timeout_s`` (default
 300) for its next bytes fails. Errors are kept in the record, never raised.
