@@ -176,6 +176,33 @@ def test_capacity_shortage_waits_in_the_queue_until_a_heartbeat_shows_room() -> 
     assert len(offers(fx)) == 1
 
 
+def test_an_accepted_request_that_ends_before_the_next_heartbeat_gives_its_pages_back() -> None:
+    # 40 free pages of 16 tokens; each request needs 33 (513 prompt tokens and 4 new ones): one at a time fits.
+    d = Driver()
+    d.message(heartbeat("w0", pages_free=40))
+    (first,) = offers(d.request("r1", PROMPT))
+    d.accept(first)
+    assert not offers(d.request("r2", PROMPT)), "the worker's pages are held by r1, which the router knows of"
+    assert d.state.requests["r2"].phase == "queued"
+    fx = d.result(first.offer.assignment, first.worker_id, (1, 2, 3, 4))
+    (second,) = offers(fx)  # r1 ended and no heartbeat came since: its pages are back at once
+    assert second.offer.assignment.request_id == "r2"
+    assert d.state.views["w0"].load.accepted_pages == 0 and d.state.views["w0"].load.inflight_pages == 33
+
+
+def test_pages_a_heartbeat_reported_in_use_come_back_with_the_next_heartbeat_not_at_the_end() -> None:
+    d = Driver()
+    d.message(heartbeat("w0", pages_free=40))
+    (first,) = offers(d.request("r1", PROMPT))
+    d.accept(first)
+    d.message(heartbeat("w0", seq=2, pages_free=7))  # the worker's report counts r1's 33 pages
+    d.result(first.offer.assignment, first.worker_id, (1, 2, 3, 4))
+    assert d.state.views["w0"].load.accepted_pages == 0
+    assert not offers(d.request("r2", PROMPT)), "7 free pages as reported: r2 waits for a heartbeat that frees r1's"
+    (second,) = offers(d.message(heartbeat("w0", seq=3, pages_free=40)))
+    assert second.offer.assignment.request_id == "r2"
+
+
 def test_registry_rejects_old_heartbeats_and_a_new_epoch_fences_the_old() -> None:
     d = two_workers()
     assert not d.message(heartbeat("w0", seq=1))

@@ -126,7 +126,7 @@ class WorkerLoad:
     inflight_pages: int = 0
     """Pages demanded by offers sent there and not yet answered."""
     accepted_pages: int = 0
-    """Pages of offers accepted since that worker's last heartbeat."""
+    """Pages of offers accepted since that worker's last heartbeat and not ended since."""
     active: int = 0
     """Assignments currently offered to or running on the worker."""
 
@@ -145,6 +145,19 @@ class WorkerLoad:
         count to hand back to ``unheard_released``."""
         self.accepted_unheard_s += estimate_s
         return self.heartbeats
+
+    def pages_accepted(self, pages: int) -> int:
+        """The worker accepted an offer of ``pages``: they count until the next heartbeat, which reports them.
+        Returns the heartbeat count to hand back to ``pages_released``."""
+        self.accepted_pages += pages
+        return self.heartbeats
+
+    def pages_released(self, pages: int, accepted_at: int) -> None:
+        """An accepted offer of ``pages`` ended; ``accepted_at``: what ``pages_accepted`` returned for it. Takes
+        its pages back unless a heartbeat came since: the worker freed them, and no heartbeat will say so before
+        the next one, so until then they would count against a worker that has them."""
+        if accepted_at == self.heartbeats:
+            self.accepted_pages = max(0, self.accepted_pages - pages)
 
     def heard(self) -> None:
         """A heartbeat arrived: it counts every offer accepted before it."""

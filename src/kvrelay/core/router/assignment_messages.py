@@ -77,7 +77,7 @@ def _on_offer_result(state: RouterState, rs: RequestState, msg: OfferResult, now
     if rs.holds_inflight and view is not None:
         view.load.inflight_pages = max(0, view.load.inflight_pages - rs.demand_pages)
         if msg.accepted:
-            view.load.accepted_pages += rs.demand_pages
+            rs.pages_accepted_at = view.load.pages_accepted(rs.demand_pages)
     if msg.accepted and rs.holds_outstanding and view is not None:
         rs.accepted_at = view.load.accepted(rs.estimate_s)
     rs.holds_inflight = False

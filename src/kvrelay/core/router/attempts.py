@@ -287,9 +287,12 @@ def release(state: RouterState, rs: RequestState) -> None:
             release_estimate(load, rs)
         if rs.holds_inflight:
             load.inflight_pages = max(0, load.inflight_pages - rs.demand_pages)
+        if rs.pages_accepted_at is not None:
+            load.pages_released(rs.demand_pages, rs.pages_accepted_at)
         load.active = max(0, load.active - 1)
         state.roster.requeue(view)  # ``queue_of`` counts the outstanding estimates and the requests in flight
     rs.holds_outstanding = rs.holds_inflight = False
+    rs.pages_accepted_at = None
     state.by_worker.get(wid, set()).discard(rs.request.request_id)
     state.pending.release(rs.request.request_id)
     rs.worker_id = None

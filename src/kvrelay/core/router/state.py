@@ -81,6 +81,9 @@ class RequestState:
     accepted_at: int | None = None
     """The worker's heartbeat count when the current attempt's acceptance arrived (``WorkerLoad.accepted``)."""
     holds_inflight: bool = False
+    pages_accepted_at: int | None = None
+    """The worker's heartbeat count when the current attempt's pages were counted accepted
+    (``WorkerLoad.pages_accepted``); None while they are not."""
     delivered: list[int] = field(default_factory=list)
     attempt_start: int = 0
     next_seq: int = 0
