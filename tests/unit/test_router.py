@@ -190,17 +190,19 @@ def test_an_accepted_request_that_ends_before_the_next_heartbeat_gives_its_pages
     assert d.state.views["w0"].load.accepted_pages == 0 and d.state.views["w0"].load.inflight_pages == 33
 
 
-def test_pages_a_heartbeat_reported_in_use_come_back_with_the_next_heartbeat_not_at_the_end() -> None:
+def test_pages_a_heartbeat_reported_in_use_come_back_when_their_request_ends() -> None:
     d = Driver()
     d.message(heartbeat("w0", pages_free=40))
     (first,) = offers(d.request("r1", PROMPT))
     d.accept(first)
     d.message(heartbeat("w0", seq=2, pages_free=7))  # the worker's report counts r1's 33 pages
-    d.result(first.offer.assignment, first.worker_id, (1, 2, 3, 4))
-    assert d.state.views["w0"].load.accepted_pages == 0
-    assert not offers(d.request("r2", PROMPT)), "7 free pages as reported: r2 waits for a heartbeat that frees r1's"
-    (second,) = offers(d.message(heartbeat("w0", seq=3, pages_free=40)))
+    assert not offers(d.request("r2", PROMPT)), "7 free pages as reported, r1 still running: r2 waits"
+    (second,) = offers(d.result(first.offer.assignment, first.worker_id, (1, 2, 3, 4)))
     assert second.offer.assignment.request_id == "r2"
+    load = d.state.views["w0"].load
+    assert (load.released_pages, load.inflight_pages) == (33, 33)
+    d.message(heartbeat("w0", seq=3, pages_free=40))  # the next report frees r1's pages itself
+    assert (load.released_pages, load.accepted_pages) == (0, 0)
 
 
 def test_registry_rejects_old_heartbeats_and_a_new_epoch_fences_the_old() -> None:

@@ -200,7 +200,7 @@ def _evaluate(
     """
     hb, load = worker.heartbeat, worker.load
     pt = hb.page_tokens
-    available = hb.pages_free + hb.pages_evictable - load.inflight_pages - load.accepted_pages
+    available = hb.pages_free + hb.pages_evictable - load.pages_held
     chunk_bytes = hb.kv_bytes_per_token * chunk_tokens
     per_token = score_per_token(hb, scoring)
     fixed = prompt_len * per_token
@@ -273,7 +273,7 @@ def _planned_for(
 ) -> tuple[object, ...]:
     """Everything ``_evaluate`` reads of a worker and a request besides the route and its scoring."""
     load = worker.load
-    return (worker.heartbeat, load.inflight_pages, load.accepted_pages, prompt_len, max_new, base_queue, lower_load)
+    return (worker.heartbeat, load.pages_held, prompt_len, max_new, base_queue, lower_load)
 
 
 SharedRoute = tuple[tuple[RouteSegment, ...], list[Boundary]]

@@ -127,6 +127,8 @@ class WorkerLoad:
     """Pages demanded by offers sent there and not yet answered."""
     accepted_pages: int = 0
     """Pages of offers accepted since that worker's last heartbeat and not ended since."""
+    released_pages: int = 0
+    """Pages of requests that ended since that worker's last heartbeat, which that heartbeat counted in use."""
     active: int = 0
     """Assignments currently offered to or running on the worker."""
 
@@ -152,15 +154,25 @@ class WorkerLoad:
         self.accepted_pages += pages
         return self.heartbeats
 
+    @property
+    def pages_held(self) -> int:
+        """Pages to count against the worker beyond its last heartbeat's figures: offers in flight and accepted
+        since, less the pages of requests that ended since (negative where those outweigh them)."""
+        return self.inflight_pages + self.accepted_pages - self.released_pages
+
     def pages_released(self, pages: int, accepted_at: int) -> None:
-        """An accepted offer of ``pages`` ended; ``accepted_at``: what ``pages_accepted`` returned for it. Takes
-        its pages back unless a heartbeat came since: the worker freed them, and no heartbeat will say so before
-        the next one, so until then they would count against a worker that has them."""
+        """An accepted offer of ``pages`` ended; ``accepted_at``: what ``pages_accepted`` returned for it. The
+        worker freed its pages, and no heartbeat says so before the next one: until then they count as free
+        again, taken out of ``accepted_pages`` where no heartbeat came since its acceptance, else added to
+        ``released_pages``."""
         if accepted_at == self.heartbeats:
             self.accepted_pages = max(0, self.accepted_pages - pages)
+        else:
+            self.released_pages += pages
 
     def heard(self) -> None:
-        """A heartbeat arrived: it counts every offer accepted before it."""
+        """A heartbeat arrived: it counts every offer accepted before it and every request that ended before it."""
+        self.accepted_pages = self.released_pages = 0
         self.unheard_s = _less(self.unheard_s, self.accepted_unheard_s)
         self.accepted_unheard_s = 0.0
         self.heartbeats += 1

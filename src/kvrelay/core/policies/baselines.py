@@ -44,7 +44,7 @@ class LeastLoaded(Policy):
             view = ctx.workers[route_worker]
             return (
                 view.load.active + view.heartbeat.active_lanes,
-                -(view.heartbeat.pages_free - view.load.inflight_pages - view.load.accepted_pages),
+                -(view.heartbeat.pages_free - view.load.pages_held),
                 route_worker,
             )
 

@@ -111,7 +111,7 @@ class DynamoKV(Policy):
         active_prefill = load.outstanding_s / hb.prefill_s_per_token if hb.prefill_s_per_token > 0 else 0.0
         raw_prefill = (active_prefill + len(ctx.prompt)) / block
         pages_in_use = max(0, hb.pages_total - hb.pages_free - hb.pages_evictable)
-        active_blocks = (pages_in_use + load.inflight_pages + load.accepted_pages) * hb.page_tokens / block
+        active_blocks = max(0, pages_in_use + load.pages_held) * hb.page_tokens / block
         new_blocks = max(0, -(-len(ctx.prompt) // block) - cached["gpu"])
         decode = active_blocks + new_blocks
         logit = self.prefill_load_scale * max(0.0, raw_prefill - credit) + decode

@@ -280,7 +280,6 @@ def _on_heartbeat(state: RouterState, hb: Heartbeat, now: float, fx: Effects) ->
     if view is None or view.heartbeat.epoch != hb.epoch:
         fx.append(LoadReplicas(hb.worker_id))  # its durable tiers may hold chunks the index forgot or never saw
     load = view.load if view is not None else predicted_ttft.WorkerLoad()
-    load.accepted_pages = 0
     load.heard()
     load.restore_backlog_s, load.restore_backlog_at = hb.lower_tier_load_s, now
     view = state.views[hb.worker_id] = predicted_ttft.WorkerView(hb, load, fps)
