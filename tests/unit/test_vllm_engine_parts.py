@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -274,6 +275,29 @@ def test_an_unreachable_engine_declines_and_reports_no_free_blocks_until_it_is_b
         await host.engine.close()
 
     asyncio.run(scenario())
+
+
+def test_a_run_that_ends_gives_its_blocks_back_before_the_next_metrics_poll() -> None:
+    async def scenario() -> None:
+        host, _ = worker_host()
+        host.on_figures(EngineFigures(num_blocks=16, block_size=BS, kv_usage=0.75))  # 12 of 16 blocks in use
+        replies: list[object] = []
+        host.on_offer(offer(max_new_tokens=3), replies.append)  # 13 + 3 tokens: 4 blocks
+        assert replies[0].accepted and host.heartbeat().pages_free == 4  # type: ignore[attr-defined]
+        # The engine at port 9 is unreachable, so the run ends with an error and is released.
+        await asyncio.wait_for(until(lambda: not host.runs), 5.0)
+        assert host.heartbeat().pages_free == 8, "the ended run's 4 blocks are free before vLLM's figures say so"
+        host.on_figures(EngineFigures(num_blocks=16, block_size=BS, kv_usage=0.75))  # newer figures are the truth
+        assert host.heartbeat().pages_free == 4
+        await host.engine.close()
+
+    asyncio.run(scenario())
+
+
+async def until(done: Callable[[], bool]) -> None:
+    """Return once ``done()`` holds (the caller bounds the wait)."""
+    while not done():
+        await asyncio.sleep(0.01)
 
 
 def test_each_accepted_offer_counts_the_runs_before_it_and_the_heartbeat_reports_their_price() -> None:

@@ -15,8 +15,9 @@
    in the mirror (``stale_route``);
 4. the block demand: prompt plus budget in blocks, minus the resident prefix
    blocks it shares; the engine's free blocks are its total minus the larger
-   of what vLLM reports in use and what this worker has promised to requests
-   it admitted (vLLM's figures lag); a demand over them is ``no_capacity``.
+   of what vLLM reports in use (less what runs that ended since gave back:
+   ``VllmWorker.capacity``) and what this worker has promised to requests it
+   admitted (vLLM's figures lag); a demand over them is ``no_capacity``.
 
 What is weaker than a native worker (docs/design.md section 13): nothing is
 reserved inside vLLM. vLLM allocates blocks as a request grows and, when it

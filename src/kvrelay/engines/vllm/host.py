@@ -136,6 +136,9 @@ class VllmWorker(MachineHost):
         self._last_frame: int | None = None
         self._handing_over = False
         self._republish = False
+        self._freed_blocks = 0
+        """Promised blocks of runs that ended since the last ``/metrics`` figures arrived, which those figures
+        may still count in use (``capacity``)."""
 
     # --- transport-facing host interface ------------------------------------------
 
@@ -177,8 +180,11 @@ class VllmWorker(MachineHost):
         return sum(self._uncached(r) for r in self.runs.values() if not r.generated)
 
     def capacity(self) -> EngineCapacity:
+        """The engine's blocks now: vLLM's last figure of those in use, less what runs that ended since gave
+        back (a poll a second old would otherwise hold them for up to a second), and this worker's promises."""
         promised = sum(r.demand_blocks for r in self.runs.values())
-        return EngineCapacity(self.figures.num_blocks, self.figures.used_blocks, promised)
+        used = max(0, self.figures.used_blocks - self._freed_blocks)
+        return EngineCapacity(self.figures.num_blocks, used, promised)
 
     def on_disconnect(self, router_url: str) -> None:
         """A router connection ended, so that router fenced this epoch: move to a newer one."""
@@ -251,6 +257,7 @@ class VllmWorker(MachineHost):
             self._last_frame = None
             self.begin_epoch(f"the vLLM engine at {self.engine.url} is back")
         self.figures = figures
+        self._freed_blocks = 0
         self.speeds = replace(self.speeds, engine=self.speeds.engine.observe(figures.totals))
 
     async def monitor(self, every_s: float) -> None:
@@ -270,7 +277,9 @@ class VllmWorker(MachineHost):
         self.counters[name] = self.counters.get(name, 0) + 1
 
     def _release(self, assignment: Assignment) -> None:
-        self.runs.pop(assignment, None)
+        run = self.runs.pop(assignment, None)
+        if run is not None:
+            self._freed_blocks += run.demand_blocks
         self._replies.pop(assignment, None)
 
     def _admit(self, offer: Offer) -> None:
