@@ -366,3 +366,18 @@ def test_a_late_tick_does_not_blame_the_workers_for_the_routers_own_pause(late_s
     d.now = 4.0
     d.feed(Tick(4.0, late_s))
     assert ("w0" not in d.state.views) is expired and "w1" in d.state.views
+
+
+def test_an_ended_request_gives_back_only_the_pages_no_follower_on_its_worker_shares() -> None:
+    d = Driver()
+    d.message(heartbeat("w0", pages_free=100))
+    (first,) = offers(d.request("r1", PROMPT))
+    d.accept(first)
+    d.message(heartbeat("w0", seq=2, pages_free=67))  # counts r1's 33 pages
+    d.residency("w0", "gpu", CHAIN)  # r1's prefill stored its 8 chunks
+    (follower,) = offers(d.request("r2", PROMPT[:-1] + (9,)))  # the same 8 chunks, from w0's device
+    d.accept(follower)
+    assert d.state.requests["r2"].demand_pages == 1, "the follower's demand leaves out the 32 pages it shares"
+    d.result(first.offer.assignment, first.worker_id, (1, 2, 3, 4))
+    # r1's 8 chunks (32 pages of 16 tokens) stay in use under r2: only its last page comes back.
+    assert d.state.views["w0"].load.released_pages == 1

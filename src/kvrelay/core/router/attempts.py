@@ -155,6 +155,7 @@ def _offer(
     offered = offered_route(chosen.route)
     gpu = sum(s.chunks for s in offered if s.tier == "gpu") * config.chunk_tokens
     rs.demand_pages = predicted_ttft.page_demand(len(prompt), remaining, gpu, view.heartbeat.page_tokens)
+    rs.chain, rs.gpu_tokens = chain, gpu
     priority = state.policy.priority(ctx, chosen)
     first = state.pending.first_priority_on_route(chosen.worker_id, chosen.route, chain)
     priority = priority if first is None else max(priority, first)  # never ahead of the request it relies on
@@ -288,7 +289,7 @@ def release(state: RouterState, rs: RequestState) -> None:
         if rs.holds_inflight:
             load.inflight_pages = max(0, load.inflight_pages - rs.demand_pages)
         if rs.pages_accepted_at is not None:
-            load.pages_released(rs.demand_pages, rs.pages_accepted_at)
+            load.pages_released(_freed_pages(state, rs, wid, view.heartbeat.page_tokens), rs.pages_accepted_at)
         load.active = max(0, load.active - 1)
         state.roster.requeue(view)  # ``queue_of`` counts the outstanding estimates and the requests in flight
     rs.holds_outstanding = rs.holds_inflight = False
@@ -296,6 +297,31 @@ def release(state: RouterState, rs: RequestState) -> None:
     state.by_worker.get(wid, set()).discard(rs.request.request_id)
     state.pending.release(rs.request.request_id)
     rs.worker_id = None
+
+
+def _freed_pages(state: RouterState, rs: RequestState, wid: str, page_tokens: int) -> int:
+    """The pages of ``rs``'s demand its end frees on ``wid``: less those of the chunks it computed that another
+    request there still holds (a follower that took them as its prefix, from the device or as they were
+    computed: the worker shares a computed chunk, and a follower's own reservation stays whole)."""
+    shared = 0
+    for other_id in state.by_worker.get(wid, ()):
+        other = state.requests.get(other_id)
+        if other is not None and other is not rs and other.worker_id == wid:
+            shared = max(shared, _common_chunks(other.chain, rs.chain))
+    held = max(0, shared * state.config.chunk_tokens - rs.gpu_tokens) // page_tokens
+    return max(0, rs.demand_pages - held)
+
+
+def _common_chunks(a: tuple[bytes, ...], b: tuple[bytes, ...]) -> int:
+    """Leading chunks two chains share; a chain key commits to its whole prefix, so a bisection finds it."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def release_estimate(load: predicted_ttft.WorkerLoad, rs: RequestState) -> None:

@@ -76,6 +76,10 @@ class RequestState:
     epoch: int = -1
     candidate: Candidate | None = None
     demand_pages: int = 0
+    chain: tuple[bytes, ...] = ()
+    """The prompt's chain as the current attempt's offer planned it."""
+    gpu_tokens: int = 0
+    """Prompt tokens the current attempt's offer took from the worker's device (outside ``demand_pages``)."""
     estimate_s: float = 0.0
     holds_outstanding: bool = False
     accepted_at: int | None = None
