@@ -1,7 +1,7 @@
 """The light client of ``bench.streams`` (``StreamClient.LIGHT``): ``aiohttp`` and ``msgspec``.
 
 ``light_session(base_url, model, timeout_s)`` yields a ``bench.streams.Send`` with the official client's
-contract (a token-id prompt, greedy, usage included; ``timeout_s`` for the next bytes; a cancel after so many
+contract (a token-id or text prompt, greedy, usage included; ``timeout_s`` for the next bytes; a cancel after so many
 text chunks; errors kept in the record, never raised), at a small part of its CPU a chunk. On a machine where
 the client shares the cores with the server it measures, each core-second the client takes is taken from
 the server's device team, which pays nearly two for it (docs/performance.md, "Served decode against the
@@ -14,7 +14,7 @@ client that falls behind does not stretch the server's figures.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from kvrelay.bench.streams import Send, StreamRecord
+from kvrelay.bench.streams import Prompt, Send, StreamRecord, prompt_field
 
 
 class _Details(msgspec.Struct):
@@ -52,7 +52,7 @@ async def _one(
     session: aiohttp.ClientSession,
     url: str,
     model: str,
-    prompt: Sequence[int],
+    prompt: Prompt,
     max_tokens: int,
     record: StreamRecord,
     cancel_at: int | None,
@@ -60,7 +60,7 @@ async def _one(
     body = msgspec.json.encode(
         {
             "model": model,
-            "prompt": list(prompt),
+            "prompt": prompt_field(prompt),
             "max_tokens": max_tokens,
             "temperature": 0,
             "stream": True,

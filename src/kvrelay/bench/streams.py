@@ -72,18 +72,26 @@ class StreamClient(enum.Enum):
     """``aiohttp`` and ``msgspec`` (``bench.light_streams``): about a fifth of the official client's CPU a token."""
 
 
-Send = Callable[[Sequence[int], int, StreamRecord, int | None], Awaitable[None]]
+Prompt = Sequence[int] | str
+"""Token ids, or text the server tokenizes (for a router that routes by text)."""
+
+Send = Callable[[Prompt, int, StreamRecord, int | None], Awaitable[None]]
 """One stream: ``send(prompt, max_tokens, record, cancel_at)`` fills ``record``, never raises."""
 
 
+def prompt_field(prompt: Prompt) -> list[int] | str:
+    """The completion request's ``prompt``."""
+    return prompt if isinstance(prompt, str) else list(prompt)
+
+
 async def _one(
-    client: object, model: str, prompt: Sequence[int], max_tokens: int, record: StreamRecord, cancel_at: int | None
+    client: object, model: str, prompt: Prompt, max_tokens: int, record: StreamRecord, cancel_at: int | None
 ) -> None:
     record.sent = time.monotonic()
     try:
         stream = await client.completions.create(  # type: ignore[attr-defined]
             model=model,
-            prompt=list(prompt),
+            prompt=prompt_field(prompt),
             max_tokens=max_tokens,
             temperature=0,
             stream=True,
