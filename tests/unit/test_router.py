@@ -9,6 +9,7 @@ from kvrelay.core.router.events import (
     ConsumerCancelled,
     DeliverResult,
     Record,
+    SendOffer,
     StartTimer,
     Tick,
     TimerFired,
@@ -176,12 +177,18 @@ def test_capacity_shortage_waits_in_the_queue_until_a_heartbeat_shows_room() -> 
     assert len(offers(fx)) == 1
 
 
-def test_an_accepted_request_that_ends_before_the_next_heartbeat_gives_its_pages_back() -> None:
-    # 40 free pages of 16 tokens; each request needs 33 (513 prompt tokens and 4 new ones): one at a time fits.
+def running_r1(pages_free: int) -> tuple[Driver, SendOffer]:
+    """One worker reporting ``pages_free`` free pages, running r1 (33 pages: 513 prompt tokens, 4 new ones)."""
     d = Driver()
-    d.message(heartbeat("w0", pages_free=40))
+    d.message(heartbeat("w0", pages_free=pages_free))
     (first,) = offers(d.request("r1", PROMPT))
     d.accept(first)
+    return d, first
+
+
+def test_an_accepted_request_that_ends_before_the_next_heartbeat_gives_its_pages_back() -> None:
+    # 40 free pages of 16 tokens; each request needs 33 (513 prompt tokens and 4 new ones): one at a time fits.
+    d, first = running_r1(pages_free=40)
     assert not offers(d.request("r2", PROMPT)), "the worker's pages are held by r1, which the router knows of"
     assert d.state.requests["r2"].phase == "queued"
     fx = d.result(first.offer.assignment, first.worker_id, (1, 2, 3, 4))
@@ -191,10 +198,7 @@ def test_an_accepted_request_that_ends_before_the_next_heartbeat_gives_its_pages
 
 
 def test_pages_a_heartbeat_reported_in_use_come_back_when_their_request_ends() -> None:
-    d = Driver()
-    d.message(heartbeat("w0", pages_free=40))
-    (first,) = offers(d.request("r1", PROMPT))
-    d.accept(first)
+    d, first = running_r1(pages_free=40)
     d.message(heartbeat("w0", seq=2, pages_free=7))  # the worker's report counts r1's 33 pages
     assert not offers(d.request("r2", PROMPT)), "7 free pages as reported, r1 still running: r2 waits"
     (second,) = offers(d.result(first.offer.assignment, first.worker_id, (1, 2, 3, 4)))
@@ -369,10 +373,7 @@ def test_a_late_tick_does_not_blame_the_workers_for_the_routers_own_pause(late_s
 
 
 def test_an_ended_request_gives_back_only_the_pages_no_follower_on_its_worker_shares() -> None:
-    d = Driver()
-    d.message(heartbeat("w0", pages_free=100))
-    (first,) = offers(d.request("r1", PROMPT))
-    d.accept(first)
+    d, first = running_r1(pages_free=100)
     d.message(heartbeat("w0", seq=2, pages_free=67))  # counts r1's 33 pages
     d.residency("w0", "gpu", CHAIN)  # r1's prefill stored its 8 chunks
     (follower,) = offers(d.request("r2", PROMPT[:-1] + (9,)))  # the same 8 chunks, from w0's device
