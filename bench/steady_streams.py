@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engines", type=int, default=1, help="vLLM servers behind every router")
     p.add_argument("--blocks", type=int, default=256, help="KV blocks of 64 tokens per server")
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated subset of {', '.join(SETUPS)}")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts' words (each setup draws the same)")
     p.add_argument("--json", default=None, help="write the figures here")
     return p.parse_args(argv)
 
@@ -77,10 +77,10 @@ class Samples:
 
 
 async def closed_loop(
-    url: str, model: str, streams: int, seconds: float, args: argparse.Namespace
+    url: str, model: str, streams: int, seconds: float, rng: random.Random, args: argparse.Namespace
 ) -> list[StreamRecord]:
-    """``streams`` streams, each sending its next request as soon as its last one ended, for ``seconds``."""
-    rng = random.Random(args.seed)
+    """``streams`` streams, each sending its next request as soon as its last one ended, for ``seconds``; the
+    prompts' words come from ``rng``."""
     records: list[StreamRecord] = []
     deadline = time.monotonic() + seconds
 
@@ -106,12 +106,15 @@ def queue_waits(url: str) -> float:
 
 
 async def measure(face: Face, model: str, streams: int, args: argparse.Namespace, into: Samples) -> None:
-    """Warm the setup up, then add one measured window to ``into``."""
+    """Warm the setup up, then add one measured window to ``into``. One generator draws the prompts of both
+    windows, so the measured one never repeats a warm-up prompt (whose KV the engine would still hold), and
+    every setup draws the same sequence."""
+    rng = random.Random(args.seed)
     await wait_ready(face.url, model, face.alive)
-    await closed_loop(face.url, model, streams, args.warm_s, args)
+    await closed_loop(face.url, model, streams, args.warm_s, rng, args)
     waits = queue_waits(face.url)
     started = time.monotonic()
-    records = await closed_loop(face.url, model, streams, args.seconds, args)
+    records = await closed_loop(face.url, model, streams, args.seconds, rng, args)
     into.seconds += time.monotonic() - started
     into.queue_waits += queue_waits(face.url) - waits
     into.completed += sum(r.completed for r in records)
