@@ -10,8 +10,11 @@ Engines (``--engines``, both by default), two workers each:
   (``/reset_prefix_cache``) before every replay. The model is the vLLM tests' tiny random Llama
   (``kvrelay.testing.vllm``, float32, ``--vllm-blocks`` KV blocks of 64 tokens each): Gemma 3 270M takes vLLM
   minutes to start and seconds per prefill on this 2-core machine, which would not fit a run of minutes.
-  kvrelay's router drives them from its own process, as ``kvrelay cluster --engine vllm`` deploys it
-  (``kvrelay router --vllm-engine URL,KV_EVENTS``); a peer router fronts the servers themselves.
+  A peer router fronts the servers themselves. kvrelay's router runs the same engines in its own process
+  instead, vLLM's ``AsyncLLM`` without its OpenAI server (``kvrelay router --vllm-in-process 2``, run by vLLM's
+  interpreter; the engine arguments are the servers'), started afresh for each replay; the shared servers idle
+  meanwhile. ``kvrelay_over_http`` has it drive the servers from its process instead (``--vllm-engine
+  URL,KV_EVENTS``, as ``kvrelay cluster --engine vllm`` deploys it).
 
 Setups (``--setups``), each a router in front of the same engines, each replay starting cold:
 
@@ -22,7 +25,9 @@ Setups (``--setups``), each a router in front of the same engines, each replay s
 4. ``sglang_router``: PyPI ``sglang-router`` 0.3.2, ``--policy cache_aware``;
 5. ``round_robin``: kvrelay's router with policy ``round_robin``;
 6. ``kvrelay_workers`` (not run unless named): kvrelay's router fronting the vLLM servers through one
-   ``kvrelay worker --engine vllm`` process each (on the native engine the same as ``kvrelay``).
+   ``kvrelay worker --engine vllm`` process each (on the native engine the same as ``kvrelay``);
+7. ``kvrelay_over_http`` (not run unless named): kvrelay's router driving the vLLM servers from its process
+   (on the native engine the same as ``kvrelay``).
 
 The peers are installed by ``make routers`` (``scripts/install_routers.sh``, one venv each under
 ``.venv-routers``); a peer that is not installed is left out, and the report says so.
@@ -76,9 +81,14 @@ ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
 ENGINES = ("native", "vllm")
 LOADS = ("quiet", "loaded")
-SETUPS = ("kvrelay", "smg", "vllm_router", "sglang_router", "round_robin", "kvrelay_workers")
+SETUPS = ("kvrelay", "smg", "vllm_router", "sglang_router", "round_robin", "kvrelay_workers", "kvrelay_over_http")
 PEERS = {"smg": Peer.SMG, "vllm_router": Peer.VLLM_ROUTER, "sglang_router": Peer.SGLANG_ROUTER}
-KVRELAY_POLICIES = {"kvrelay": "kvrelay", "round_robin": "round_robin", "kvrelay_workers": "kvrelay"}
+KVRELAY_POLICIES = {
+    "kvrelay": "kvrelay",
+    "round_robin": "round_robin",
+    "kvrelay_workers": "kvrelay",
+    "kvrelay_over_http": "kvrelay",
+}
 LABELS = {
     "kvrelay": "kvrelay router (policy kvrelay)",
     "smg": "SGLang Model Gateway 1.13.0 cache_aware",
@@ -86,6 +96,7 @@ LABELS = {
     "sglang_router": "sglang-router 0.3.2 cache_aware",
     "round_robin": "kvrelay router (policy round_robin)",
     "kvrelay_workers": "kvrelay router through a worker process per engine",
+    "kvrelay_over_http": "kvrelay router driving vLLM's OpenAI servers",
 }
 
 
@@ -113,7 +124,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vllm-blocks", type=int, default=256, help="vLLM engine: KV blocks of 64 tokens per server")
     p.add_argument("--engines", default="vllm,native", help=f"comma-separated subset of {', '.join(ENGINES)}")
     p.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated subset of {', '.join(LOADS)}")
-    p.add_argument("--setups", default=",".join(SETUPS[:-1]), help=f"comma-separated subset of {', '.join(SETUPS)}")
+    p.add_argument("--setups", default=",".join(SETUPS[:-2]), help=f"comma-separated subset of {', '.join(SETUPS)}")
     p.add_argument("--rounds", type=int, default=2, help="replays per setup and phase, in alternating order")
     p.add_argument("--hog-share", type=float, default=0.5, help="loaded phase: share of one core kept busy")
     p.add_argument("--hog-cpu", type=int, default=0, help="loaded phase: the core the hog is pinned to")
@@ -151,7 +162,8 @@ def build_prompts(args: argparse.Namespace, tokenizer: Any, scaling: Scaling) ->
 
 @dataclass(frozen=True, slots=True)
 class Started:
-    """A setup ready to replay: its face and the URLs whose ``/metrics`` count its engines' cached tokens."""
+    """A setup ready to replay: its face and the URLs whose ``/metrics`` count its engines' cached tokens (none:
+    engines in the router's process, whose usage reports the engines' own counts)."""
 
     face: Face
     metrics_urls: list[str]
@@ -170,7 +182,9 @@ async def replay_setup(name: str, start: Any, home: Path, model: str, prompts: l
         measured = await replay(face.url, model, prompts, timeout_s)
         elapsed = time.perf_counter() - clock
         run1, wait1 = face.sched_seconds()
-        cached = scrape(started.metrics_urls) - cached0
+        cached = (
+            scrape(started.metrics_urls) - cached0 if started.metrics_urls else sum(m.cached_tokens for m in measured)
+        )
         counters = _router_counters(face.url) if name in KVRELAY_POLICIES else {}
         cpu = {role: round(seconds - cpu0.get(role, 0.0), 1) for role, seconds in face.cpu_seconds().items()}
     except BaseException:
@@ -226,12 +240,15 @@ def native_starter(args: argparse.Namespace, options: FaceOptions, model: str, p
 
 
 def vllm_starter(engines: list[Any], model_dir: Path, peers: dict[str, str]):
-    from kvrelay.bench.trace.vllm_engines import empty_caches, kvrelay_over_vllm, peer_face
+    from kvrelay.bench.trace.vllm_engines import empty_caches, kvrelay_in_process, kvrelay_over_vllm, peer_face
 
     async def start(name: str, home: Path) -> Started:
         empty_caches(engines)
         urls = [e.spec.url for e in engines]
-        if name in KVRELAY_POLICIES:
+        if name in ("kvrelay", "round_robin"):
+            face = kvrelay_in_process(name, KVRELAY_POLICIES[name], engines, model_dir, home)
+            urls = []
+        elif name in KVRELAY_POLICIES:
             attached = name != "kvrelay_workers"
             face = kvrelay_over_vllm(name, KVRELAY_POLICIES[name], engines, model_dir, home, attached)
         else:

@@ -50,8 +50,10 @@ def child_env(home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def kvrelay(name: str, command: str, args: list[str], env: dict[str, str]) -> ChildProcess:
-    argv = [sys.executable, "-m", "kvrelay.cli.main", "--log-level", "INFO", command, *args]
+def kvrelay(
+    name: str, command: str, args: list[str], env: dict[str, str], python: str = sys.executable
+) -> ChildProcess:
+    argv = [python, "-m", "kvrelay.cli.main", "--log-level", "INFO", command, *args]
     return ChildProcess(name, argv, env)
 
 
@@ -68,9 +70,19 @@ def two_worker_cluster(home: Path, model_dir: Path, *flags: str) -> ChildProcess
 
 
 class Router:
-    """A ``kvrelay router`` child with its URLs (learned from its ready line)."""
+    """A ``kvrelay router`` child with its URLs (learned from its ready line); ``python`` runs it (vLLM's, for
+    engines in its process) and it has ``ready_s`` to start."""
 
-    def __init__(self, home: Path, model_dir: Path, *flags: str, port: int = 0, worker_port: int = 0) -> None:
+    def __init__(
+        self,
+        home: Path,
+        model_dir: Path,
+        *flags: str,
+        port: int = 0,
+        worker_port: int = 0,
+        python: str = sys.executable,
+        ready_s: float = 60.0,
+    ) -> None:
         self.home = home
         self.model_dir = model_dir
         self.child = kvrelay(
@@ -88,8 +100,9 @@ class Router:
                 *flags,
             ],
             child_env(home),
+            python,
         )
-        ready = self.child.wait_for(ROUTER_READY, 60)
+        ready = self.child.wait_for(ROUTER_READY, ready_s)
         self.http_url, self.workers_url = ready.group(1), ready.group(2)
         self.status_url = status_url(ready.string)
         self.port = int(self.http_url.rsplit(":", 1)[1])

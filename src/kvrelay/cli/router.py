@@ -41,13 +41,22 @@ OPTIONS = (
         "still connect",
         repeated=True,
     ),
-    Option("vllm_dtype", str, defaults.DTYPE, "the dtype the --vllm-engine servers run (it is in the KV fingerprint)"),
+    Option(
+        "vllm_in_process",
+        int,
+        0,
+        "vLLM engines of --model (exactly one) to run in this process, without vLLM's OpenAI server, as workers "
+        "after the --vllm-engine ones; needs vLLM in this interpreter (.venv-vllm/bin/kvrelay router ...)",
+    ),
+    Option("vllm_dtype", str, defaults.DTYPE, "the dtype the vLLM engines run (it is in the KV fingerprint)"),
     Option(
         "vllm_lanes",
         int,
         defaults.VLLM_LANES,
-        "concurrent requests each --vllm-engine server runs at most (its --max-num-seqs)",
+        "concurrent requests each vLLM engine runs at most (its --max-num-seqs)",
     ),
+    Option("vllm_kv_cache_bytes", int, None, "with --vllm-in-process: each engine's KV cache (none: vLLM's default)"),
+    Option("vllm_max_model_len", int, None, "with --vllm-in-process: each engine's context (none: the model's)"),
     Option("status_host", str, defaults.STATUS_HOST, "address of the read-only status listener (GET /status)"),
     Option("status_port", int, 0, "port of the read-only status listener (0: any free port; named in the ready line)"),
     Option("db", str, None, "fact store URL (none: SQLite under the data directory)"),
@@ -152,6 +161,15 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         engines = vllm_engines(values["vllm_engine"], values["vllm_dtype"], values["model"], values["vllm_lanes"])
+        engines += in_process_engines(
+            values["vllm_in_process"],
+            len(engines),
+            values["model"],
+            values["vllm_dtype"],
+            values["vllm_lanes"],
+            values["vllm_kv_cache_bytes"],
+            values["vllm_max_model_len"],
+        )
     except ValueError as exc:
         print(f"kvrelay router: {exc}", file=sys.stderr)
         return 2
@@ -209,4 +227,50 @@ def vllm_engines(
             )
         model = models[0] if len(models) == 1 else None
         out.append(VllmSettings(f"v{i}", url.rstrip("/"), events or None, model, dtype, max_lanes=lanes))
+    return tuple(out)
+
+
+IN_PROCESS_POLL_S = 0.1
+"""Seconds between an in-process engine's figures reads: a read costs no HTTP request and no exposition, so
+admission sees what the engine's last step reported within a tenth of a second."""
+
+
+def in_process_engines(
+    count: int,
+    after: int,
+    models: list[str],
+    dtype: str,
+    lanes: int,
+    kv_cache_bytes: int | None,
+    max_model_len: int | None,
+) -> tuple[VllmSettings, ...]:
+    """``--vllm-in-process`` as worker settings ``v{after+1}``, ...: engines of the one ``--model`` directory, each
+    publishing its KV events on a free loopback port. Raises ValueError naming what is missing."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from kvrelay.launch.ports import free_port
+    from kvrelay.launch.vllm_server import VllmServerSpec
+    from kvrelay.launch.vllm_worker import VllmSettings
+
+    if count < 0:
+        raise ValueError(f"--vllm-in-process must be 0 or more, got {count}")
+    if count and (len(models) != 1 or not Path(models[0]).is_dir()):
+        raise ValueError("--vllm-in-process needs exactly one --model, a model directory vLLM can load")
+    out = []
+    for i in range(after + 1, after + count + 1):
+        spec = VllmServerSpec(
+            model=str(Path(models[0]).resolve()),
+            port=0,
+            events_port=free_port(),
+            python=sys.executable,
+            served_name=Path(models[0]).name,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            kv_cache_bytes=kv_cache_bytes,
+            max_num_seqs=lanes,
+        )
+        url = f"in-process://{spec.model}"
+        settings = VllmSettings(f"v{i}", url, spec.events_url, spec.model, dtype, lanes, poll_s=IN_PROCESS_POLL_S)
+        out.append(replace(settings, in_process=spec))
     return tuple(out)

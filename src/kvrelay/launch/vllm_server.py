@@ -116,13 +116,20 @@ class VllmServerSpec:
         return f"tcp://{self.host}:{self.events_port}"
 
     def argv(self) -> list[str]:
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events_port}"}
-        args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
-        args += ["--host", self.host, "--port", str(self.port), "--dtype", self.dtype]
-        args += ["--block-size", str(self.block_tokens), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
-        args += ["--kv-events-config", json.dumps(events), "--disable-uvicorn-access-log"]
+        """The command line of the OpenAI server: ``engine_argv`` and the server's own flags."""
+        args = [self.python, "-m", "vllm.entrypoints.openai.api_server", *self.engine_argv()]
+        args += ["--host", self.host, "--port", str(self.port), "--enable-prompt-tokens-details"]
+        args += ["--disable-uvicorn-access-log"]
         if self.served_name:
             args += ["--served-model-name", self.served_name]
+        return [*args, *self.extra_args]
+
+    def engine_argv(self) -> list[str]:
+        """The engine's arguments alone (vLLM's ``AsyncEngineArgs`` parses them; ``engines.vllm.in_process``)."""
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events_port}"}
+        args = ["--model", self.model, "--dtype", self.dtype]
+        args += ["--block-size", str(self.block_tokens), "--enable-prefix-caching"]
+        args += ["--kv-events-config", json.dumps(events)]
         if self.max_model_len:
             args += ["--max-model-len", str(self.max_model_len)]
         if self.kv_cache_bytes:
@@ -133,7 +140,7 @@ class VllmServerSpec:
             args += ["--enforce-eager", "-O0"]
         if self.uniprocess:
             args += UNIPROCESS_ARGS
-        return [*args, *self.extra_args]
+        return args
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ if base is None else base)

@@ -20,18 +20,23 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvrelay import paths
 from kvrelay.engines.vllm.admission import EngineIdentity
-from kvrelay.engines.vllm.client import EngineClient, EngineError
+from kvrelay.engines.vllm.client import EngineClient, EngineError, VllmEngine
 from kvrelay.engines.vllm.host import VllmWorker
 from kvrelay.engines.vllm.identity import engine_fingerprint, kv_bytes_per_token
+from kvrelay.engines.vllm.in_process import InProcessEngine
 from kvrelay.engines.vllm.speeds import probe_fit, window_point
 from kvrelay.engines.vllm.subscriber import follow_kv_events
 from kvrelay.launch import defaults
 from kvrelay.launch.worker_assembly import new_epoch
 from kvrelay.models.config import ModelConfig
 from kvrelay.protocol.messages import Sampling
+
+if TYPE_CHECKING:
+    from kvrelay.launch.vllm_server import VllmServerSpec
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per /metrics poll
@@ -63,12 +68,15 @@ class VllmSettings:
     engine_wait_s: float = 600.0
     probe: bool = True
     """Measure the engine's prefill speed at start (``probe_speeds``)."""
+    in_process: VllmServerSpec | None = None
+    """Run this engine in this process (``engines.vllm.in_process``) instead of reaching a server at
+    ``engine_url``; its KV events come from the spec's port."""
 
 
 @dataclass
 class VllmParts:
     controller: VllmWorker
-    client: EngineClient
+    client: VllmEngine
     settings: VllmSettings
     model_dir: Path
     """The directory the engine serves (``settings.model``, else the one it reports)."""
@@ -94,8 +102,13 @@ class VllmParts:
 
 
 async def build_vllm_worker(settings: VllmSettings) -> VllmParts:
-    """Connect to the engine and wire the worker's parts (see the module docstring)."""
-    client = EngineClient(settings.engine_url)
+    """Connect to the engine (or start it in this process) and wire the worker's parts (see the module
+    docstring)."""
+    client: VllmEngine
+    if settings.in_process is not None:
+        client = InProcessEngine.start(settings.in_process)  # blocks the loop while vLLM loads: before serving
+    else:
+        client = EngineClient(settings.engine_url)
     deadline = time.monotonic() + settings.engine_wait_s
     while True:
         try:

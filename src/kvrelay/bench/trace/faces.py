@@ -81,7 +81,7 @@ class Face:
         """Seconds the worker processes' threads (and the engines') ran on a CPU and waited runnable for one
         (``/proc`` schedstat)."""
         pids = [pid for _, p in self.processes for pid in descendants(p.pid)]
-        workers = [pid for pid in pids if (_role(pid) or "").startswith(("worker", "serve"))]
+        workers = [pid for pid in pids if (_role(pid) or "").startswith(("worker", "serve", "engine"))]
         workers += [pid for engine in self.engine_pids for pid in descendants(engine)]
         run = wait = 0.0
         for pid in workers:
@@ -140,11 +140,14 @@ def _cpu(pid: int) -> float:
 
 
 def _role(pid: int) -> str | None:
-    """``router``, ``worker w1``, ``serve``, ``cluster``... from a kvrelay process's command line."""
+    """``router``, ``worker w1``, ``serve``, ``cluster``... from a kvrelay process's command line; ``engine`` for a
+    vLLM engine core (a router's ``--vllm-in-process`` child)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return None
+    if argv[0].startswith("VLLM::"):
+        return "engine"
     for command in ("router", "worker", "serve", "cluster"):
         if command in argv:
             return f"{command} {argv[argv.index('--worker-id') + 1]}" if "--worker-id" in argv else command

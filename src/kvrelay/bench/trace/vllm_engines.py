@@ -18,6 +18,9 @@ Contract:
   one ``kvrelay worker --engine vllm`` process per engine (either way the workers learn residency from the
   engine's KV events); ``peer_face(name, engines, home)``: an empty ``Face`` to start a peer router on, with the
   engines' URLs. Both count the engines' processes as the face's workers (``Face.engine_pids``).
+- ``kvrelay_in_process(name, policy, engines, model_dir, home)``: a ``Face`` of ``kvrelay router --policy policy``
+  run by vLLM's interpreter with engines of its own in its process (``--vllm-in-process``), one per shared
+  server, with the servers' engine arguments (dtype, lanes, KV cache, context); the shared servers idle meanwhile.
 """
 
 from __future__ import annotations
@@ -133,6 +136,23 @@ def kvrelay_over_vllm(
         worker = ["--worker-id", f"w{i}", "--router", f"ws://127.0.0.1:{worker_port}/workers"]
         worker += ["--model", str(model_dir), *worker_engine_flags(engine.spec)]
         spawn(face, f"w{i}", kvrelay_argv("worker", *worker), process_env(home / f"w{i}", 1, **secret))
+    return face
+
+
+def kvrelay_in_process(name: str, policy: str, engines: Sequence[VllmServer], model_dir: Path, home: Path) -> Face:
+    """kvrelay's router with ``policy`` and one in-process engine per shared server (module contract); ready once
+    a completion answers."""
+    home.mkdir(parents=True, exist_ok=True)
+    port, worker_port = free_port(), free_port()
+    face = Face(name, f"http://127.0.0.1:{port}", home)
+    spec = engines[0].spec
+    router = ["--host", "127.0.0.1", "--port", str(port), "--worker-port", str(worker_port)]
+    router += ["--model", str(model_dir), "--policy", policy, "--vllm-in-process", str(len(engines))]
+    router += ["--vllm-dtype", spec.dtype, "--vllm-lanes", str(spec.max_num_seqs or TINY_LANES)]
+    router += ["--vllm-kv-cache-bytes", str(spec.kv_cache_bytes)] if spec.kv_cache_bytes else []
+    router += ["--vllm-max-model-len", str(spec.max_model_len)] if spec.max_model_len else []
+    argv = [vllm_python(), "-m", "kvrelay.cli.main", "router", *router]
+    spawn(face, "router", argv, process_env(home, 1, **{SECRET_ENV_VAR: secrets.token_hex(16)}))
     return face
 
 

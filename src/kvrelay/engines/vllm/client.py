@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import msgspec
@@ -124,6 +124,25 @@ class StreamReader:
             else:
                 self.final = StreamEvent((), self._finish or FinishReason.ERROR, event.cached_tokens)
         return tuple(tokens)
+
+
+class VllmEngine(Protocol):
+    """What a vLLM worker drives: this module's ``EngineClient`` (an OpenAI server over HTTP) or
+    ``in_process.InProcessEngine`` (vLLM's engine in this process); ``url`` names it in errors."""
+
+    url: str
+
+    async def close(self) -> None: ...
+
+    async def served_model(self) -> ServedModel: ...
+
+    async def version(self) -> str: ...
+
+    async def figures(self) -> EngineFigures: ...
+
+    def stream(
+        self, model: str, prompt: tuple[int, ...], max_tokens: int, sampling: Sampling, seed: int
+    ) -> AsyncIterator[StreamEvent]: ...
 
 
 class EngineClient:

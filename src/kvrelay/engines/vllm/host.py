@@ -58,7 +58,7 @@ from kvrelay.core.worker import events as worker_events
 from kvrelay.engines.machine_host import MachineHost
 from kvrelay.engines.vllm import kv_events
 from kvrelay.engines.vllm.admission import EngineCapacity, EngineIdentity, admit_offer
-from kvrelay.engines.vllm.client import EngineClient, EngineError
+from kvrelay.engines.vllm.client import EngineError, VllmEngine
 from kvrelay.engines.vllm.metrics import EngineFigures
 from kvrelay.engines.vllm.served import ServedSpeeds
 from kvrelay.engines.vllm.speeds import PrefillFit, queue_delay
@@ -111,7 +111,7 @@ class VllmWorker(MachineHost):
     def __init__(
         self,
         identity: EngineIdentity,
-        engine: EngineClient,
+        engine: VllmEngine,
         engine_model: str,
         kv_bytes_per_token: int,
         max_lanes: int,

@@ -1,0 +1,197 @@
+"""A vLLM engine driven from kvrelay's own process: vLLM's ``AsyncLLM`` in place of its OpenAI server.
+
+Contract:
+- ``InProcessEngine.start(spec)`` builds ``AsyncLLM`` from the engine arguments of a ``VllmServerSpec``
+  (``spec.engine_argv()``: the same model, dtype, block size, prefix caching, KV cache size, lanes, context and
+  KV event publisher the spec's server would run, parsed by vLLM's own argument parser) in the spec's
+  environment (threads, the model in the engine core's process). vLLM starts its engine core as a child process
+  and talks to it over ZMQ; the API server, its HTTP hop, its OpenAI formatting and the SSE parsing on
+  kvrelay's side are gone. It answers what ``client.EngineClient`` answers, so ``host.VllmWorker`` drives either:
+  - ``served_model()``: the served name, the model directory and ``max_model_len``; ``version()``: vLLM's;
+  - ``figures()``: the scheduler's last figures (running and waiting requests, KV usage, prefix cache hits and
+    queries) and the prefill totals of finished requests, which ``FiguresLogger`` (a vLLM stat logger) collects
+    as vLLM's Prometheus logger would export them (``metrics.parse_metrics``); the block count and size from
+    the engine's cache config;
+  - ``stream(...)``: ``AsyncLLM.generate`` with a token-id prompt, vLLM's detokenizer off, outputs as deltas;
+    the same ``StreamEvent`` s as the HTTP client (the tokens of each output, then one final event with the finish
+    reason and the prompt tokens served from the prefix cache). Closing the generator early aborts the request
+    (``AsyncLLM.generate`` does on cancellation and on close).
+- Any failure of the engine (its core died, a request it refused) raises ``client.EngineError`` naming the
+  engine (``url``: ``in-process://DIR``).
+- ``close()`` shuts the engine core down.
+
+vLLM is imported when an engine starts: only vLLM's venv has it (``make vllm`` installs kvrelay there too), so
+the rest of kvrelay never depends on it. This is what Dynamo's vLLM backend does (``components/src/dynamo/
+vllm``: the worker builds ``AsyncLLM`` and serves token ids); the peer routers (SGLang Model Gateway,
+vllm-router) front vLLM's OpenAI server instead, one process hop more (docs/performance.md, "vLLM's engine in
+the router's process").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvrelay.engines.vllm.client import EngineError, ServedModel, StreamEvent
+from kvrelay.engines.vllm.metrics import EngineFigures
+from kvrelay.engines.vllm.speeds import EngineTotals
+from kvrelay.protocol.messages import FinishReason, Sampling
+
+if TYPE_CHECKING:
+    from kvrelay.launch.vllm_server import VllmServerSpec
+
+_FINISH = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP, "abort": FinishReason.CANCELLED}
+
+
+@dataclass(slots=True)
+class EngineTally:
+    """What a ``FiguresLogger`` has seen: the scheduler's last figures and running totals."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_hits: int = 0
+    prefix_queries: int = 0
+    totals: EngineTotals = field(default_factory=EngineTotals)
+
+    def record(self, scheduler: Any, iteration: Any) -> None:
+        """One ``StatLoggerBase.record`` call's ``SchedulerStats`` and ``IterationStats`` (either may be None)."""
+        if scheduler is not None:
+            self.running, self.waiting = scheduler.num_running_reqs, scheduler.num_waiting_reqs
+            self.kv_usage = scheduler.kv_cache_usage
+            self.prefix_hits += scheduler.prefix_cache_stats.hits
+            self.prefix_queries += scheduler.prefix_cache_stats.queries
+        if iteration is not None and iteration.finished_requests:
+            totals = self.totals
+            for done in iteration.finished_requests:
+                computed = done.num_prompt_tokens - max(done.num_cached_tokens, 0)
+                totals = EngineTotals(
+                    totals.prefill_requests + 1,
+                    totals.prefill_seconds + done.prefill_time,
+                    totals.prefill_tokens + computed,
+                )
+            self.totals = totals
+
+    def figures(self, num_blocks: int, block_size: int) -> EngineFigures:
+        return EngineFigures(
+            running=self.running,
+            waiting=self.waiting,
+            kv_usage=self.kv_usage,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            prefix_hits=self.prefix_hits,
+            prefix_queries=self.prefix_queries,
+            totals=self.totals,
+        )
+
+
+def request_params(max_tokens: int, sampling: Sampling, seed: int) -> dict[str, Any]:
+    """``SamplingParams`` keywords of one attempt: as ``client.request_body`` asks the OpenAI server for, with
+    vLLM's detokenizer off and outputs as deltas (``RequestOutputKind.DELTA``, given by the caller)."""
+    return {
+        "max_tokens": max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "seed": seed,
+        "ignore_eos": True,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "detokenize": False,
+    }
+
+
+class InProcessEngine:
+    """One vLLM ``AsyncLLM`` in this process (see the module contract)."""
+
+    def __init__(self, llm: Any, tally: EngineTally, model_dir: str, served_name: str) -> None:
+        self._llm = llm
+        self._tally = tally
+        self._served_name = served_name
+        self.url = f"in-process://{model_dir}"
+        self._model_dir = model_dir
+        cache = llm.vllm_config.cache_config
+        self._num_blocks, self._block_size = int(cache.num_gpu_blocks or 0), int(cache.block_size)
+        self._requests = 0
+
+    @classmethod
+    def start(cls, spec: VllmServerSpec) -> InProcessEngine:
+        """Build the engine of ``spec`` (blocking: vLLM loads the model and starts its engine core)."""
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.utils.argparse_utils import FlexibleArgumentParser
+            from vllm.v1.engine.async_llm import AsyncLLM
+            from vllm.v1.metrics.loggers import StatLoggerBase
+        except ImportError as exc:
+            raise EngineError(
+                f"an in-process vLLM engine needs vLLM in this interpreter ({exc}); run kvrelay from vLLM's venv "
+                f"(`make vllm`, then .venv-vllm/bin/python -m kvrelay ...)"
+            ) from None
+        tally = EngineTally()
+
+        class FiguresLogger(StatLoggerBase):
+            """Hands every record to ``tally`` (vLLM makes one per engine)."""
+
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+                tally.record(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+        args = AsyncEngineArgs.from_cli_args(parser.parse_args([*spec.engine_argv(), "--disable-log-stats"]))
+        for name, value in spec.env({}).items():
+            os.environ[name] = value  # the engine core is a child: it starts in this environment
+        try:
+            llm = AsyncLLM.from_engine_args(args, stat_loggers=[FiguresLogger])
+        except Exception as exc:
+            raise EngineError(f"the in-process vLLM engine of {spec.model} did not start: {exc!r}") from None
+        return cls(llm, tally, spec.model, spec.served_name or spec.model)
+
+    async def close(self) -> None:
+        self._llm.shutdown()
+
+    async def served_model(self) -> ServedModel:
+        return ServedModel(self._served_name, self._model_dir, int(self._llm.model_config.max_model_len))
+
+    async def version(self) -> str:
+        import vllm
+
+        return str(vllm.__version__)
+
+    async def figures(self) -> EngineFigures:
+        if self._llm.errored:
+            raise EngineError(f"vLLM engine at {self.url} is dead ({self._llm.dead_error!r})")
+        return self._tally.figures(self._num_blocks, self._block_size)
+
+    async def stream(
+        self, model: str, prompt: tuple[int, ...], max_tokens: int, sampling: Sampling, seed: int
+    ) -> AsyncIterator[StreamEvent]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(**request_params(max_tokens, sampling, seed), output_kind=RequestOutputKind.DELTA)
+        self._requests += 1
+        request_id = f"kvrelay-{self._requests}"
+        finish: FinishReason | None = None
+        cached = 0
+        try:
+            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), params, request_id):
+                completion = out.outputs[0]
+                if completion.finish_reason is not None:
+                    finish = _FINISH.get(completion.finish_reason, FinishReason.ERROR)
+                    cached = int(out.num_cached_tokens or 0)
+                if completion.token_ids:
+                    yield StreamEvent(tuple(completion.token_ids))
+        except (GeneratorExit, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # vLLM's refusals and a dead engine core alike
+            raise EngineError(f"the vLLM engine at {self.url} failed the request ({exc!r})") from None
+        if finish is None:
+            raise EngineError(f"the vLLM engine at {self.url} ended the request without a finish reason")
+        yield StreamEvent((), finish, cached)

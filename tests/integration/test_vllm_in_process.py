@@ -1,0 +1,163 @@
+"""vLLM engines in the router's own process (``kvrelay router --vllm-in-process``, run by vLLM's interpreter): the
+official ``openai`` client streams through them, the router routes by the residency their KV events publish,
+a client that goes away aborts the engine's request, and ``kill -9`` of one engine core mid-stream loses no
+token."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvrelay.launch.vllm_server import vllm_python
+from kvrelay.testing.vllm import TINY_CONTEXT, TINY_KV_BYTES_PER_TOKEN, TINY_LANES, VLLM_BLOCK_TOKENS
+from tests.support.processes import Router, stop_all, stream_completion, wait_until
+
+BLOCK = VLLM_BLOCK_TOKENS
+BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def router(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
+    """A router with two in-process engines of ``vllm_model`` (``BLOCKS`` blocks each), both live."""
+    flags = ["--vllm-in-process", "2", "--vllm-dtype", "float32", "--vllm-lanes", str(TINY_LANES)]
+    flags += ["--vllm-kv-cache-bytes", str(BLOCKS * BLOCK * TINY_KV_BYTES_PER_TOKEN)]
+    flags += ["--vllm-max-model-len", str(TINY_CONTEXT)]
+    home = tmp_path_factory.mktemp("in-process")
+    started = Router(home, vllm_model, *flags, python=vllm_python(), ready_s=300)
+    try:
+        wait_until(lambda: sorted(started.live_workers()) == ["v1", "v2"] or None, 30, "both engines' workers live")
+        yield started
+    finally:
+        stop_all([started.child])
+
+
+def _idle(router: Router) -> None:
+    wait_until(lambda: not router.cluster()["requests"] or None, 30, "no request in flight")
+
+
+def _engine_cores(router: Router) -> list[int]:
+    """The router's children that are vLLM engine cores, by pid."""
+    found = []
+    for task in Path(f"/proc/{router.child.process.pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
+                found.append(int(pid))
+    return sorted(found)
+
+
+def test_the_openai_client_streams_through_in_process_engines_routed_by_their_kv_events(
+    router: Router, vllm_model: Path
+) -> None:
+    """The first request computes a 6-block prefix on one engine; its KV events tell the router, which sends the
+    next two to that engine, where vLLM serves at least 5 blocks of each from its prefix cache."""
+    _idle(router)
+    captured = router.cluster()["router_counters"].get("reuse_captured_tokens", 0)
+    prefix = [11 + (i * 13) % 300 for i in range(6 * BLOCK)]
+    client = openai.OpenAI(base_url=router.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    usages = []
+    for k in range(3):
+        _idle(router)
+        if k == 1:
+            for worker in ("v1", "v2"):  # the first request's KV events have reached the router
+                seq = router.live_workers()[worker]["seq"]
+                wait_until(lambda w=worker, s=seq: router.live_workers()[w]["seq"] >= s + 2 or None, 30, "beats")
+        stream = client.completions.create(
+            model=vllm_model.name,
+            prompt=[*prefix, 40 + k],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == 5, usage
+        assert sum(len(c.choices[0].text) for c in chunks if c.choices) > 0
+        usages.append(usage)
+    for usage in usages[1:]:
+        assert usage.prompt_tokens_details is not None
+        assert (usage.prompt_tokens_details.cached_tokens or 0) >= 5 * BLOCK, usage
+    counters = router.cluster()["router_counters"]
+    assert counters.get("reuse_captured_tokens", 0) - captured >= 2 * 5 * BLOCK, counters
+    assert counters.get("declines", 0) == 0, counters
+
+
+def _timed_stream(router: Router, model: str, prompt: list[int], max_tokens: int, stop_after: int) -> list[float]:
+    """The arrival times of a greedy stream's chunks with text, up to ``stop_after`` of them (the stream is
+    closed then)."""
+    times: list[float] = []
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    with httpx.stream("POST", router.http_url + "/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                times.append(time.monotonic())
+                if len(times) == stop_after:
+                    break
+    return times
+
+
+def test_a_client_that_goes_away_aborts_the_engines_request(router: Router, vllm_model: Path) -> None:
+    """A stream of 1,900 tokens closed at its first token: the engine stops running it. Its own running count
+    (which its next step reports: a one-token request on the same prompt makes it step) reaches the router's
+    view at 0 well before the 1,900 tokens could have been generated at the rate measured just before."""
+    _idle(router)
+    prompt = [17 + (i * 5) % 290 for i in range(2 * BLOCK)]
+    paced = _timed_stream(router, vllm_model.name, [*prompt, 3], 300, 300)
+    per_token = (paced[-1] - paced[0]) / 299  # the first chunk may carry several tokens: a shorter estimate
+    _idle(router)
+    started = _timed_stream(router, vllm_model.name, prompt, 1900, 1)[0]
+    _idle(router)
+    chunks = list(stream_completion(router.http_url, vllm_model.name, [*prompt, 7], 1))
+    assert chunks[-1]["usage"]["completion_tokens"] == 1
+    workers = router.live_workers
+    wait_until(lambda: all(w["active_lanes"] == 0 for w in workers().values()) or None, 30, "the engines idle")
+    assert time.monotonic() - started < 0.8 * 1900 * per_token, (time.monotonic() - started, per_token)
+
+
+@pytest.mark.timeout(600)
+def test_killing_an_engine_core_mid_stream_loses_no_token(router: Router, vllm_model: Path) -> None:
+    """Two greedy streams of 1,500 tokens on a common prefix; ``kill -9`` of the engine core running them (the
+    worker of one of them) at their first tokens: both complete with every token, continued on the other engine."""
+    _idle(router)
+    cores = _engine_cores(router)
+    assert len(cores) == 2, cores
+    budget = 1500
+    lead = [29 + (i * 7) % 270 for i in range(4 * BLOCK)]
+    results: dict[int, dict[str, Any]] = {}
+    streaming = [threading.Event() for _ in range(2)]
+
+    def consume(i: int) -> None:
+        chunks = []
+        for chunk in stream_completion(router.http_url, vllm_model.name, [*lead, 100 + i], budget):
+            chunks.append(chunk)
+            streaming[i].set()
+        choices = [c for c in chunks if c.get("choices")]
+        results[i] = {"usage": chunks[-1].get("usage"), "finish": choices[-1]["choices"][0]["finish_reason"]}
+
+    threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: all(e.is_set() for e in streaming) or None, 120, "both streams running", every_s=0.01)
+    running = {r["worker_id"] for r in router.cluster()["requests"].values()}
+    retries = router.cluster()["router_counters"].get("retries", 0)
+    victim = sorted(running)[0]
+    os.kill(cores[int(victim[1:]) - 1], signal.SIGKILL)  # v1's engine started first
+    for thread in threads:
+        thread.join(300)
+    assert sorted(results) == [0, 1], results
+    for result in results.values():
+        assert result["usage"]["completion_tokens"] == budget, result
+        assert result["finish"] == "length", result
+    counters = router.cluster()["router_counters"]
+    assert counters.get("retries", 0) > retries, counters  # the kill cut them, and the router continued them
