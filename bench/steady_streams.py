@@ -2,13 +2,15 @@
 
 ``--engines`` vLLM servers (CPU build from ``.venv-vllm``) of the vLLM tests' tiny random Llama (float32,
 ``--blocks`` KV blocks of 64 tokens each) are started once. Each setup is a router in front of them: kvrelay's
-router driving them from its own process (``kvrelay router --vllm-engine``, as ``kvrelay cluster --engine
-vllm`` deploys it) and smg 1.13.0 ``--policy cache_aware`` (``make routers``; left out, and said, when it is
-not installed). For every count of ``--streams`` and every round, each setup in alternating order is started,
-warmed for ``--warm-s`` seconds, then measured for ``--seconds``: that many streams each send a request as soon
-as the one before ended (``--prompt-words`` random words, hardly a prefix shared, ``--max-tokens`` new tokens,
-the light client of ``kvrelay.bench.light_streams``). Figures, pooled over rounds: TTFT p50 / p90 / p99,
-completed requests a second, and the times kvrelay's router held a request in its queue.
+router with the same engines in its own process (``kvrelay router --vllm-in-process``, vLLM's ``AsyncLLM`` with the
+servers' engine arguments, started afresh for each measurement while the servers idle), smg 1.13.0 ``--policy
+cache_aware`` in front of the servers (``make routers``; left out, and said, when it is not installed), and, when
+named, ``kvrelay_over_http``: kvrelay's router driving the servers from its own process (``--vllm-engine``, as
+``kvrelay cluster --engine vllm`` deploys it). For every count of ``--streams`` and every round, each setup in
+alternating order is started, warmed for ``--warm-s`` seconds, then measured for ``--seconds``: that many streams
+each send a request as soon as the one before ended (``--prompt-words`` random words, hardly a prefix shared,
+``--max-tokens`` new tokens, the light client of ``kvrelay.bench.light_streams``). Figures, pooled over rounds:
+TTFT p50 / p90 / p99, completed requests a second, and the times kvrelay's router held a request in its queue.
 
 Where ``bench/real_routers.py`` replays a trace at its own arrival times, this keeps the engine's lanes and
 blocks near full, which is where a router's accounting of them decides whether requests wait: a request that
@@ -37,10 +39,10 @@ from kvrelay.bench.streams import StreamRecord
 from kvrelay.bench.trace.client import wait_ready
 from kvrelay.bench.trace.faces import Face, start_peer
 from kvrelay.bench.trace.peers import Peer, find_peer
-from kvrelay.bench.trace.vllm_engines import kvrelay_over_vllm, peer_face, shared_engines
+from kvrelay.bench.trace.vllm_engines import kvrelay_in_process, kvrelay_over_vllm, peer_face, shared_engines
 from kvrelay.testing.vllm import make_vllm_tiny_model
 
-SETUPS = ("kvrelay", "smg")
+SETUPS = ("kvrelay", "smg", "kvrelay_over_http")
 WORDS = (
     "the of and to in is that it was for on are as with his they at be this from have or by one had not but what "
     "all were when we there can an your which their said if do will each about how up out them then she many some "
@@ -59,7 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--engines", type=int, default=1, help="vLLM servers behind every router")
     p.add_argument("--blocks", type=int, default=256, help="KV blocks of 64 tokens per server")
-    p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated subset of {', '.join(SETUPS)}")
+    p.add_argument("--setups", default=",".join(SETUPS[:2]), help=f"comma-separated subset of {', '.join(SETUPS)}")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts' words (each setup draws the same)")
     p.add_argument("--json", default=None, help="write the figures here")
     return p.parse_args(argv)
@@ -163,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                     for name in setups if round_ % 2 == 0 else setups[::-1]:
                         home = work / f"{name}-{streams}-{round_}"
                         if name == "kvrelay":
+                            face = kvrelay_in_process(name, "kvrelay", engines, model_dir, home)
+                        elif name == "kvrelay_over_http":
                             face = kvrelay_over_vllm(name, "kvrelay", engines, model_dir, home, attached=True)
                         else:
                             face, urls = peer_face(name, engines, home)

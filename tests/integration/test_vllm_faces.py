@@ -108,3 +108,36 @@ def test_cluster_with_vllm_engines_serves_the_openai_api(vllm_model: Path, tmp_p
                 httpx.get(url + "/health", timeout=2)
     finally:
         cluster.stop()
+
+
+@pytest.mark.timeout(600)
+def test_cluster_with_in_process_vllm_engines_serves_the_openai_api(vllm_model: Path, tmp_path: Path) -> None:
+    """``--engine vllm-in-process``: no vLLM server starts; the router child, run by vLLM's interpreter, builds
+    both engines in its own process (workers v1 and v2, their engine cores its children) and the official
+    client streams from it; SIGTERM stops the router and its engines with it."""
+    args = ["--workers", "2", "--engine", "vllm-in-process", "--model", str(vllm_model), "--dtype", "float32"]
+    args += ["--port", "0", "--kv-tokens", "4096", "--lanes", "4", "--db", f"sqlite:///{tmp_path / 'facts.sqlite3'}"]
+    cluster = kvrelay("cluster", "cluster", args, child_env(tmp_path))
+    try:
+        http_url = cluster.wait_for(r"kvrelay cluster ready http=(\S+) workers=v1,v2$", 300).group(1)
+        assert not [line for line in cluster.lines if "vLLM engine: http" in line]  # no server was started
+        assert len([line for line in cluster.lines if "engine in-process://" in line]) == 2
+        client = openai.OpenAI(base_url=http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == [vllm_model.name]
+        stream = client.completions.create(
+            model=vllm_model.name,
+            prompt="the quick brown fox jumps over the lazy dog " * 8,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 1
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+        cluster.signal(signal.SIGTERM)
+        assert cluster.process.wait(120) == 0
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(http_url + "/health", timeout=2)
+    finally:
+        cluster.stop()

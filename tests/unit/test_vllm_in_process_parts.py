@@ -51,9 +51,7 @@ def test_an_in_process_request_samples_as_the_http_request_does_without_vllms_de
 
 
 def test_the_engine_arguments_are_the_servers_without_its_http_flags() -> None:
-    spec = VllmServerSpec(
-        "/m", 8100, 5557, "/venv/bin/python", served_name="m", kv_cache_bytes=1 << 20, max_num_seqs=4
-    )
+    spec = VllmServerSpec("/m", 8100, 5557, "/venv/bin/python", served_name="m", kv_cache_bytes=1 << 20, max_num_seqs=4)
     engine, server = spec.engine_argv(), spec.argv()
     assert server[3 : 3 + len(engine)] == engine
     for flag in ("--host", "--port", "--served-model-name", "--enable-prompt-tokens-details"):

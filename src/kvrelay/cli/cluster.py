@@ -1,5 +1,6 @@
 """``kvrelay cluster``: a router and N worker processes on this machine (with ``--engine vllm``: N vLLM servers
-the router drives from its own process), restarted when they crash, stopped together on Ctrl-C or SIGTERM (the
+the router drives from its own process; with ``--engine vllm-in-process``: N vLLM engines in the router's
+process), restarted when they crash, stopped together on Ctrl-C or SIGTERM (the
 router drains first)."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ COMMAND = "cluster"
 RESTARTS = RestartPolicy()
 """The supervisor's restart defaults (their one home is ``launch.restarts``)."""
 OPTIONS = (
-    Option("workers", int, 2, "number of workers (with --engine vllm: of vLLM servers, driven by the router)"),
+    Option("workers", int, 2, "number of workers (with a vLLM engine: of vLLM engines, driven by the router)"),
     Option("host", str, defaults.HOST, "address for HTTP and the worker WebSocket"),
     Option("port", int, defaults.HTTP_PORT, "HTTP port of the OpenAI-compatible API"),
     Option("worker_port", int, 0, "port where the workers connect (0: any free port)"),
@@ -31,11 +32,12 @@ OPTIONS = (
         "engine",
         str,
         "native",
-        "the workers' runtime: kvrelay's own (native), or vllm: one vLLM server per worker, which the router drives "
-        "from its own process (needs --model DIR)",
-        choices=("native", "vllm"),
+        "the workers' runtime: kvrelay's own (native); vllm: one vLLM server per worker, which the router drives "
+        "from its own process; vllm-in-process: one vLLM engine per worker in the router's process, no server "
+        "(the router runs from vLLM's venv); both vLLM kinds need --model DIR",
+        choices=("native", "vllm", "vllm-in-process"),
     ),
-    Option("vllm_python", str, None, "with --engine vllm: the Python of vLLM's venv (default: .venv-vllm)"),
+    Option("vllm_python", str, None, "with a vLLM engine: the Python of vLLM's venv (default: .venv-vllm)"),
     Option("dtype", str, defaults.DTYPE, "weights and KV dtype of the workers", choices=DTYPE_NAMES),
     Option("kv_tokens", int, defaults.KV_TOKENS, "KV cache capacity in tokens per worker"),
     Option("lanes", int, defaults.LANES, "concurrent sequences per worker"),
@@ -77,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         values = resolve(args, COMMAND, OPTIONS)
         engines: tuple[VllmServerSpec, ...] = ()
-        if values["engine"] == "vllm":
+        if values["engine"] in ("vllm", "vllm-in-process"):
             engines = _engines(values)
     except (ConfigError, VllmNotInstalled) as exc:
         print(f"kvrelay cluster: {exc}", file=sys.stderr)
@@ -106,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         worker_args=tuple(worker_args),
         grace_s=values["grace_s"],
         engines=engines,
+        in_process=values["engine"] == "vllm-in-process",
         drain_s=values["drain_s"],
         restarts=RestartPolicy(max_restarts=values["max_restarts"], window_s=values["restart_window_s"]),
     )

@@ -5,7 +5,9 @@ Contract:
   in process groups of their own, logs under the data directory's ``vllm/``); once each answers its health
   check, the router child drives them from its own process (``kvrelay router --vllm-engine URL,KV_EVENTS``
   per engine: workers ``v1`` .. ``vN`` in the router's process, no worker children; docs/design.md section 13
-  says why). Engines stop after the router; they are not restarted.
+  says why). Engines stop after the router; they are not restarted. With ``in_process`` (``--engine
+  vllm-in-process``) no server starts: the router child, run by the engines' Python, builds their engines in
+  its own process (``kvrelay router --vllm-in-process N``; docs/design.md section 13).
 - The router child starts first (``python -m kvrelay.cli.main router ...``); once it prints its ready line,
   N worker children start, each named on its command line (``kvrelay.cli.main worker --worker-id w1 --router
   ws://.../workers ...``). ``on_ready(http_url, worker_ids)`` is called when every worker has printed its
@@ -44,7 +46,13 @@ from dataclasses import dataclass, field
 from kvrelay.launch import defaults
 from kvrelay.launch.child import PARENT_PID_ENV, ChildProcess, ChildTimeout
 from kvrelay.launch.restarts import RestartPolicy, Verdict, decide, describe_exit
-from kvrelay.launch.vllm_server import VllmServer, VllmServerSpec, VllmStartError, attached_router_flags
+from kvrelay.launch.vllm_server import (
+    VllmServer,
+    VllmServerSpec,
+    VllmStartError,
+    attached_router_flags,
+    in_process_router_flags,
+)
 from kvrelay.paths import data_dir
 from kvrelay.transport.auth import SECRET_ENV_VAR, SecretError, load_secret
 
@@ -80,6 +88,9 @@ class ClusterOptions:
     grace_s: float = defaults.GRACE_S
     engines: tuple[VllmServerSpec, ...] = ()
     """One vLLM server per worker (``--engine vllm``; the router drives them), or none: native worker children."""
+    in_process: bool = False
+    """Run the ``engines``' engines in the router's process instead of starting their servers (``--engine
+    vllm-in-process``; the router child runs from their venv)."""
     drain_s: float = defaults.DRAIN_S
     restarts: RestartPolicy = field(default_factory=RestartPolicy)
 
@@ -130,7 +141,8 @@ def run_cluster(options: ClusterOptions, on_ready: Callable[[str, list[str]], No
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda s, f: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     children: list[_Supervised] = []
-    engines = [VllmServer(spec, data_dir() / "vllm" / f"engine-{spec.port}.log") for spec in options.engines]
+    servers = () if options.in_process else options.engines
+    engines = [VllmServer(spec, data_dir() / "vllm" / f"engine-{spec.port}.log") for spec in servers]
     try:
         for engine in engines:
             engine.start()
@@ -155,12 +167,12 @@ def run_cluster(options: ClusterOptions, on_ready: Callable[[str, list[str]], No
         router.argv = _router_argv(options, _port_of(http_url), _port_of(workers_url))  # restarts keep the ports
         workers = [
             _Supervised(f"worker w{i}", child_argv("worker", _worker_args(options, i, workers_url)), WORKER_READY, env)
-            for i in range(1, 0 if engines else options.workers + 1)
+            for i in range(1, 0 if options.engines else options.workers + 1)
         ]
         children.extend(workers)
         named = [w.label.split()[-1] for w in workers if _wait_ready(w.child, WORKER_READY, stop) is not None]
         if len(named) == len(workers) and not stop.is_set():
-            on_ready(http_url, named or [f"v{i}" for i in range(1, len(engines) + 1)])
+            on_ready(http_url, named or [f"v{i}" for i in range(1, len(options.engines) + 1)])
         while not stop.wait(POLL_S):
             if not _supervise(router, workers, options.restarts):
                 _stop_all(router, workers, options)
@@ -239,8 +251,11 @@ def _on_exit(supervised: _Supervised, code: int, now: float, policy: RestartPoli
 
 def _router_argv(options: ClusterOptions, port: int, worker_port: int) -> list[str]:
     args = ["--host", options.host, "--port", str(port), "--worker-port", str(worker_port)]
-    args += attached_router_flags(options.engines)
-    return child_argv("router", [*args, "--drain-s", str(options.drain_s), *options.router_args])
+    args = [*args, "--drain-s", str(options.drain_s), *options.router_args]
+    if options.in_process and options.engines:
+        python = options.engines[0].python
+        return [python, "-m", "kvrelay.cli.main", "router", *args, *in_process_router_flags(options.engines)]
+    return child_argv("router", [*args, *attached_router_flags(options.engines)])
 
 
 def _worker_args(options: ClusterOptions, i: int, workers_url: str) -> list[str]:

@@ -24,7 +24,8 @@ Contract:
   sends SIGTERM, then SIGKILL after ``timeout``; ``start()`` again after either
   restarts it on the same ports.
 - ``loopback_specs`` builds a cluster's alike servers on free loopback ports; ``worker_engine_flags`` and
-  ``attached_router_flags`` are the ``kvrelay worker`` and ``kvrelay router`` flags that serve through them.
+  ``attached_router_flags`` are the ``kvrelay worker`` and ``kvrelay router`` flags that serve through them,
+  ``in_process_router_flags`` those of a router that runs their engines in its own process instead.
 """
 
 from __future__ import annotations
@@ -195,6 +196,19 @@ def attached_router_flags(specs: Sequence[VllmServerSpec]) -> list[str]:
         flags += ["--vllm-dtype", specs[0].dtype]
         flags += ["--vllm-lanes", str(specs[0].max_num_seqs)] if specs[0].max_num_seqs else []
     return flags
+
+
+def in_process_router_flags(specs: Sequence[VllmServerSpec]) -> list[str]:
+    """The ``kvrelay router`` flags that make it run these servers' engines in its own process instead
+    (``--vllm-in-process``, one engine per spec, with the first spec's dtype, lanes, KV cache and context: one
+    cluster's engines share them); the router must run from ``specs[0].python``'s venv."""
+    if not specs:
+        return []
+    first = specs[0]
+    flags = ["--vllm-in-process", str(len(specs)), "--vllm-dtype", first.dtype]
+    flags += ["--vllm-lanes", str(first.max_num_seqs)] if first.max_num_seqs else []
+    flags += ["--vllm-kv-cache-bytes", str(first.kv_cache_bytes)] if first.kv_cache_bytes else []
+    return flags + (["--vllm-max-model-len", str(first.max_model_len)] if first.max_model_len else [])
 
 
 @dataclass

@@ -41,6 +41,7 @@ from kvrelay.engines.vllm.identity import kv_bytes_per_token
 from kvrelay.launch.vllm_server import (
     VllmServer,
     attached_router_flags,
+    in_process_router_flags,
     loopback_specs,
     vllm_python,
     worker_engine_flags,
@@ -145,12 +146,8 @@ def kvrelay_in_process(name: str, policy: str, engines: Sequence[VllmServer], mo
     home.mkdir(parents=True, exist_ok=True)
     port, worker_port = free_port(), free_port()
     face = Face(name, f"http://127.0.0.1:{port}", home)
-    spec = engines[0].spec
     router = ["--host", "127.0.0.1", "--port", str(port), "--worker-port", str(worker_port)]
-    router += ["--model", str(model_dir), "--policy", policy, "--vllm-in-process", str(len(engines))]
-    router += ["--vllm-dtype", spec.dtype, "--vllm-lanes", str(spec.max_num_seqs or TINY_LANES)]
-    router += ["--vllm-kv-cache-bytes", str(spec.kv_cache_bytes)] if spec.kv_cache_bytes else []
-    router += ["--vllm-max-model-len", str(spec.max_model_len)] if spec.max_model_len else []
+    router += ["--model", str(model_dir), "--policy", policy, *in_process_router_flags([e.spec for e in engines])]
     argv = [vllm_python(), "-m", "kvrelay.cli.main", "router", *router]
     spawn(face, "router", argv, process_env(home, 1, **{SECRET_ENV_VAR: secrets.token_hex(16)}))
     return face
