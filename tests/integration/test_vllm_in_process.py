@@ -128,7 +128,8 @@ def test_a_client_that_goes_away_aborts_the_engines_request(router: Router, vllm
 @pytest.mark.timeout(600)
 def test_killing_an_engine_core_mid_stream_loses_no_token(router: Router, vllm_model: Path) -> None:
     """Two greedy streams of 1,500 tokens on a common prefix; ``kill -9`` of the engine core running them (the
-    worker of one of them) at their first tokens: both complete with every token, continued on the other engine."""
+    worker of one of them) at their first tokens: both complete with every token, continued on the other engine;
+    the killed engine is built again and its worker serves again."""
     _idle(router)
     cores = _engine_cores(router)
     assert len(cores) == 2, cores
@@ -161,3 +162,59 @@ def test_killing_an_engine_core_mid_stream_loses_no_token(router: Router, vllm_m
         assert result["finish"] == "length", result
     counters = router.cluster()["router_counters"]
     assert counters.get("retries", 0) > retries, counters  # the kill cut them, and the router continued them
+    # The engine is built again in the router's process: its worker comes back in a newer epoch with free pages,
+    # and takes requests again.
+    epoch = router.live_workers()[victim]["epoch"]
+    wait_until(
+        lambda: (w := router.live_workers()[victim])["epoch"] > epoch and w["pages_free"] > 0 or None,
+        180,
+        f"{victim}'s engine built again",
+    )
+    assert len(_engine_cores(router)) == 2
+    wait_until(lambda: _steady_epoch(router, victim) or None, 60, f"{victim} in one epoch for three heartbeats")
+    before = _accepted_by(router, victim)
+    done: list[int] = []
+
+    def cold(k: int) -> None:
+        prompt = [7 + (k * 31 + i * 17) % 300 for i in range(BLOCK)]
+        last = list(stream_completion(router.http_url, vllm_model.name, prompt, 200))[-1]
+        done.append(last["usage"]["completion_tokens"])
+
+    senders = [threading.Thread(target=cold, args=(k,), daemon=True) for k in range(6)]
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join(120)
+    assert done == [200] * 6, done
+    wait_until(lambda: _accepted_by(router, victim) > before or None, 30, f"{victim} taking requests again")
+
+
+def _steady_epoch(router: Router, worker_id: str) -> bool:
+    """Whether ``worker_id`` kept its epoch over its next three heartbeats (a rebuilt engine's worker moves to a
+    new epoch twice: its KV events reconnect, then its engine is back)."""
+    first = router.live_workers()[worker_id]
+    wait_until(lambda: router.live_workers()[worker_id]["seq"] >= first["seq"] + 3 or None, 30, "heartbeats")
+    return bool(router.live_workers()[worker_id]["epoch"] == first["epoch"])
+
+
+def _accepted_by(router: Router, worker_id: str) -> int:
+    """Offers ``worker_id`` accepted, from the router's fact store."""
+    import sqlite3
+
+    with sqlite3.connect(f"file:{router.home / 'facts.sqlite3'}?mode=ro", uri=True) as db:
+        query = "SELECT COUNT(*) FROM decisions WHERE chosen_worker = ? AND outcome = 'accepted'"
+        return int(db.execute(query, (worker_id,)).fetchone()[0])
+
+
+def test_in_process_engines_without_vllm_in_the_interpreter_fail_with_the_fix(vllm_model: Path, tmp_path: Path) -> None:
+    """This suite's interpreter has no vLLM: the router says what is missing and how to run it, and exits 2."""
+    from tests.support.processes import child_env, kvrelay
+
+    args = ["--port", "0", "--worker-port", "0", "--model", str(vllm_model), "--vllm-in-process", "1"]
+    child = kvrelay("router", "router", args, child_env(tmp_path))
+    try:
+        line = child.wait_for(r"needs vLLM in this interpreter", 120).string
+        assert ".venv-vllm/bin/kvrelay router" in line, line
+        assert child.process.wait(60) == 2
+    finally:
+        child.stop()

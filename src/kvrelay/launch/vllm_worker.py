@@ -106,7 +106,8 @@ async def build_vllm_worker(settings: VllmSettings) -> VllmParts:
     docstring)."""
     client: VllmEngine
     if settings.in_process is not None:
-        client = InProcessEngine.start(settings.in_process)  # blocks the loop while vLLM loads: before serving
+        spec = settings.in_process  # blocks the loop while vLLM loads: before the router serves
+        client = InProcessEngine.start(spec.model, spec.served_name or spec.model, spec.engine_argv(), spec.env({}))
     else:
         client = EngineClient(settings.engine_url)
     deadline = time.monotonic() + settings.engine_wait_s

@@ -1,12 +1,13 @@
 """A vLLM engine driven from kvrelay's own process: vLLM's ``AsyncLLM`` in place of its OpenAI server.
 
 Contract:
-- ``InProcessEngine.start(spec)`` builds ``AsyncLLM`` from the engine arguments of a ``VllmServerSpec``
-  (``spec.engine_argv()``: the same model, dtype, block size, prefix caching, KV cache size, lanes, context and
-  KV event publisher the spec's server would run, parsed by vLLM's own argument parser) in the spec's
-  environment (threads, the model in the engine core's process). vLLM starts its engine core as a child process
-  and talks to it over ZMQ; the API server, its HTTP hop, its OpenAI formatting and the SSE parsing on
-  kvrelay's side are gone. It answers what ``client.EngineClient`` answers, so ``host.VllmWorker`` drives either:
+- ``InProcessEngine.start(model_dir, served_name, engine_argv, env)`` builds ``AsyncLLM`` from the engine
+  arguments of a ``VllmServerSpec`` (``spec.engine_argv()``: the same model, dtype, block size, prefix caching, KV
+  cache size, lanes, context and KV event publisher the spec's server would run, parsed by vLLM's own argument
+  parser) in the spec's environment (threads, the model in the engine core's process). vLLM starts its engine core
+  as a child process and talks to it over ZMQ; the API server, its HTTP hop, its OpenAI formatting and the SSE
+  parsing on kvrelay's side are gone. It answers what ``client.EngineClient`` answers, so ``host.VllmWorker``
+  drives either:
   - ``served_model()``: the served name, the model directory and ``max_model_len``; ``version()``: vLLM's;
   - ``figures()``: the scheduler's last figures (running and waiting requests, KV usage, prefix cache hits and
     queries) and the prefill totals of finished requests, which ``FiguresLogger`` (a vLLM stat logger) collects
@@ -18,6 +19,10 @@ Contract:
     (``AsyncLLM.generate`` does on cancellation and on close).
 - Any failure of the engine (its core died, a request it refused) raises ``client.EngineError`` naming the
   engine (``url``: ``in-process://DIR``).
+- An engine whose engine core died (``AsyncLLM.errored``) is built again in a thread, off the event loop, with
+  the same arguments (``EngineBuild``): ``figures()`` raises ``EngineError`` meanwhile, so its worker reports
+  the engine gone (a new epoch, no free pages) and then back; its KV events restart on the same port, which
+  the worker's subscriber reads as a restarted publisher (another epoch).
 - ``close()`` shuts the engine core down.
 
 vLLM is imported when an engine starts: only vLLM's venv has it (``make vllm`` installs kvrelay there too), so
@@ -29,19 +34,22 @@ the router's process").
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvrelay.engines.vllm.client import EngineError, ServedModel, StreamEvent
 from kvrelay.engines.vllm.metrics import EngineFigures
 from kvrelay.engines.vllm.speeds import EngineTotals
 from kvrelay.protocol.messages import FinishReason, Sampling
 
-if TYPE_CHECKING:
-    from kvrelay.launch.vllm_server import VllmServerSpec
+log = logging.getLogger(__name__)
 
+RESTART_BACKOFF_S = 5.0
+"""Seconds before a dead engine whose rebuild failed is built again."""
 _FINISH = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP, "abort": FinishReason.CANCELLED}
 
 
@@ -102,22 +110,18 @@ def request_params(max_tokens: int, sampling: Sampling, seed: int) -> dict[str, 
     }
 
 
-class InProcessEngine:
-    """One vLLM ``AsyncLLM`` in this process (see the module contract)."""
+@dataclass(frozen=True, slots=True)
+class EngineBuild:
+    """How to build one engine: vLLM's engine arguments (``VllmServerSpec.engine_argv``) and the environment its
+    engine core starts in. Calling it builds the engine (blocking: vLLM loads the model and starts its engine
+    core) and returns it with the tally its stat logger feeds."""
 
-    def __init__(self, llm: Any, tally: EngineTally, model_dir: str, served_name: str) -> None:
-        self._llm = llm
-        self._tally = tally
-        self._served_name = served_name
-        self.url = f"in-process://{model_dir}"
-        self._model_dir = model_dir
-        cache = llm.vllm_config.cache_config
-        self._num_blocks, self._block_size = int(cache.num_gpu_blocks or 0), int(cache.block_size)
-        self._requests = 0
+    model_dir: str
+    served_name: str
+    engine_argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
 
-    @classmethod
-    def start(cls, spec: VllmServerSpec) -> InProcessEngine:
-        """Build the engine of ``spec`` (blocking: vLLM loads the model and starts its engine core)."""
+    def __call__(self) -> tuple[Any, EngineTally]:
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -125,8 +129,8 @@ class InProcessEngine:
             from vllm.v1.metrics.loggers import StatLoggerBase
         except ImportError as exc:
             raise EngineError(
-                f"an in-process vLLM engine needs vLLM in this interpreter ({exc}); run kvrelay from vLLM's venv "
-                f"(`make vllm`, then .venv-vllm/bin/python -m kvrelay ...)"
+                f"an in-process vLLM engine needs vLLM in this interpreter ({exc}); run kvrelay from vLLM's venv: "
+                f"`make vllm`, then .venv-vllm/bin/kvrelay router ..."
             ) from None
         tally = EngineTally()
 
@@ -143,20 +147,44 @@ class InProcessEngine:
                 pass
 
         parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
-        args = AsyncEngineArgs.from_cli_args(parser.parse_args([*spec.engine_argv(), "--disable-log-stats"]))
-        for name, value in spec.env({}).items():
-            os.environ[name] = value  # the engine core is a child: it starts in this environment
+        args = AsyncEngineArgs.from_cli_args(parser.parse_args([*self.engine_argv, "--disable-log-stats"]))
+        os.environ.update(self.env)  # the engine core is a child: it starts in this environment
         try:
-            llm = AsyncLLM.from_engine_args(args, stat_loggers=[FiguresLogger])
+            return AsyncLLM.from_engine_args(args, stat_loggers=[FiguresLogger]), tally
         except Exception as exc:
-            raise EngineError(f"the in-process vLLM engine of {spec.model} did not start: {exc!r}") from None
-        return cls(llm, tally, spec.model, spec.served_name or spec.model)
+            raise EngineError(f"the in-process vLLM engine of {self.model_dir} did not start: {exc!r}") from None
+
+
+class InProcessEngine:
+    """One vLLM ``AsyncLLM`` in this process (see the module contract)."""
+
+    def __init__(self, build: EngineBuild) -> None:
+        self._build = build
+        self._llm, self._tally = build()
+        self.url = f"in-process://{build.model_dir}"
+        cache = self._llm.vllm_config.cache_config
+        self._num_blocks, self._block_size = int(cache.num_gpu_blocks or 0), int(cache.block_size)
+        self._requests = 0
+        self._restart: asyncio.Task[None] | None = None
+        self.restarts = 0
+        """Engines built again after their engine core died."""
+
+    @classmethod
+    def start(
+        cls, model_dir: str, served_name: str, engine_argv: Sequence[str], env: Mapping[str, str]
+    ) -> InProcessEngine:
+        """Build the engine of ``engine_argv`` in ``env`` (``EngineBuild``)."""
+        return cls(EngineBuild(model_dir, served_name, tuple(engine_argv), tuple(env.items())))
 
     async def close(self) -> None:
+        if self._restart is not None:
+            self._restart.cancel()
+            await asyncio.gather(self._restart, return_exceptions=True)
         self._llm.shutdown()
 
     async def served_model(self) -> ServedModel:
-        return ServedModel(self._served_name, self._model_dir, int(self._llm.model_config.max_model_len))
+        build = self._build
+        return ServedModel(build.served_name, build.model_dir, int(self._llm.model_config.max_model_len))
 
     async def version(self) -> str:
         import vllm
@@ -164,9 +192,25 @@ class InProcessEngine:
         return str(vllm.__version__)
 
     async def figures(self) -> EngineFigures:
+        """The engine's figures; ``EngineError`` while its engine core is dead, whose first call starts building
+        the engine again off the event loop (a failed build is tried again ``RESTART_BACKOFF_S`` later)."""
         if self._llm.errored:
-            raise EngineError(f"vLLM engine at {self.url} is dead ({self._llm.dead_error!r})")
+            if self._restart is None:
+                self._restart = asyncio.get_running_loop().create_task(self._rebuild())
+            raise EngineError(f"vLLM engine at {self.url} died ({self._llm.dead_error!r}); building it again")
         return self._tally.figures(self._num_blocks, self._block_size)
+
+    async def _rebuild(self) -> None:
+        self._llm.shutdown()
+        try:
+            self._llm, self._tally = await asyncio.to_thread(self._build)
+            self.restarts += 1
+            log.warning("in-process vLLM engine %s: built again after its engine core died", self.url)
+        except EngineError as exc:
+            log.warning("in-process vLLM engine %s: %s; trying again in %.0f s", self.url, exc, RESTART_BACKOFF_S)
+            await asyncio.sleep(RESTART_BACKOFF_S)
+        finally:
+            self._restart = None
 
     async def stream(
         self, model: str, prompt: tuple[int, ...], max_tokens: int, sampling: Sampling, seed: int
