@@ -12,9 +12,17 @@ import httpx
 import openai
 import pytest
 
+from kvrelay.launch.child import ChildProcess
 from kvrelay.launch.vllm_server import VllmServer, attached_router_flags
 from tests.support.processes import Router, child_env, kvrelay, start_worker, stop_all, wait_until
-from tests.support.vllm_cluster import direct_completion, engine_counts, routed_completion, settle, vllm_worker
+from tests.support.vllm_cluster import (
+    direct_completion,
+    engine_counts,
+    openai_stream,
+    routed_completion,
+    settle,
+    vllm_worker,
+)
 
 BLOCK = 64
 
@@ -56,18 +64,9 @@ def test_a_router_drives_vllm_engines_from_its_own_process(
         direct_completion(vllm_engines[1], [*prefix, 3], 1)
         settle(router, "v2")
         before = [engine_counts(e)["done"] for e in vllm_engines]
-        client = openai.OpenAI(base_url=router.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
         for k in range(2):
             wait_until(lambda: not router.cluster()["requests"] or None, 30, "no request in flight")
-            stream = client.completions.create(
-                model=vllm_model.name,
-                prompt=[*prefix, 40 + k],
-                max_tokens=5,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            usage = list(stream)[-1].usage
+            usage = openai_stream(router.http_url, vllm_model.name, [*prefix, 40 + k], 5)[-1].usage
             assert usage is not None and usage.completion_tokens == 5, usage
             assert usage.prompt_tokens_details is not None
             assert (usage.prompt_tokens_details.cached_tokens or 0) >= 5 * BLOCK, usage
@@ -88,21 +87,7 @@ def test_cluster_with_vllm_engines_serves_the_openai_api(vllm_model: Path, tmp_p
         http_url = cluster.wait_for(r"kvrelay cluster ready http=(\S+) workers=v1,v2$", 600).group(1)
         engines = [m.group(1) for m in (cluster.wait_for(rf"v{i}'s vLLM engine: (\S+),", 5) for i in (1, 2))]
         assert not [line for line in cluster.lines if "kvrelay worker ready" in line]
-        client = openai.OpenAI(base_url=http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        assert [m.id for m in client.models.list().data] == [vllm_model.name]
-        stream = client.completions.create(
-            model=vllm_model.name,
-            prompt="the quick brown fox jumps over the lazy dog " * 8,
-            max_tokens=12,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        chunks = list(stream)
-        assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 1
-        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
-        cluster.signal(signal.SIGTERM)
-        assert cluster.process.wait(120) == 0
+        _serves_text_and_stops(cluster, http_url, vllm_model.name)
         for url in engines:  # the supervisor stopped its engines
             with pytest.raises(httpx.HTTPError):
                 httpx.get(url + "/health", timeout=2)
@@ -122,22 +107,20 @@ def test_cluster_with_in_process_vllm_engines_serves_the_openai_api(vllm_model: 
         http_url = cluster.wait_for(r"kvrelay cluster ready http=(\S+) workers=v1,v2$", 300).group(1)
         assert not [line for line in cluster.lines if "vLLM engine: http" in line]  # no server was started
         assert len([line for line in cluster.lines if "engine in-process://" in line]) == 2
-        client = openai.OpenAI(base_url=http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        assert [m.id for m in client.models.list().data] == [vllm_model.name]
-        stream = client.completions.create(
-            model=vllm_model.name,
-            prompt="the quick brown fox jumps over the lazy dog " * 8,
-            max_tokens=12,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        chunks = list(stream)
-        assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 1
-        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
-        cluster.signal(signal.SIGTERM)
-        assert cluster.process.wait(120) == 0
+        _serves_text_and_stops(cluster, http_url, vllm_model.name)
         with pytest.raises(httpx.HTTPError):
             httpx.get(http_url + "/health", timeout=2)
     finally:
         cluster.stop()
+
+
+def _serves_text_and_stops(cluster: ChildProcess, http_url: str, model: str) -> None:
+    """The official client lists the one model and streams 12 tokens with text from the cluster; SIGTERM then
+    ends it with 0."""
+    client = openai.OpenAI(base_url=http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == [model]
+    chunks = openai_stream(http_url, model, "the quick brown fox jumps over the lazy dog " * 8, 12)
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 1
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    cluster.signal(signal.SIGTERM)
+    assert cluster.process.wait(120) == 0

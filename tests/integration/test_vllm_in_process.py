@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from kvrelay.launch.vllm_server import vllm_python
 from kvrelay.testing.vllm import TINY_CONTEXT, TINY_KV_BYTES_PER_TOKEN, TINY_LANES, VLLM_BLOCK_TOKENS
 from tests.support.processes import Router, stop_all, stream_completion, wait_until
+from tests.support.vllm_cluster import openai_stream
 
 BLOCK = VLLM_BLOCK_TOKENS
 BLOCKS = 64
@@ -63,7 +63,6 @@ def test_the_openai_client_streams_through_in_process_engines_routed_by_their_kv
     _idle(router)
     captured = router.cluster()["router_counters"].get("reuse_captured_tokens", 0)
     prefix = [11 + (i * 13) % 300 for i in range(6 * BLOCK)]
-    client = openai.OpenAI(base_url=router.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     usages = []
     for k in range(3):
         _idle(router)
@@ -71,15 +70,7 @@ def test_the_openai_client_streams_through_in_process_engines_routed_by_their_kv
             for worker in ("v1", "v2"):  # the first request's KV events have reached the router
                 seq = router.live_workers()[worker]["seq"]
                 wait_until(lambda w=worker, s=seq: router.live_workers()[w]["seq"] >= s + 2 or None, 30, "beats")
-        stream = client.completions.create(
-            model=vllm_model.name,
-            prompt=[*prefix, 40 + k],
-            max_tokens=5,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        chunks = list(stream)
+        chunks = openai_stream(router.http_url, vllm_model.name, [*prefix, 40 + k], 5)
         usage = chunks[-1].usage
         assert usage is not None and usage.completion_tokens == 5, usage
         assert sum(len(c.choices[0].text) for c in chunks if c.choices) > 0

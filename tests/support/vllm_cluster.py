@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
+from openai.types import Completion
 
 from kvrelay.launch.child import ChildProcess
 from kvrelay.launch.vllm_server import VllmServer, worker_engine_flags
@@ -52,3 +54,17 @@ def routed_completion(http_url: str, model: str, prompt: list[int], max_tokens: 
     chunks = list(stream_completion(http_url, model, prompt, max_tokens))
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
     return {"finish": finish[-1] if finish else None, "usage": chunks[-1]["usage"]}
+
+
+def openai_stream(http_url: str, model: str, prompt: str | list[int], max_tokens: int) -> list[Completion]:
+    """The chunks of a greedy streamed completion through the official ``openai`` client, the usage last."""
+    client = openai.OpenAI(base_url=http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    stream = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    return list(stream)

@@ -10,7 +10,8 @@ import pytest
 
 from kvrelay.cli.router import IN_PROCESS_POLL_S, in_process_engines
 from kvrelay.engines.vllm.client import request_body
-from kvrelay.engines.vllm.in_process import EngineTally, request_params
+from kvrelay.engines.vllm.in_process import SAMPLING_FIELDS, EngineTally, request_params
+from kvrelay.engines.vllm.metrics import EngineFigures
 from kvrelay.launch.vllm_server import VllmServerSpec
 from kvrelay.protocol.messages import Sampling
 
@@ -27,11 +28,11 @@ def _finished(prompt: int, cached: int, prefill_s: float) -> SimpleNamespace:
 
 
 def test_the_tally_keeps_the_last_scheduler_figures_and_sums_hits_and_computed_prefill() -> None:
-    tally = EngineTally()
+    tally = EngineTally(EngineFigures(num_blocks=256, block_size=64))
     tally.record(_scheduler(2, 1, 0.25, 64, 128), SimpleNamespace(finished_requests=[_finished(300, 128, 0.02)]))
     tally.record(_scheduler(1, 0, 0.5, 0, 64), None)
     tally.record(None, SimpleNamespace(finished_requests=[_finished(100, -1, 0.01), _finished(64, 64, 0.001)]))
-    figures = tally.figures(num_blocks=256, block_size=64)
+    figures = tally.figures
     assert (figures.running, figures.waiting, figures.kv_usage) == (1, 0, 0.5)
     assert (figures.prefix_hits, figures.prefix_queries) == (64, 192)
     assert (figures.num_blocks, figures.block_size, figures.used_blocks) == (256, 64, 128)
@@ -45,9 +46,9 @@ def test_an_in_process_request_samples_as_the_http_request_does_without_vllms_de
     sampling = Sampling(temperature=0.7, top_p=0.9, top_k=0, stop_token_ids=(2, 5))
     params = request_params(12, sampling, 99)
     body = request_body("m", (1, 2, 3), 12, sampling, 99)
-    shared = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop_token_ids")
-    assert {k: params[k] for k in shared} == {k: body[k] for k in shared}
-    assert params["top_k"] == -1 and params["detokenize"] is False
+    assert params == {**{k: body[k] for k in SAMPLING_FIELDS}, "detokenize": False}
+    assert (params["temperature"], params["top_k"], params["seed"], params["stop_token_ids"]) == (0.7, -1, 99, [2, 5])
+    assert params["ignore_eos"] is True and params["max_tokens"] == 12
 
 
 def test_the_engine_arguments_are_the_servers_without_its_http_flags() -> None:

@@ -38,10 +38,10 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
-from kvrelay.engines.vllm.client import EngineError, ServedModel, StreamEvent
+from kvrelay.engines.vllm.client import EngineError, ServedModel, StreamEvent, request_body
 from kvrelay.engines.vllm.metrics import EngineFigures
 from kvrelay.engines.vllm.speeds import EngineTotals
 from kvrelay.protocol.messages import FinishReason, Sampling
@@ -55,59 +55,43 @@ _FINISH = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP, "abort": Fi
 
 @dataclass(slots=True)
 class EngineTally:
-    """What a ``FiguresLogger`` has seen: the scheduler's last figures and running totals."""
+    """What a ``FiguresLogger`` has seen, as the figures ``/metrics`` would give: the scheduler's last counts and
+    KV usage, prefix-cache hits and queries summed, and the prefill totals of finished requests; the block count
+    and size are the engine's cache config's."""
 
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    prefix_hits: int = 0
-    prefix_queries: int = 0
-    totals: EngineTotals = field(default_factory=EngineTotals)
+    figures: EngineFigures
 
     def record(self, scheduler: Any, iteration: Any) -> None:
         """One ``StatLoggerBase.record`` call's ``SchedulerStats`` and ``IterationStats`` (either may be None)."""
+        now = self.figures
         if scheduler is not None:
-            self.running, self.waiting = scheduler.num_running_reqs, scheduler.num_waiting_reqs
-            self.kv_usage = scheduler.kv_cache_usage
-            self.prefix_hits += scheduler.prefix_cache_stats.hits
-            self.prefix_queries += scheduler.prefix_cache_stats.queries
-        if iteration is not None and iteration.finished_requests:
-            totals = self.totals
-            for done in iteration.finished_requests:
-                computed = done.num_prompt_tokens - max(done.num_cached_tokens, 0)
-                totals = EngineTotals(
-                    totals.prefill_requests + 1,
-                    totals.prefill_seconds + done.prefill_time,
-                    totals.prefill_tokens + computed,
-                )
-            self.totals = totals
+            now = replace(
+                now,
+                running=scheduler.num_running_reqs,
+                waiting=scheduler.num_waiting_reqs,
+                kv_usage=scheduler.kv_cache_usage,
+                prefix_hits=now.prefix_hits + scheduler.prefix_cache_stats.hits,
+                prefix_queries=now.prefix_queries + scheduler.prefix_cache_stats.queries,
+            )
+        for done in iteration.finished_requests if iteration is not None else ():
+            computed = done.num_prompt_tokens - max(done.num_cached_tokens, 0)
+            t = now.totals
+            totals = EngineTotals(
+                t.prefill_requests + 1, t.prefill_seconds + done.prefill_time, t.prefill_tokens + computed
+            )
+            now = replace(now, totals=totals)
+        self.figures = now
 
-    def figures(self, num_blocks: int, block_size: int) -> EngineFigures:
-        return EngineFigures(
-            running=self.running,
-            waiting=self.waiting,
-            kv_usage=self.kv_usage,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            prefix_hits=self.prefix_hits,
-            prefix_queries=self.prefix_queries,
-            totals=self.totals,
-        )
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop_token_ids")
+"""The fields of ``client.request_body`` that are ``SamplingParams`` keywords too."""
 
 
 def request_params(max_tokens: int, sampling: Sampling, seed: int) -> dict[str, Any]:
-    """``SamplingParams`` keywords of one attempt: as ``client.request_body`` asks the OpenAI server for, with
-    vLLM's detokenizer off and outputs as deltas (``RequestOutputKind.DELTA``, given by the caller)."""
-    return {
-        "max_tokens": max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-        "seed": seed,
-        "ignore_eos": True,
-        "stop_token_ids": list(sampling.stop_token_ids),
-        "detokenize": False,
-    }
+    """``SamplingParams`` keywords of one attempt: what ``client.request_body`` asks the OpenAI server for, with
+    vLLM's detokenizer off (outputs as deltas, ``RequestOutputKind.DELTA``, given by the caller)."""
+    body = request_body("", (), max_tokens, sampling, seed)
+    return {**{name: body[name] for name in SAMPLING_FIELDS}, "detokenize": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +116,7 @@ class EngineBuild:
                 f"an in-process vLLM engine needs vLLM in this interpreter ({exc}); run kvrelay from vLLM's venv: "
                 f"`make vllm`, then .venv-vllm/bin/kvrelay router ..."
             ) from None
-        tally = EngineTally()
+        tally = EngineTally(EngineFigures())
 
         class FiguresLogger(StatLoggerBase):
             """Hands every record to ``tally`` (vLLM makes one per engine)."""
@@ -150,9 +134,12 @@ class EngineBuild:
         args = AsyncEngineArgs.from_cli_args(parser.parse_args([*self.engine_argv, "--disable-log-stats"]))
         os.environ.update(self.env)  # the engine core is a child: it starts in this environment
         try:
-            return AsyncLLM.from_engine_args(args, stat_loggers=[FiguresLogger]), tally
+            llm = AsyncLLM.from_engine_args(args, stat_loggers=[FiguresLogger])
         except Exception as exc:
             raise EngineError(f"the in-process vLLM engine of {self.model_dir} did not start: {exc!r}") from None
+        cache = llm.vllm_config.cache_config
+        tally.figures = replace(tally.figures, num_blocks=int(cache.num_gpu_blocks or 0), block_size=cache.block_size)
+        return llm, tally
 
 
 class InProcessEngine:
@@ -162,8 +149,6 @@ class InProcessEngine:
         self._build = build
         self._llm, self._tally = build()
         self.url = f"in-process://{build.model_dir}"
-        cache = self._llm.vllm_config.cache_config
-        self._num_blocks, self._block_size = int(cache.num_gpu_blocks or 0), int(cache.block_size)
         self._requests = 0
         self._restart: asyncio.Task[None] | None = None
         self.restarts = 0
@@ -198,7 +183,7 @@ class InProcessEngine:
             if self._restart is None:
                 self._restart = asyncio.get_running_loop().create_task(self._rebuild())
             raise EngineError(f"vLLM engine at {self.url} died ({self._llm.dead_error!r}); building it again")
-        return self._tally.figures(self._num_blocks, self._block_size)
+        return self._tally.figures
 
     async def _rebuild(self) -> None:
         self._llm.shutdown()
