@@ -209,3 +209,22 @@ def test_in_process_engines_without_vllm_in_the_interpreter_fail_with_the_fix(vl
         assert child.process.wait(60) == 2
     finally:
         child.stop()
+
+
+def test_a_killed_router_takes_its_engine_cores_with_it(vllm_model: Path, tmp_path: Path) -> None:
+    """``kill -9`` of a router with an in-process engine: its engine core (which vLLM leaves running when its
+    parent dies) is killed by the router's reaper, so nothing spins on and the KV event port is free again."""
+    flags = ["--vllm-in-process", "1", "--vllm-dtype", "float32", "--vllm-lanes", str(TINY_LANES)]
+    flags += ["--vllm-kv-cache-bytes", str(32 * BLOCK * TINY_KV_BYTES_PER_TOKEN), "--vllm-max-model-len", "1024"]
+    router = Router(tmp_path, vllm_model, *flags, python=vllm_python(), ready_s=300)
+    try:
+        cores = _engine_cores(router)
+        assert len(cores) == 1, cores
+        router.child.process.kill()
+        router.child.process.wait(30)
+        wait_until(lambda: not Path(f"/proc/{cores[0]}").exists() or None, 30, "the engine core gone")
+    finally:
+        stop_all([router.child])
+        for pid in cores:
+            if Path(f"/proc/{pid}").exists():
+                os.kill(pid, signal.SIGKILL)

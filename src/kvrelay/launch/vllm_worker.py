@@ -30,7 +30,7 @@ from kvrelay.engines.vllm.identity import engine_fingerprint, kv_bytes_per_token
 from kvrelay.engines.vllm.in_process import InProcessEngine
 from kvrelay.engines.vllm.speeds import probe_fit, window_point
 from kvrelay.engines.vllm.subscriber import follow_kv_events
-from kvrelay.launch import defaults
+from kvrelay.launch import defaults, orphan_reaper
 from kvrelay.launch.worker_assembly import new_epoch
 from kvrelay.models.config import ModelConfig
 from kvrelay.protocol.messages import Sampling
@@ -107,7 +107,8 @@ async def build_vllm_worker(settings: VllmSettings) -> VllmParts:
     client: VllmEngine
     if settings.in_process is not None:
         spec = settings.in_process  # blocks the loop while vLLM loads: before the router serves
-        client = InProcessEngine.start(spec.model, spec.served_name or spec.model, spec.engine_argv(), spec.env({}))
+        argv, env = spec.engine_argv(), spec.env({})
+        client = InProcessEngine.start(spec.model, spec.served_name or spec.model, argv, env, orphan_reaper.watch)
     else:
         client = EngineClient(settings.engine_url)
     deadline = time.monotonic() + settings.engine_wait_s

@@ -37,8 +37,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from kvrelay.engines.vllm.client import EngineError, ServedModel, StreamEvent, request_body
@@ -142,12 +143,32 @@ class EngineBuild:
         return llm, tally
 
 
+def engine_core_pids() -> set[int]:
+    """This process's children that are vLLM engine cores (their command line starts with ``VLLM::``)."""
+    found = set()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::"):
+                    found.add(int(pid))
+            except OSError:
+                continue
+    return found
+
+
 class InProcessEngine:
     """One vLLM ``AsyncLLM`` in this process (see the module contract)."""
 
-    def __init__(self, build: EngineBuild) -> None:
+    def __init__(self, build: EngineBuild, on_cores: Callable[[list[int]], None] = lambda pids: None) -> None:
+        """``on_cores`` is told the pids of the engine core processes each build starts (they must not outlive
+        this process: ``launch.orphan_reaper``)."""
         self._build = build
-        self._llm, self._tally = build()
+        self._on_cores = on_cores
+        self._llm, self._tally = self._built()
         self.url = f"in-process://{build.model_dir}"
         self._requests = 0
         self._restart: asyncio.Task[None] | None = None
@@ -156,10 +177,21 @@ class InProcessEngine:
 
     @classmethod
     def start(
-        cls, model_dir: str, served_name: str, engine_argv: Sequence[str], env: Mapping[str, str]
+        cls,
+        model_dir: str,
+        served_name: str,
+        engine_argv: Sequence[str],
+        env: Mapping[str, str],
+        on_cores: Callable[[list[int]], None] = lambda pids: None,
     ) -> InProcessEngine:
         """Build the engine of ``engine_argv`` in ``env`` (``EngineBuild``)."""
-        return cls(EngineBuild(model_dir, served_name, tuple(engine_argv), tuple(env.items())))
+        return cls(EngineBuild(model_dir, served_name, tuple(engine_argv), tuple(env.items())), on_cores)
+
+    def _built(self) -> tuple[Any, EngineTally]:
+        before = engine_core_pids()
+        built = self._build()
+        self._on_cores(sorted(engine_core_pids() - before))
+        return built
 
     async def close(self) -> None:
         if self._restart is not None:
@@ -188,7 +220,7 @@ class InProcessEngine:
     async def _rebuild(self) -> None:
         self._llm.shutdown()
         try:
-            self._llm, self._tally = await asyncio.to_thread(self._build)
+            self._llm, self._tally = await asyncio.to_thread(self._built)
             self.restarts += 1
             log.warning("in-process vLLM engine %s: built again after its engine core died", self.url)
         except EngineError as exc:
