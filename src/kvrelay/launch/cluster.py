@@ -95,9 +95,9 @@ class ClusterOptions:
     restarts: RestartPolicy = field(default_factory=RestartPolicy)
 
 
-def child_argv(command: str, args: Sequence[str]) -> list[str]:
-    """The command line of a child running ``kvrelay <command> <args>`` with this interpreter."""
-    return [sys.executable, "-m", "kvrelay.cli.main", command, *args]
+def child_argv(command: str, args: Sequence[str], python: str = sys.executable) -> list[str]:
+    """The command line of a child running ``kvrelay <command> <args>`` with ``python`` (this interpreter)."""
+    return [python, "-m", "kvrelay.cli.main", command, *args]
 
 
 @dataclass
@@ -253,8 +253,7 @@ def _router_argv(options: ClusterOptions, port: int, worker_port: int) -> list[s
     args = ["--host", options.host, "--port", str(port), "--worker-port", str(worker_port)]
     args = [*args, "--drain-s", str(options.drain_s), *options.router_args]
     if options.in_process and options.engines:
-        python = options.engines[0].python
-        return [python, "-m", "kvrelay.cli.main", "router", *args, *in_process_router_flags(options.engines)]
+        return child_argv("router", [*args, *in_process_router_flags(options.engines)], options.engines[0].python)
     return child_argv("router", [*args, *attached_router_flags(options.engines)])
 
 

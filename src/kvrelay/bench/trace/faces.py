@@ -176,8 +176,8 @@ def spawn(face: Face, name: str, argv: list[str], env: dict[str, str]) -> None:
         face.processes.append((name, child))
 
 
-def kvrelay_argv(command: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "kvrelay.cli.main", command, *args]
+def kvrelay_argv(command: str, *args: str, python: str = sys.executable) -> list[str]:
+    return [python, "-m", "kvrelay.cli.main", command, *args]
 
 
 def _model_flags(options: FaceOptions) -> list[str]:

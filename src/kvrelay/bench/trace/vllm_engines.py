@@ -148,7 +148,7 @@ def kvrelay_in_process(name: str, policy: str, engines: Sequence[VllmServer], mo
     face = Face(name, f"http://127.0.0.1:{port}", home)
     router = ["--host", "127.0.0.1", "--port", str(port), "--worker-port", str(worker_port)]
     router += ["--model", str(model_dir), "--policy", policy, *in_process_router_flags([e.spec for e in engines])]
-    argv = [vllm_python(), "-m", "kvrelay.cli.main", "router", *router]
+    argv = kvrelay_argv("router", *router, python=vllm_python())
     spawn(face, "router", argv, process_env(home, 1, **{SECRET_ENV_VAR: secrets.token_hex(16)}))
     return face
 
