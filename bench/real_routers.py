@@ -416,8 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     notes += [
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, shared with other work; loaded: a hog keeping "
         f"{args.hog_share:g} of core {args.hog_cpu} busy; {rounds} replays per setup and phase, alternating.",
-        "TTFT: client-side, request sent to the first streamed text chunk. Engine-cached: prompt tokens served from "
-        "cache by the engines' own /metrics (vllm:prefix_cache_hits_total; kvrelay_cached_tokens_total), summed "
+        "TTFT: client-side, request sent to the first streamed chunk with a token (its text may be empty, as "
+        "vLLM's serving benchmark counts it). Engine-cached: prompt tokens served from cache by the engines' own "
+        "/metrics (vllm:prefix_cache_hits_total; kvrelay_cached_tokens_total), summed "
         "over the replays; usage-cached: the responses' usage.prompt_tokens_details.cached_tokens.",
     ]
     text = markdown(phases, LABELS, notes)

@@ -92,13 +92,13 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], target
                     continue
                 chunk = json.loads(line[6:])
                 rid = rid or str(chunk.get("id", "")).removeprefix("cmpl-")
-                if first is None and any(c.get("text") for c in chunk.get("choices") or ()):
+                if first is None and chunk.get("choices"):  # a token; its text may be empty, as vLLM's benchmark counts
                     first = time.monotonic()
                 if chunk.get("usage"):
                     cached = int((chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
-    return Sent(target, phase, sent, first, rid, cached, error or (None if first else "no text streamed"))
+    return Sent(target, phase, sent, first, rid, cached, error or (None if first else "no token streamed"))
 
 
 def body_for(target: str, model: str, prompt: TracePrompt) -> dict[str, Any]:

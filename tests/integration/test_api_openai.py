@@ -116,3 +116,20 @@ def test_a_disconnecting_stream_releases_its_reservation(server: ServerThread, m
     quiesced = server.parts.controller.quiesced
     assert asyncio.run_coroutine_threadsafe(asyncio.wait_for(quiesced.wait(), 30), server.loop).result(35) is True
     assert server.call(lambda: server.parts.controller.pool.num_reserved) == 0
+
+
+def test_a_token_whose_text_is_held_back_still_streams_a_chunk(server: ServerThread, model_dir: Path) -> None:
+    """A stop string that the whole completion begins holds every token's text back until the end; each
+    batch of tokens still streams a chunk (empty text), so the first chunk comes with the first token, as
+    vLLM's server streams it, and the text arrives whole at the end."""
+    tokenizer = load_artifacts(model_dir).tokenizer
+    prompt = "one two three four five six"
+    expected = tokenizer.decode(greedy_reference(model_dir, tokenizer.encode(prompt), 8), skip_special_tokens=True)
+    stream = client(server).completions.create(
+        model=model_dir.name, prompt=prompt, max_tokens=8, temperature=0, stream=True, stop=[expected + "\u2603"]
+    )
+    chunks = [c for c in stream if c.choices]
+    texts = [c.choices[0].text for c in chunks]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert len(chunks) >= 3 and set(texts[:-2]) == {""}  # a chunk per batch of tokens, its text held back
+    assert texts[-2] == expected and texts[-1] == ""  # the held text, then the finishing chunk

@@ -10,7 +10,10 @@ It never depends on the model runtime: it submits protocol requests to a
 - ``Ingress.body_limit()`` is the byte bound of a request body (``api.body``).
 - ``Ingress.generate`` yields ``TextDelta``s then exactly one ``Final``, or
   raises ``APIError`` when the request failed (after the text of the tokens it
-  got, if any); token deltas that arrived while the caller was busy with the
+  got, if any). Every batch of tokens yields one, with empty text while its text is held back (an
+  incomplete character, the start of a possible stop string), as vLLM's OpenAI server streams them
+  (``serving_completion``: a chunk per step that produced tokens), so a stream shows its first token when
+  it comes, not when it first makes a character; token deltas that arrived while the caller was busy with the
   previous one come as one ``TextDelta``, so a loaded router writes fewer,
   larger chunks instead of falling behind; if the caller stops iterating early (a client disconnected) the
   request is cancelled through the router, which cancels it at the worker. The
@@ -323,9 +326,8 @@ class Ingress:
                     last_token_at = now
                     held += detok.push(payload)
                     text, stop_hit, held = cut_at_stop(emitted, held, p.stop_strings)
-                    if text:
-                        emitted += text
-                        yield TextDelta(text, tuple(payload))
+                    emitted += text
+                    yield TextDelta(text, tuple(payload))  # empty while the text is held back, as vLLM streams it
                     if stop_hit:
                         finished = True
                         self.router.cancel(rid)

@@ -4,8 +4,10 @@ Contract of ``replay``: request ``i`` is sent ``prompts[i].arrival_s`` seconds
 after the start (whatever the state of earlier requests: open loop), as a
 streamed ``/v1/completions`` call (greedy, fixed seed, usage included). Its
 TTFT is the time from sending it to the first streamed chunk that carries
-text; its cached tokens are the usage's ``prompt_tokens_details.cached_tokens``
-(0 when the server does not report it). A request that fails (HTTP error, an
+a choice, whose text may be empty (a token that completes no character yet),
+as vLLM's own serving benchmark counts it (``benchmarks/backend_request_func.py``:
+"text could be empty here"); its cached tokens are the usage's
+``prompt_tokens_details.cached_tokens`` (0 when the server does not report it). A request that fails (HTTP error, an
 error chunk, no final usage, a timeout) is measured with ``error`` set and no
 TTFT; ``replay`` itself never raises for one request.
 """
@@ -82,7 +84,7 @@ async def _one(
                             0,
                             f"error chunk: {chunk['error']}",
                         )
-                    if ttft is None and any(c.get("text") for c in chunk.get("choices") or ()):
+                    if ttft is None and chunk.get("choices"):
                         ttft = time.perf_counter() - sent
                     if chunk.get("usage"):
                         usage = chunk["usage"]
@@ -100,7 +102,7 @@ async def _one(
         int(usage.get("prompt_tokens", 0)),
         int(usage.get("completion_tokens", 0)),
         int(details.get("cached_tokens") or 0),
-        None if ttft is not None else "no text streamed",
+        None if ttft is not None else "no token streamed",
     )
 
 

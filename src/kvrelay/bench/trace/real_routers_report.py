@@ -53,8 +53,8 @@ class Phase:
 
 def answered_by_all(phase: Phase) -> Phase:
     """``phase`` with only the requests (by trace index) that every replay of every setup answered, so every
-    setup's percentiles are over the same requests: one a peer failed (vLLM's detokenizer printing nothing for a
-    tiny random model's tokens, "no text streamed") leaves every setup's figures, not only that peer's."""
+    setup's percentiles are over the same requests: one a setup failed leaves every setup's figures, not only that
+    setup's."""
     kept = set.intersection(
         *({m.index for m in r.measured if answered(m)} for runs in phase.replays.values() for r in runs)
     )
@@ -118,7 +118,7 @@ def markdown(phases: Sequence[Phase], labels: Mapping[str, str], notes: Sequence
         "",
         *_verdict(compared),
         "",
-        "The same over the requests every setup answered with text in every round (each setup's own requests "
+        "The same over the requests every setup answered in every round (each setup's own requests "
         "above; a request one setup failed is left out of every setup's here):",
         "",
         *_verdict([answered_by_all(p) for p in compared], common=True),
