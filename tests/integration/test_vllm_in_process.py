@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from kvrelay.launch.vllm_server import vllm_python
+from kvrelay.testing.tiny_models import make_tiny_model
 from kvrelay.testing.vllm import TINY_CONTEXT, TINY_KV_BYTES_PER_TOKEN, TINY_LANES, VLLM_BLOCK_TOKENS
 from tests.support.processes import Router, stop_all, stream_completion, wait_until
 from tests.support.vllm_cluster import openai_stream
@@ -228,3 +229,36 @@ def test_a_killed_router_takes_its_engine_cores_with_it(vllm_model: Path, tmp_pa
         for pid in cores:
             if Path(f"/proc/{pid}").exists():
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_sliding_window_models_engine_reuses_a_prefix_that_parts_inside_a_cached_prompt(
+    tmp_path: Path,
+) -> None:
+    """A tiny Gemma 3 (sliding-window layers, window 128 tokens) in one in-process engine: a prompt sharing the
+    first 3 blocks of a cached 4-block prompt and parting there gets those 3 blocks from the cache, as the router
+    credits them. vLLM 0.32 keeps sliding-window KV only at a prompt's end and where prompts part unless told to
+    keep a checkpoint at every block, and then recomputes all of them (0 cached)."""
+    model = make_tiny_model(
+        "gemma3",
+        tmp_path / "tiny-gemma3",
+        head_dim=32,
+        sliding_window=128,
+        max_position_embeddings=2048,
+        eos_token_id=None,
+    )
+    kv_bytes_per_token = 6 * 2 * 2 * 32 * 4  # layers x (K, V) x KV heads x head size x float32 bytes
+    flags = ["--vllm-in-process", "1", "--vllm-dtype", "float32", "--vllm-lanes", "4"]
+    flags += ["--vllm-kv-cache-bytes", str(BLOCKS * BLOCK * kv_bytes_per_token), "--vllm-max-model-len", "2048"]
+    router = Router(tmp_path / "home", model, *flags, python=vllm_python(), ready_s=300)
+    try:
+        wait_until(lambda: router.live_workers().get("v1") or None, 60, "the engine's worker live")
+        first = [11 + (i * 13) % 300 for i in range(4 * BLOCK + 1)]
+        parting = first[: 3 * BLOCK] + [7 + (i * 5) % 200 for i in range(2 * BLOCK)]
+        cached = []
+        for prompt in (first, parting):
+            usage = openai_stream(router.http_url, model.name, prompt, 4)[-1].usage
+            assert usage is not None and usage.prompt_tokens_details is not None, usage
+            cached.append(usage.prompt_tokens_details.cached_tokens)
+        assert cached == [0, 3 * BLOCK]
+    finally:
+        stop_all([router.child])

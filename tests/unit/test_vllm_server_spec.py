@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from kvrelay.launch.vllm_server import VllmServerSpec
+import json
+from pathlib import Path
+
+from kvrelay.launch.vllm_server import VllmServerSpec, has_sliding_window
 
 
 def spec(**kw: object) -> VllmServerSpec:
-    return VllmServerSpec(model="/models/tiny", port=8100, events_port=8101, python="/venv/bin/python", **kw)  # type: ignore[arg-type]
+    kw = {"model": "/models/tiny", **kw}
+    return VllmServerSpec(port=8100, events_port=8101, python="/venv/bin/python", **kw)  # type: ignore[arg-type]
 
 
 def test_by_default_the_model_runs_in_the_engine_cores_process() -> None:
@@ -23,3 +27,33 @@ def test_the_multiprocess_executor_is_vllms_own_default_when_asked_for() -> None
     assert "--distributed-executor-backend" not in argv
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
     assert argv[:4] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model"]
+
+
+def test_a_sliding_window_model_gets_a_prefix_cache_checkpoint_at_every_block(tmp_path: Path) -> None:
+    """vLLM 0.32 keeps a sliding-window layer's KV only at a prompt's end and where two prompts part, unless the
+    retention interval says otherwise; the router counts a hit at every block boundary, so the interval is one
+    block for such models and absent (vLLM refuses it) for the others."""
+    configs = {
+        "gemma3": {"model_type": "gemma3_text", "sliding_window": 512, "layer_types": ["sliding_attention"] * 5},
+        "gemma3-multimodal": {"model_type": "gemma3", "text_config": {"layer_types": ["sliding_attention"]}},
+        "mistral": {"model_type": "mistral", "sliding_window": 4096},
+        "llama": {"model_type": "llama"},
+        "qwen2": {"model_type": "qwen2", "sliding_window": 32768, "use_sliding_window": False},
+        "qwen3": {"model_type": "qwen3", "sliding_window": None},
+    }
+    flags = {}
+    for name, config in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        argv = spec(model=str(tmp_path / name), block_tokens=64).engine_argv()
+        at = argv.index("--prefix-cache-retention-interval") if "--prefix-cache-retention-interval" in argv else None
+        flags[name] = None if at is None else argv[at + 1]
+    assert flags == {
+        "gemma3": "64",
+        "gemma3-multimodal": "64",
+        "mistral": "64",
+        "llama": None,
+        "qwen2": None,
+        "qwen3": None,
+    }
+    assert not has_sliding_window(tmp_path / "missing")

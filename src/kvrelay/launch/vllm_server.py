@@ -11,7 +11,12 @@ Contract:
   cache (vLLM rounds it down to whole blocks); ``eager`` skips torch.compile,
   and with an explicit KV size vLLM then skips its warm-up too (start-up is
   the cost of a test). ``uniprocess`` runs the model in the engine core's
-  process (see the field).
+  process (see the field). For a model with sliding-window layers (``has_sliding_window``) every block
+  boundary is made a prefix-cache checkpoint (``--prefix-cache-retention-interval`` = ``block_tokens``):
+  vLLM 0.32's default (0) keeps those layers' KV only at "semantic checkpoints" (a prompt's end, a junction
+  where two cached prompts part), so a prompt that shares a cached prompt's first blocks and parts from it
+  elsewhere recomputes them all, while kvrelay's router, like every peer's, counts a shared prefix as a
+  hit at any block boundary (docs/design.md section 13).
 - ``vllm_python(explicit)`` finds the interpreter of vLLM's venv: the explicit
   path, ``$KVRELAY_VLLM_PYTHON``, ``.venv-vllm`` in the working directory, or
   ``.venv-vllm`` at the root of this source tree; else ``VllmNotInstalled``
@@ -130,6 +135,8 @@ class VllmServerSpec:
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events_port}"}
         args = ["--model", self.model, "--dtype", self.dtype]
         args += ["--block-size", str(self.block_tokens), "--enable-prefix-caching"]
+        if has_sliding_window(Path(self.model)):
+            args += ["--prefix-cache-retention-interval", str(self.block_tokens)]
         args += ["--kv-events-config", json.dumps(events)]
         if self.max_model_len:
             args += ["--max-model-len", str(self.max_model_len)]
@@ -152,6 +159,22 @@ class VllmServerSpec:
             env.update(UNIPROCESS_ENV)
         env["PYTHONUNBUFFERED"] = "1"
         return env
+
+
+def has_sliding_window(model_dir: Path) -> bool:
+    """Whether the Hugging Face config in ``model_dir`` (or its ``text_config``) gives sliding-window layers that
+    vLLM serves as such: ``layer_types`` naming ``sliding_attention``, or a ``sliding_window`` that
+    ``use_sliding_window`` does not turn off. False without a readable ``config.json`` (vLLM names that fault)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    for part in (config, config.get("text_config") or {}):
+        if "sliding_attention" in (part.get("layer_types") or ()):
+            return True
+        if part.get("sliding_window") and part.get("use_sliding_window", True) is not False:
+            return True
+    return False
 
 
 def loopback_specs(

@@ -18,7 +18,10 @@ default), with the same torch thread count:
   where the process may not use that many cores), the engine core and API server keep one torch thread
   (vLLM sets that itself when ``OMP_NUM_THREADS`` is not forced), ``--max-num-seqs`` admits every stream at
   once, chunked prefill keeps ``--max-num-batched-tokens`` (default 2,048, vLLM's own), prefix caching is on
-  (its default), the KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB (the KV tokens kvrelay gets, rounded up),
+  (its default) with a checkpoint at every block for a model with sliding-window layers
+  (``--prefix-cache-retention-interval 64``: by default vLLM 0.32 keeps those layers' KV only at a prompt's end
+  and where two prompts part, so a cached prefix with a new suffix was recomputed whole; ``launch.vllm_server``),
+  the KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB (the KV tokens kvrelay gets, rounded up),
   and usage reports cached prompt tokens (``--enable-prompt-tokens-details``). vLLM preloads its own
   tcmalloc and torch's libgomp.
 
@@ -49,6 +52,7 @@ from typing import IO
 
 import httpx
 
+from kvrelay.launch.vllm_server import has_sliding_window
 from kvrelay.testing.ports import free_port
 
 QUIET_CORES = 0.05
@@ -184,6 +188,8 @@ def start_vllm(spec: ServerSpec) -> EngineServer:
     argv += ["--max-num-seqs", str(spec.lanes), "--max-model-len", str(spec.max_model_len)]
     argv += ["--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--seed", "0"]
+    if has_sliding_window(spec.model_dir):
+        argv += ["--prefix-cache-retention-interval", "64"]
     if spec.vllm_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(spec.vllm_batched_tokens)]
     argv += list(spec.vllm_extra)

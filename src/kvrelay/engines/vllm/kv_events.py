@@ -24,9 +24,10 @@ so only a group of a ``PREFIX_KINDS`` kind can be followed from the chain's
 root; the mirror learns each group's kind from its stored blocks and follows
 those groups' stores and removals. Without kinds (older vLLM) it follows group
 0. vLLM's own hit on such a model also needs the sliding-window blocks of the
-last window before the hit's end, so a prefix that ends far inside a longer
-cached prompt is credited here and recomputed there: the one way this mirror
-over-credits (docs/design.md section 13). The same hash stored twice is counted;
+last window before the hit's end, which vLLM keeps only at its checkpoints;
+kvrelay's engines get one at every block (``launch.vllm_server``), so a cached
+prefix is a hit at every block boundary unless vLLM evicted one of those blocks
+first: the one way this mirror over-credits (docs/design.md section 13). The same hash stored twice is counted;
 its key is removed only with its last copy.
 
 ``continuity(last_seq, seq)`` classifies a frame's sequence number: a gap means
