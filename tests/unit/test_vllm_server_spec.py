@@ -51,7 +51,7 @@ def test_a_sliding_window_model_gets_a_prefix_cache_checkpoint_at_every_block(tm
     assert flags == {
         "gemma3": "64",
         "gemma3-multimodal": "64",
-        "mistral": "64",
+        "mistral": None,  # a bare window: vLLM may serve it as full attention and then refuses the flag
         "llama": None,
         "qwen2": None,
         "qwen3": None,

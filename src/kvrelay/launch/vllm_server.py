@@ -162,19 +162,17 @@ class VllmServerSpec:
 
 
 def has_sliding_window(model_dir: Path) -> bool:
-    """Whether the Hugging Face config in ``model_dir`` (or its ``text_config``) gives sliding-window layers that
-    vLLM serves as such: ``layer_types`` naming ``sliding_attention``, or a ``sliding_window`` that
-    ``use_sliding_window`` does not turn off. False without a readable ``config.json`` (vLLM names that fault)."""
+    """Whether the Hugging Face config in ``model_dir`` (or its ``text_config``) names sliding-window layers in
+    ``layer_types`` (Gemma 2 and 3 and later configs). A bare ``sliding_window`` does not count: whether vLLM
+    keeps such layers apart depends on the model and the context (it drops a window as long as the context), and
+    vLLM refuses the retention flag for a model without them, so only the explicit layer kinds turn it on.
+    False without a readable ``config.json`` (vLLM names that fault)."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    for part in (config, config.get("text_config") or {}):
-        if "sliding_attention" in (part.get("layer_types") or ()):
-            return True
-        if part.get("sliding_window") and part.get("use_sliding_window", True) is not False:
-            return True
-    return False
+    parts = (config, config.get("text_config") or {})
+    return any("sliding_attention" in (part.get("layer_types") or ()) for part in parts)
 
 
 def loopback_specs(
