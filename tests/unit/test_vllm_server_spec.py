@@ -33,13 +33,16 @@ def test_a_sliding_window_model_gets_a_prefix_cache_checkpoint_at_every_block(tm
     """vLLM 0.32 keeps a sliding-window layer's KV only at a prompt's end and where two prompts part, unless the
     retention interval says otherwise; the router counts a hit at every block boundary, so the interval is one
     block for such models and absent (vLLM refuses it) for the others."""
+    sizes = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6}
+    sizes["num_attention_heads"] = 4
+    gemma3_text = {**sizes, "model_type": "gemma3_text", "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
     configs = {
-        "gemma3": {"model_type": "gemma3_text", "sliding_window": 512, "layer_types": ["sliding_attention"] * 5},
-        "gemma3-multimodal": {"model_type": "gemma3", "text_config": {"layer_types": ["sliding_attention"]}},
-        "mistral": {"model_type": "mistral", "sliding_window": 4096},
-        "llama": {"model_type": "llama"},
-        "qwen2": {"model_type": "qwen2", "sliding_window": 32768, "use_sliding_window": False},
-        "qwen3": {"model_type": "qwen3", "sliding_window": None},
+        "gemma3": {**sizes, "model_type": "gemma3_text", "sliding_window": 512},  # layers from the 5:1 pattern
+        "gemma3-multimodal": {"model_type": "gemma3", "text_config": gemma3_text},
+        "mistral": {**sizes, "model_type": "mistral", "sliding_window": 4096},
+        "llama": {**sizes, "model_type": "llama"},
+        "qwen2": {**sizes, "model_type": "qwen2", "sliding_window": 32768, "use_sliding_window": False},
+        "qwen3": {**sizes, "model_type": "qwen3", "sliding_window": None},
     }
     flags = {}
     for name, config in configs.items():

@@ -18,7 +18,8 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterable
-from pathlib import Path
+
+from kvrelay.engines.vllm.in_process import is_vllm_process
 
 _lock = threading.Lock()
 _reaper: subprocess.Popen[bytes] | None = None
@@ -37,14 +38,6 @@ def watch(pids: Iterable[int]) -> None:
         assert _reaper.stdin is not None
         _reaper.stdin.write(lines)
         _reaper.stdin.flush()
-
-
-def is_vllm_process(pid: int) -> bool:
-    """Whether ``pid`` runs now and names itself a vLLM process."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::")
-    except OSError:
-        return False
 
 
 def reap(lines: Iterable[bytes]) -> list[int]:

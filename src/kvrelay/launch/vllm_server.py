@@ -48,6 +48,7 @@ from pathlib import Path
 import httpx
 
 from kvrelay.launch.ports import free_port
+from kvrelay.models.config import ModelConfig
 
 VLLM_PYTHON_ENV = "KVRELAY_VLLM_PYTHON"
 VLLM_VENV = ".venv-vllm"
@@ -162,17 +163,16 @@ class VllmServerSpec:
 
 
 def has_sliding_window(model_dir: Path) -> bool:
-    """Whether the Hugging Face config in ``model_dir`` (or its ``text_config``) names sliding-window layers in
-    ``layer_types`` (Gemma 2 and 3 and later configs). A bare ``sliding_window`` does not count: whether vLLM
-    keeps such layers apart depends on the model and the context (it drops a window as long as the context), and
-    vLLM refuses the retention flag for a model without them, so only the explicit layer kinds turn it on.
-    False without a readable ``config.json`` (vLLM names that fault)."""
+    """Whether the model in ``model_dir`` has sliding-window layers, as kvrelay reads its config
+    (``ModelConfig.layer_types``: Gemma 3's, named or from its layer pattern). False for a model kvrelay cannot
+    read (its engines need ``ModelConfig`` anyway: ``engines.vllm.identity``) or without a readable
+    ``config.json``: vLLM refuses the retention flag for a model without sliding-window layers, so only a model
+    known to have them gets it."""
     try:
-        config = json.loads((model_dir / "config.json").read_text())
+        config = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     except (OSError, ValueError):
         return False
-    parts = (config, config.get("text_config") or {})
-    return any("sliding_attention" in (part.get("layer_types") or ()) for part in parts)
+    return "sliding_attention" in config.layer_types
 
 
 def loopback_specs(

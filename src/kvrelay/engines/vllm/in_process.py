@@ -143,20 +143,24 @@ class EngineBuild:
         return llm, tally
 
 
+def is_vllm_process(pid: int) -> bool:
+    """Whether ``pid`` runs now and names itself a vLLM process (its command line starts with ``VLLM::``, as
+    vLLM's engine core sets it)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::")
+    except OSError:
+        return False
+
+
 def engine_core_pids() -> set[int]:
-    """This process's children that are vLLM engine cores (their command line starts with ``VLLM::``)."""
-    found = set()
+    """This process's children that are vLLM engine cores (``is_vllm_process``)."""
+    found: set[int] = set()
     for task in Path("/proc/self/task").iterdir():
         try:
             children = (task / "children").read_text().split()
         except OSError:
             continue
-        for pid in children:
-            try:
-                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::"):
-                    found.add(int(pid))
-            except OSError:
-                continue
+        found.update(int(pid) for pid in children if is_vllm_process(int(pid)))
     return found
 
 
