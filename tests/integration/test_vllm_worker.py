@@ -79,6 +79,7 @@ def test_kv_events_become_the_routers_chain_and_a_full_engine_declines(vllm_engi
     async def scenario() -> None:
         parts = await build_vllm_worker(VllmSettings("v-inproc", engine.spec.url, engine.spec.events_url))
         host, published, replies = parts.controller, Collector(), Collector()
+        assert host.figures.checkpoint_tokens == 0  # vLLM's default, read from the real /metrics (no warning: Llama)
         host.publish = published
         parts.start()
         try:

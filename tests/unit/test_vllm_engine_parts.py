@@ -149,6 +149,18 @@ def test_metrics_of_a_real_exposition() -> None:
         parse_metrics('vllm:num_requests_running{engine="0"} 1.0\n')
 
 
+@pytest.mark.parametrize(("label", "tokens"), [("0", 0), ("128", 128), ("None", 64), (None, None), ("x", None)])
+def test_metrics_read_the_prefix_cache_checkpoint_interval(label: str | None, tokens: int | None) -> None:
+    """The real exposition says 0 (vLLM 0.32's default); ``None`` (dense) is a checkpoint every block; an
+    exposition without the label (an older vLLM) says nothing."""
+    text = (DATA / "vllm_metrics.txt").read_text()
+    real = 'prefix_cache_retention_interval="0",'
+    assert real in text
+    assert parse_metrics(text).checkpoint_tokens == 0
+    edited = text.replace(real, "" if label is None else f'prefix_cache_retention_interval="{label}",')
+    assert parse_metrics(edited).checkpoint_tokens == tokens
+
+
 def test_metrics_read_the_speed_histograms_summed_over_engines() -> None:
     text = (DATA / "vllm_metrics.txt").read_text()
     for engine in ("0", "1"):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvrelay.launch.vllm_server import VllmServerSpec, has_sliding_window
+from kvrelay.engines.vllm.metrics import EngineFigures
+from kvrelay.launch.vllm_server import VllmServerSpec, checkpoint_warning, has_sliding_window
 
 
 def spec(**kw: object) -> VllmServerSpec:
@@ -29,12 +30,20 @@ def test_the_multiprocess_executor_is_vllms_own_default_when_asked_for() -> None
     assert argv[:4] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model"]
 
 
+SIZES = {
+    "vocab_size": 64,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+}
+
+
 def test_a_sliding_window_model_gets_a_prefix_cache_checkpoint_at_every_block(tmp_path: Path) -> None:
     """vLLM 0.32 keeps a sliding-window layer's KV only at a prompt's end and where two prompts part, unless the
     retention interval says otherwise; the router counts a hit at every block boundary, so the interval is one
     block for such models and absent (vLLM refuses it) for the others."""
-    sizes = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6}
-    sizes["num_attention_heads"] = 4
+    sizes = SIZES
     gemma3_text = {**sizes, "model_type": "gemma3_text", "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
     configs = {
         "gemma3": {**sizes, "model_type": "gemma3_text", "sliding_window": 512},  # layers from the 5:1 pattern
@@ -60,3 +69,25 @@ def test_a_sliding_window_model_gets_a_prefix_cache_checkpoint_at_every_block(tm
         "qwen3": None,
     }
     assert not has_sliding_window(tmp_path / "missing")
+
+
+def test_a_worker_warns_of_an_engine_that_keeps_fewer_checkpoints_than_the_router_credits(tmp_path: Path) -> None:
+    """A server started by hand without the retention flag: the warning names the fix; an engine with a
+    checkpoint every block, one that does not say, and a model without sliding-window layers get none."""
+    for name, config in {
+        "gemma3": {**SIZES, "model_type": "gemma3_text"},
+        "llama": {**SIZES, "model_type": "llama"},
+    }.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    warnings = {
+        (model, every): checkpoint_warning(tmp_path / model, EngineFigures(block_size=64, checkpoint_tokens=every))
+        for model in ("gemma3", "llama")
+        for every in (0, 64, 128, None)
+    }
+    assert warnings[("gemma3", 0)] is not None and warnings[("gemma3", 128)] is not None
+    assert "only at a prompt's end" in warnings[("gemma3", 0)]
+    assert "every 128 tokens" in warnings[("gemma3", 128)]
+    for text in (warnings[("gemma3", 0)], warnings[("gemma3", 128)]):
+        assert text.endswith("start it with --prefix-cache-retention-interval 64")
+    assert {k for k, v in warnings.items() if v is not None} == {("gemma3", 0), ("gemma3", 128)}

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import httpx
 
+from kvrelay.engines.vllm.metrics import EngineFigures
 from kvrelay.launch.ports import free_port
 from kvrelay.models.config import ModelConfig
 
@@ -173,6 +174,22 @@ def has_sliding_window(model_dir: Path) -> bool:
     except (OSError, ValueError):
         return False
     return "sliding_attention" in config.layer_types
+
+
+def checkpoint_warning(model_dir: Path, figures: EngineFigures) -> str | None:
+    """What a worker says at start-up when its engine keeps the prefix cache of a model's sliding-window layers at
+    fewer points than the router credits (every block; docs/design.md section 13): a vLLM server started
+    without ``--prefix-cache-retention-interval`` = the block size. None when the engine keeps one at every
+    block, does not say (an older vLLM), or the model has no sliding-window layers."""
+    interval = figures.checkpoint_tokens
+    if interval is None or interval == figures.block_size or not has_sliding_window(model_dir):
+        return None
+    kept = "only at a prompt's end and where two cached prompts part" if interval == 0 else f"every {interval} tokens"
+    return (
+        f"the engine keeps the prefix cache of {model_dir.name}'s sliding-window layers {kept} "
+        f"(--prefix-cache-retention-interval {interval}), so the router will credit prefixes the engine recomputes; "
+        f"start it with --prefix-cache-retention-interval {figures.block_size}"
+    )
 
 
 def loopback_specs(

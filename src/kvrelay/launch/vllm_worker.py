@@ -20,7 +20,6 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvrelay import paths
 from kvrelay.engines.vllm.admission import EngineIdentity
@@ -31,12 +30,10 @@ from kvrelay.engines.vllm.in_process import InProcessEngine
 from kvrelay.engines.vllm.speeds import probe_fit, window_point
 from kvrelay.engines.vllm.subscriber import follow_kv_events
 from kvrelay.launch import defaults, orphan_reaper
+from kvrelay.launch.vllm_server import VllmServerSpec, checkpoint_warning
 from kvrelay.launch.worker_assembly import new_epoch
 from kvrelay.models.config import ModelConfig
 from kvrelay.protocol.messages import Sampling
-
-if TYPE_CHECKING:
-    from kvrelay.launch.vllm_server import VllmServerSpec
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per /metrics poll
@@ -125,6 +122,9 @@ async def build_vllm_worker(settings: VllmSettings) -> VllmParts:
             log.info("waiting for the vLLM engine at %s: %s", settings.engine_url, exc)
             await asyncio.sleep(1.0)
     model_dir = Path(settings.model or served.root).expanduser()
+    warning = checkpoint_warning(model_dir, figures)
+    if warning is not None:
+        log.warning("vLLM worker %s: %s", settings.worker_id, warning)
     fingerprint = await asyncio.to_thread(
         engine_fingerprint, model_dir, version, settings.dtype, figures.block_size, paths.cache_dir() / "digests"
     )

@@ -4,7 +4,8 @@ Names as vLLM 0.32 exports them (``vllm/v1/metrics/loggers.py``):
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc`` (a fraction, 0 to 1, of the device blocks in use;
 cached blocks no request holds count as free), ``vllm:cache_config_info``
-(labels ``num_gpu_blocks`` and ``block_size``), ``vllm:prefix_cache_hits_total``
+(labels ``num_gpu_blocks``, ``block_size`` and ``prefix_cache_retention_interval``: every
+``CacheConfig`` field is a label), ``vllm:prefix_cache_hits_total``
 and ``vllm:prefix_cache_queries_total``, and the sums and counts of the
 histograms ``engines.vllm.speeds`` learns from (``vllm:request_prefill_time_seconds``,
 ``vllm:request_prefill_kv_computed_tokens``).
@@ -35,6 +36,10 @@ class EngineFigures:
     prefix_hits: int = 0
     prefix_queries: int = 0
     totals: EngineTotals = EngineTotals()
+    checkpoint_tokens: int | None = None
+    """Tokens between the prefix-cache checkpoints vLLM keeps of sliding-window layers
+    (``prefix_cache_retention_interval``; ``None`` there, dense, reads as the block size): 0, only at a
+    prompt's end and where two cached prompts part; ``None``, not exported (an older vLLM)."""
 
     @property
     def used_blocks(self) -> int:
@@ -50,6 +55,7 @@ def parse_metrics(text: str) -> EngineFigures:
     """The figures of one ``/metrics`` exposition; ``MetricsError`` if it has no vLLM cache config."""
     values: dict[str, float] = {}
     num_blocks = block_size = 0
+    retention: str | None = None
     try:
         families = list(text_string_to_metric_families(_lines_of_names(text)))
     except ValueError as exc:
@@ -60,6 +66,7 @@ def parse_metrics(text: str) -> EngineFigures:
             if name == "vllm:cache_config_info":
                 num_blocks += _int_label(sample.labels, "num_gpu_blocks")
                 block_size = block_size or _int_label(sample.labels, "block_size")
+                retention = sample.labels.get("prefix_cache_retention_interval", retention)
             elif name == "vllm:kv_cache_usage_perc":
                 values[name] = max(values.get(name, 0.0), sample.value)
             elif name in _SUMMED:
@@ -79,6 +86,7 @@ def parse_metrics(text: str) -> EngineFigures:
             prefill_seconds=values.get("vllm:request_prefill_time_seconds_sum", 0.0),
             prefill_tokens=values.get("vllm:request_prefill_kv_computed_tokens_sum", 0.0),
         ),
+        checkpoint_tokens=_checkpoint_tokens(retention, block_size),
     )
 
 
@@ -112,6 +120,13 @@ def _lines_of_names(text: str) -> str:
         if line[:end] in _NAME_SET:
             kept.append(line)
     return "\n".join(kept) + "\n"
+
+
+def _checkpoint_tokens(retention: str | None, block_size: int) -> int | None:
+    """``EngineFigures.checkpoint_tokens`` of the label's text (``None``: no label, or one that is no count)."""
+    if retention == "None":
+        return block_size
+    return int(retention) if retention is not None and retention.isdigit() else None
 
 
 def _int_label(labels: dict[str, str], name: str) -> int:
