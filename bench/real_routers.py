@@ -34,8 +34,11 @@ The peers are installed by ``make routers`` (``scripts/install_routers.sh``, one
 
 Loads (``--loads``): ``quiet`` (nothing of the bench's own besides the setup) and ``loaded``: a CPU hog the
 bench starts itself (``kvrelay.bench.background_load``: ``--hog-share`` of core ``--hog-cpu`` kept busy, in
-20 ms cycles) for the whole loaded phase. In each (engine, load) phase every setup replays the slice
-``--rounds`` times in alternating order (A B C D E, then E D C B A, ...), samples pooled.
+20 ms cycles) for the whole loaded phase. Where the bench may (root), the scheduler's session autogroups are off
+for the run (``background_load.autogroups_off``): with them on, the hog takes more from a setup whose processes
+share a session (``kvrelay cluster``, an in-process vLLM engine's core beside the router) than from one whose
+engines each have their own (the peers' servers); the report says which. In each (engine, load) phase every
+setup replays the slice ``--rounds`` times in alternating order (A B C D E, then E D C B A, ...), samples pooled.
 
 The slice and its scaling are ``bench/trace_e2e.py``'s (``kvrelay.bench.trace.prompts``): a 512-token trace
 block becomes ``--block-tokens`` tokens, prompts are capped at ``--max-prompt-tokens``, outputs at
@@ -67,7 +70,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvrelay.bench.background_load import cpu_hog
+from kvrelay.bench.background_load import autogroups_off, cpu_hog
 from kvrelay.bench.trace.client import Measured, replay, wait_ready, warm_up
 from kvrelay.bench.trace.decisions import routing_summary
 from kvrelay.bench.trace.engine_metrics import scrape
@@ -408,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
                 saved = {"phases": [_phase_json(p) for p in phases], "notes": notes}
                 saved_at.write_text(json.dumps(saved) + "\n")
 
-        with _work_dir(args.keep_dir) as work:
+        with _work_dir(args.keep_dir) as work, autogroups_off() as autogroups:
+            notes.append(f"Scheduler session autogroups: {autogroups.value} (kvrelay.bench.background_load).")
             for engine in engines:
                 notes.append((run_native if engine == "native" else run_vllm)(args, setups, peers, work, phases, save))
                 save()
