@@ -26,6 +26,7 @@ from kvrelay.worker.runtime.iteration import PolicyConfig
 from kvrelay.worker.runtime.jobs import Job, JobResult, QueueFullError, RuntimeClosedError, RuntimeEvent, TokenEvent
 from kvrelay.worker.runtime.loop import PagedRuntime
 from tests.support.bench_smoke import run_bench
+from tests.support.processes import wait_until
 from tests.support.step_models import DelegatingModel, RecordingModel
 
 PAGE = 4
@@ -165,6 +166,29 @@ def test_continuation_over_resident_prefix_and_stop_ids(tiny: Tiny) -> None:
         stopped = runtime.generate(Job(tuple(prompt), pages, max_new_tokens=8, sampling=sampling), WAIT)
     assert stopped.finish_reason == "stop"
     assert list(stopped.tokens) == expected[: expected.index(stop_at) + 1]
+
+
+def test_the_device_thread_carries_its_name_in_the_os(tiny: Tiny) -> None:
+    """``top -H``, ``perf`` and ``/proc`` tell the device thread (and the team it starts) from the process's others."""
+
+    def os_names() -> list[str]:
+        names = []
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                names.append((task / "comm").read_text().strip())
+            except FileNotFoundError:  # a thread that ended meanwhile
+                pass
+        return names
+
+    pool = PagePool(64)
+    prompt = prompt_of(9, 2)
+    with PagedRuntime(tiny.model, new_kv(tiny, 64), PolicyConfig(2, 16), name="kvrelay-dev-t1") as runtime:
+        runtime.generate(
+            Job(tuple(prompt), tuple(pool.allocate(pages_for(len(prompt) + 2, PAGE))), max_new_tokens=2), WAIT
+        )
+        # the device thread, and the team it started for its parallel ops (which takes its name), if any
+        assert "kvrelay-dev-t1" in os_names()
+    wait_until(lambda: "kvrelay-dev-t1" not in os_names() or None, WAIT, "the device thread and its team to end")
 
 
 def test_cancel_marks_at_once_but_quiesces_after_the_step_in_flight(gated: Any) -> None:

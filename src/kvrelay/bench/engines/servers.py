@@ -62,6 +62,8 @@ QUIET_WINDOW_S = 0.2
 
 WAIT_POLICY = "PASSIVE"
 """Both servers' ``OMP_WAIT_POLICY`` (see the module docstring)."""
+VLLM_BLOCK_TOKENS = 64
+"""vLLM's ``--block-size``: kvrelay's chunk, a multiple of 32 as its CPU attention needs."""
 
 
 def omp_settings(spec: ServerSpec) -> dict[str, str]:
@@ -184,12 +186,12 @@ def start_vllm(spec: ServerSpec) -> EngineServer:
     """vLLM's OpenAI server on a free port, with its CPU settings at their best (see the module docstring)."""
     port = free_port()
     argv = [str(spec.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(spec.model_dir)]
-    argv += ["--served-model-name", spec.model_name, "--dtype", spec.dtype, "--block-size", "64"]
+    argv += ["--served-model-name", spec.model_name, "--dtype", spec.dtype, "--block-size", str(VLLM_BLOCK_TOKENS)]
     argv += ["--max-num-seqs", str(spec.lanes), "--max-model-len", str(spec.max_model_len)]
     argv += ["--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--seed", "0"]
     if has_sliding_window(spec.model_dir):
-        argv += ["--prefix-cache-retention-interval", "64"]
+        argv += ["--prefix-cache-retention-interval", str(VLLM_BLOCK_TOKENS)]  # a checkpoint every block
     if spec.vllm_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(spec.vllm_batched_tokens)]
     argv += list(spec.vllm_extra)

@@ -55,7 +55,7 @@ from kvrelay.worker.runtime.jobs import (
     TokenEvent,
 )
 from kvrelay.worker.runtime.sequences import Row, RunningSequence, validate_job
-from kvrelay.worker.runtime.torch_threads import confine_threads, own_pool
+from kvrelay.worker.runtime.torch_threads import confine_threads, name_os_thread, own_pool
 
 T = TypeVar("T")
 
@@ -217,6 +217,7 @@ class PagedRuntime:
     # ---- device thread ----
 
     def _run(self) -> None:
+        name_os_thread(self._thread.name)  # before the first parallel region: the team takes this name
         own_pool(self.threads)
         with torch.inference_mode():
             while True:

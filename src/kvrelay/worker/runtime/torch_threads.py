@@ -11,7 +11,10 @@ runs its torch ops serially; a process that runs a ``PagedRuntime`` calls it
 before its first torch op (model loading included; ``PagedRuntime`` calls it
 too). ``own_pool`` then gives the device thread its pool through libgomp's
 per-thread setting, leaving every other thread serial. Where torch's libgomp
-is not found it falls back to torch's process-wide count.
+is not found it falls back to torch's process-wide count. ``name_os_thread`` gives the
+device thread its name in the OS too, before its team exists, so that the team's threads,
+which take their creator's name, are told from the process's others in ``top -H``, ``perf``
+and ``/proc/PID/task/TID/comm``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,22 @@ def own_pool(threads: int) -> None:
         torch.set_num_threads(threads)
     else:
         set_this_thread(threads)
+
+
+PR_SET_NAME = 15
+"""``prctl``'s option that names the calling thread (``linux/prctl.h``)."""
+OS_NAME_BYTES = 15
+"""The longest OS thread name Linux keeps (16 bytes with the terminating zero)."""
+
+
+def name_os_thread(name: str) -> bool:
+    """Name the calling thread ``name`` in the OS (cut to ``OS_NAME_BYTES``); False where that cannot be done
+    (not Linux, no libc)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    return int(prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:OS_NAME_BYTES]), 0, 0, 0)) == 0
 
 
 @functools.cache
