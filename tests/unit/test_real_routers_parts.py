@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kvrelay.bench.trace.engine_metrics import cached_prompt_tokens
 from kvrelay.bench.trace.peers import Peer, peer_argv
+from kvrelay.bench.trace.prompts import PromptError, trace_slice
 from kvrelay.bench.trace.vllm_engines import RealModel, real_model
 
 DATA = Path(__file__).parents[1] / "data"
+TRACE = Path(__file__).parents[2] / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 KVRELAY_METRICS = """# HELP kvrelay_cached_tokens_total prompt tokens served from cache
 # TYPE kvrelay_cached_tokens_total counter
@@ -56,3 +60,19 @@ def test_a_real_models_engines_serve_at_most_its_own_context(tmp_path: Path) -> 
     assert real_model(flat, "bfloat16", 4096) == RealModel("bfloat16", 4096)
     assert real_model(nested, "float32", 4096) == RealModel("float32", 2048)
     assert real_model(bare, "bfloat16", 4096).context == 4096
+
+
+def test_a_slice_past_the_traces_end_is_refused_with_the_offset_that_fits() -> None:
+    """The benches replayed a shorter slice than asked for without a word (the trace's last 24 requests for
+    ``--offset 3969 --count 48``)."""
+    from kvrelay.sim.trace import load_trace
+
+    requests = load_trace(TRACE)
+    assert len(requests) == 3993
+    assert trace_slice(requests, 3969, 24) == list(requests[3969:])
+    with pytest.raises(PromptError, match=r"past the trace's 3993 requests: use --offset 3945 or less"):
+        trace_slice(requests, 3969, 48)
+    with pytest.raises(PromptError, match="use a smaller --count"):
+        trace_slice(requests, 0, 4000)
+    with pytest.raises(PromptError, match="at least 0"):
+        trace_slice(requests, -1, 24)
