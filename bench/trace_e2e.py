@@ -61,7 +61,7 @@ from kvrelay.bench.trace.faces import (
     until,
 )
 from kvrelay.bench.trace.peers import Peer, find_peer
-from kvrelay.bench.trace.prompts import PromptBuilder, PromptError, Scaling, TracePrompt, trace_slice
+from kvrelay.bench.trace.prompts import PromptBuilder, Scaling, TracePrompt
 from kvrelay.bench.trace.report import (
     calibration_figures,
     comparison_figures,
@@ -145,11 +145,11 @@ def load_prompts(args: argparse.Namespace) -> tuple[str, list[TracePrompt]]:
     import torch
 
     from kvrelay.models.loading.loader import load_artifacts
-    from kvrelay.sim.trace import load_trace
+    from kvrelay.sim.trace import TraceError, load_trace, trace_slice
 
     try:
         requests = trace_slice(load_trace(args.trace), args.offset, args.count)
-    except PromptError as exc:
+    except TraceError as exc:
         raise SystemExit(f"{args.trace}: {exc}") from None
     artifacts = load_artifacts(args.model, dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
     scaling = Scaling(args.block_tokens, 512, args.max_prompt_tokens, args.max_output_tokens, args.time_stretch)

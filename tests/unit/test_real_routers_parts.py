@@ -10,7 +10,6 @@ import pytest
 
 from kvrelay.bench.trace.engine_metrics import cached_prompt_tokens
 from kvrelay.bench.trace.peers import Peer, peer_argv
-from kvrelay.bench.trace.prompts import PromptError, trace_slice
 from kvrelay.bench.trace.vllm_engines import RealModel, real_model
 
 DATA = Path(__file__).parents[1] / "data"
@@ -65,14 +64,14 @@ def test_a_real_models_engines_serve_at_most_its_own_context(tmp_path: Path) -> 
 def test_a_slice_past_the_traces_end_is_refused_with_the_offset_that_fits() -> None:
     """The benches replayed a shorter slice than asked for without a word (the trace's last 24 requests for
     ``--offset 3969 --count 48``)."""
-    from kvrelay.sim.trace import load_trace
+    from kvrelay.sim.trace import TraceError, load_trace, trace_slice
 
     requests = load_trace(TRACE)
     assert len(requests) == 3993
     assert trace_slice(requests, 3969, 24) == list(requests[3969:])
-    with pytest.raises(PromptError, match=r"past the trace's 3993 requests: use --offset 3945 or less"):
+    with pytest.raises(TraceError, match=r"past the trace's 3993 requests: use --offset 3945 or less"):
         trace_slice(requests, 3969, 48)
-    with pytest.raises(PromptError, match="use a smaller --count"):
+    with pytest.raises(TraceError, match="use a smaller --count"):
         trace_slice(requests, 0, 4000)
-    with pytest.raises(PromptError, match="at least 0"):
+    with pytest.raises(TraceError, match="at least 0"):
         trace_slice(requests, -1, 24)

@@ -31,7 +31,7 @@ import hashlib
 import json
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -149,6 +149,17 @@ def load_trace(
         raise TraceError(f"trace file {str(p)!r} holds no requests")
     out.sort(key=lambda r: r.timestamp_ms)
     return out
+
+
+def trace_slice(requests: Sequence[TraceRequest], offset: int, count: int) -> list[TraceRequest]:
+    """Requests ``offset`` to ``offset + count - 1`` of a trace (timestamp order); ``TraceError`` naming the
+    largest offset that fits where the trace holds fewer."""
+    if offset < 0 or count < 1:
+        raise TraceError(f"--offset {offset} --count {count}: the offset must be at least 0 and the count 1")
+    if offset + count > len(requests):
+        fits = f"use --offset {len(requests) - count} or less" if count <= len(requests) else "use a smaller --count"
+        raise TraceError(f"--offset {offset} --count {count} reaches past the trace's {len(requests)} requests: {fits}")
+    return list(requests[offset : offset + count])
 
 
 def jitter_arrivals(requests: Iterable[TraceRequest], jitter_ms: float, seed: int) -> list[TraceRequest]:

@@ -41,19 +41,6 @@ class PromptError(ValueError):
     """Prompts cannot be made token-exact with this tokenizer; the message names the request or the fix."""
 
 
-def trace_slice(requests: Sequence[TraceRequest], offset: int, count: int) -> list[TraceRequest]:
-    """Requests ``offset`` to ``offset + count - 1`` of a trace (timestamp order); ``PromptError`` naming the
-    largest offset that fits where the trace holds fewer."""
-    if offset < 0 or count < 1:
-        raise PromptError(f"--offset {offset} --count {count}: the offset must be at least 0 and the count 1")
-    if offset + count > len(requests):
-        fits = f"use --offset {len(requests) - count} or less" if count <= len(requests) else "use a smaller --count"
-        raise PromptError(
-            f"--offset {offset} --count {count} reaches past the trace's {len(requests)} requests: {fits}"
-        )
-    return list(requests[offset : offset + count])
-
-
 @dataclass(frozen=True, slots=True)
 class Scaling:
     """How the trace is shrunk to this machine (see the module docstring)."""

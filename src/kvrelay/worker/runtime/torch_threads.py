@@ -58,14 +58,13 @@ OS_NAME_BYTES = 15
 """The longest OS thread name Linux keeps (16 bytes with the terminating zero)."""
 
 
-def name_os_thread(name: str) -> bool:
-    """Name the calling thread ``name`` in the OS (cut to ``OS_NAME_BYTES``); False where that cannot be done
-    (not Linux, no libc)."""
+def name_os_thread(name: str) -> None:
+    """Name the calling thread ``name`` in the OS (cut to ``OS_NAME_BYTES``), where it has ``prctl`` (Linux)."""
     try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        prctl = ctypes.CDLL(None).prctl
     except (OSError, AttributeError):
-        return False
-    return int(prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:OS_NAME_BYTES]), 0, 0, 0)) == 0
+        return
+    prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:OS_NAME_BYTES]), 0, 0, 0)
 
 
 @functools.cache
