@@ -224,7 +224,7 @@ def native_starter(args: argparse.Namespace, options: FaceOptions, model: str, p
             face = kvrelay_cluster(name, KVRELAY_POLICIES[name], options, home)
             try:
                 await face_until(lambda: face.log_has("cluster", CLUSTER_READY), face, 300.0)
-                await wait_ready(face.url, model, face.alive)
+                await wait_ready(face.url, model, face)
             except BaseException:
                 face.stop()
                 raise
@@ -232,9 +232,9 @@ def native_starter(args: argparse.Namespace, options: FaceOptions, model: str, p
         face, urls = serve_workers(name, options, home)
         try:
             for url in urls:
-                await wait_ready(url, model, face.alive)
+                await wait_ready(url, model, face)
             start_peer(face, PEERS[name], peers[name], "cache_aware", urls)
-            await wait_ready(face.url, model, face.alive)
+            await wait_ready(face.url, model, face)
         except BaseException:
             face.stop()
             raise
@@ -259,7 +259,7 @@ def vllm_starter(engines: list[Any], model_dir: Path, peers: dict[str, str]):
             face, _ = peer_face(name, engines, home)
             start_peer(face, PEERS[name], peers[name], "cache_aware", urls)
         try:
-            await wait_ready(face.url, model_dir.name, face.alive)
+            await wait_ready(face.url, model_dir.name, face)
         except BaseException:
             face.stop()
             raise

@@ -112,7 +112,7 @@ async def measure(face: Face, model: str, streams: int, args: argparse.Namespace
     windows, so the measured one never repeats a warm-up prompt (whose KV the engine would still hold), and
     every setup draws the same sequence."""
     rng = random.Random(args.seed)
-    await wait_ready(face.url, model, face.alive)
+    await wait_ready(face.url, model, face)
     await closed_loop(face.url, model, streams, args.warm_s, rng, args)
     waits = queue_waits(face.url)
     started = time.monotonic()

@@ -174,11 +174,11 @@ async def run_setup(
         if not urls:
             await until(lambda: face.log_has("cluster", CLUSTER_READY), face, 300.0)
         for url in urls or [face.url]:
-            await wait_ready(url, model, face.alive)
+            await wait_ready(url, model, face)
         if urls:
             assert sglang is not None
             start_peer(face, Peer.SGLANG_ROUTER, sglang, "cache_aware", urls)
-            await wait_ready(face.url, model, face.alive)
+            await wait_ready(face.url, model, face)
         await warm_up(face.url, model)
         started = time.perf_counter()
         run0, wait0 = face.sched_seconds()

@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     with shared_engines(model_dir, 1, args.blocks, work / "vllm-logs") as engines:
         face = kvrelay_over_vllm("kvrelay", "kvrelay", engines, model_dir, work / "kvrelay")
         try:
-            asyncio.run(wait_ready(face.url, model_dir.name, face.alive))
+            asyncio.run(wait_ready(face.url, model_dir.name, face))
             urls = {"direct": engines[0].spec.url, "direct_ids": engines[0].spec.url, "kvrelay": face.url}
             cpu0 = face.cpu_seconds()
             spies = [] if args.profile is None else start_profiles(face, Path(args.profile))

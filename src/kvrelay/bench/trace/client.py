@@ -18,11 +18,12 @@ import asyncio
 import gc
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
 
+from kvrelay.bench.trace.faces import Face
 from kvrelay.bench.trace.prompts import TracePrompt
 
 
@@ -132,13 +133,14 @@ async def replay(url: str, model: str, prompts: Sequence[TracePrompt], timeout_s
     return sorted(results, key=lambda m: m.index)
 
 
-async def wait_ready(url: str, model: str, alive: Callable[[], bool], limit_s: float = 240.0) -> None:
-    """Until ``url`` answers a one-token completion; raise if ``alive()`` turns false or ``limit_s`` passes."""
+async def wait_ready(url: str, model: str, face: Face, limit_s: float = 240.0) -> None:
+    """Until ``url`` answers a one-token completion; ``RuntimeError`` with the exit report of ``face`` (whose
+    processes serve ``url``) if one of them exits, ``TimeoutError`` if ``limit_s`` passes."""
     deadline = time.monotonic() + limit_s
     async with httpx.AsyncClient(timeout=30) as client:
         while time.monotonic() < deadline:
-            if not alive():
-                raise RuntimeError(f"the server behind {url} exited before it was ready")
+            if not face.alive():
+                raise RuntimeError(f"the server behind {url} stopped before it was ready: {face.exit_report()}")
             try:
                 r = await client.post(
                     url + "/v1/completions",

@@ -63,6 +63,18 @@ class Face:
     def logs(self) -> str:
         return ", ".join(str(self.home / f"{name}.log") for name, _ in self.processes)
 
+    def exit_report(self, lines: int = 30) -> str:
+        """Each started process that has exited: its name, exit code and the last ``lines`` lines of its log
+        (empty while all run)."""
+        parts = []
+        for name, p in self.processes:
+            if p.poll() is None:
+                continue
+            path = self.home / f"{name}.log"
+            tail = path.read_text(errors="replace").splitlines()[-lines:] if path.is_file() else []
+            parts.append(f"{name} exited with code {p.returncode}; the end of {path}:\n" + "\n".join(tail))
+        return "\n".join(parts)
+
     def log_has(self, name: str, text: str) -> bool:
         """Whether process ``name``'s log holds ``text`` yet."""
         path = self.home / f"{name}.log"
@@ -231,6 +243,8 @@ async def until(probe: Callable[[], bool], face: Face, limit_s: float) -> None:
     passes first."""
     deadline = time.monotonic() + limit_s
     while not probe():
-        if not face.alive() or time.monotonic() > deadline:
+        if not face.alive():
+            raise RuntimeError(f"{face.name} stopped before it was ready: {face.exit_report()}")
+        if time.monotonic() > deadline:
             raise RuntimeError(f"{face.name} was not ready within {limit_s:.0f} s; logs: {face.logs()}")
         await asyncio.sleep(0.2)
