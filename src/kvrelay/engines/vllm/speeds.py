@@ -24,9 +24,14 @@ worker's own view (which starts before vLLM's queue and includes the HTTP hops):
   the rate is the one through the origin, which holds the fixed cost), not a decode step's time: with a
   decode step added (the old default, 50 ms, on an engine that had decoded nothing yet), the engine
   holding a prompt's prefix lost to one that held none but had decoded before.
-- **queue**: the uncached prompt tokens of the requests this worker sent that have no first token yet,
-  times the prefill rate; none pending is an empty queue whatever vLLM's figures lag behind, so an idle
-  engine never makes the router hold a request (``queue_delay``).
+- **queue**: what is left of the prefills of the requests this worker sent that have no first token yet:
+  each was predicted, when it was accepted, to end ``s_per_token`` times the uncached tokens it waited for
+  later (the line the served fit learns, ``served``); the queue is the latest of those ends less now. It
+  was those tokens times the rate, counted whole until the first token came back, so an engine whose
+  1,771-token prefill was a second from done looked 1.2 s busy and the router predicted 1.3 s for first
+  tokens it served in 0.2-0.45 s (docs/performance.md, "A vLLM engine's queue ages"). None pending is an
+  empty queue whatever vLLM's figures lag behind, so an idle engine never makes the router hold a request
+  (``queue_delay``).
 
 Counters that go back (the engine restarted) start the fit's window over without a point.
 
@@ -38,7 +43,7 @@ took 20 to 50 times longer than it said.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 DECAY = 0.9
@@ -187,7 +192,15 @@ def probe_fit(last: EngineTotals, samples: Sequence[Sequence[tuple[float, float]
     return fit
 
 
-def queue_delay(pending_tokens: int, s_per_token: float) -> float:
-    """Seconds a new request waits behind ``pending_tokens`` uncached prompt tokens not yet prefilled; 0 when none
-    are pending (an idle engine)."""
-    return max(0, pending_tokens) * s_per_token
+def queue_delay(pending: Iterable[tuple[float, int]], s_per_token: float, now: float) -> float:
+    """Seconds from ``now`` a new request waits behind the runs with no first token yet, each given as its
+    acceptance time and the uncached tokens it waited for at acceptance (its own and those of the runs pending
+    then): the latest of their predicted prefill ends, ``accepted_at + s_per_token * waited_tokens``, less
+    ``now``. 0 when none is pending (an idle engine) or every one is past its predicted end."""
+    ends = [accepted_at + max(0, waited) * s_per_token for accepted_at, waited in pending]
+    return max(0.0, max(ends, default=now) - now)
+
+
+def backlog_tokens(queue_s: float, s_per_token: float) -> int:
+    """A queue of ``queue_s`` seconds as prompt tokens at ``s_per_token`` (0 for an unknown rate)."""
+    return round(queue_s / s_per_token) if s_per_token > 0 else 0
