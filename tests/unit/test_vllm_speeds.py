@@ -10,6 +10,7 @@ import pytest
 from kvrelay.engines.vllm.served import MIN_SERVED, SERVED_TAU_S, ServedSpeeds
 from kvrelay.engines.vllm.speeds import (
     DEFAULT_PREFILL_S_PER_TOKEN,
+    RESIDUAL_SHARE,
     EngineTotals,
     PrefillFit,
     backlog_tokens,
@@ -103,14 +104,18 @@ def test_the_queue_ages_with_the_prefill_in_progress() -> None:
     # a 1,771-token prefill accepted at t=5.6 at 0.7 ms a token is predicted to end at 6.84
     pending = [(5.6, 1771)]
     assert queue_delay(pending, 7e-4, now=5.6) == pytest.approx(1.2397)
-    assert queue_delay(pending, 7e-4, now=6.3) == pytest.approx(0.5397)
-    assert queue_delay(pending, 7e-4, now=7.5) == 0.0, "a prefill past its predicted end leaves no queue"
+    assert queue_delay(pending, 7e-4, now=5.9) == pytest.approx(0.9397)
+    assert queue_delay(pending, 7e-4, now=6.6) == pytest.approx(RESIDUAL_SHARE * 1.2397), (
+        "half of it stays left until its first token"
+    )
+    assert queue_delay(pending, 7e-4, now=9.0) == pytest.approx(RESIDUAL_SHARE * 1.2397)
 
 
-def test_the_queue_ends_with_the_latest_predicted_prefill_end() -> None:
+def test_the_queue_is_the_most_any_pending_run_has_left() -> None:
     # the second run waited for what was left of the first (400 tokens) and its own 600
     pending = [(1.0, 1000), (1.6, 1000)]
     assert queue_delay(pending, 1e-3, now=2.0) == pytest.approx(0.6)
+    assert queue_delay([], 1e-3, now=2.0) == 0.0
     assert backlog_tokens(queue_delay(pending, 1e-3, now=2.0), 1e-3) == 600
     assert backlog_tokens(0.5, 0.0) == 0
 

@@ -25,8 +25,9 @@ worker's own view (which starts before vLLM's queue and includes the HTTP hops):
   decode step added (the old default, 50 ms, on an engine that had decoded nothing yet), the engine
   holding a prompt's prefix lost to one that held none but had decoded before.
 - **queue**: what is left of the prefills of the requests this worker sent that have no first token yet:
-  each was predicted, when it was accepted, to end ``s_per_token`` times the uncached tokens it waited for
-  later (the line the served fit learns, ``served``); the queue is the latest of those ends less now. It
+  each was predicted, when it was accepted, to take ``s_per_token`` times the uncached tokens it waited for
+  (the line the served fit learns, ``served``); the queue is the most any has left, at least
+  ``RESIDUAL_SHARE`` of its prediction until its first token comes. It
   was those tokens times the rate, counted whole until the first token came back, so an engine whose
   1,771-token prefill was a second from done looked 1.2 s busy and the router predicted 1.3 s for first
   tokens it served in 0.2-0.45 s (docs/performance.md, "A vLLM engine's queue ages"). None pending is an
@@ -192,13 +193,25 @@ def probe_fit(last: EngineTotals, samples: Sequence[Sequence[tuple[float, float]
     return fit
 
 
+RESIDUAL_SHARE = 0.5
+"""The least share of its predicted prefill a run without a first token counts as left (``queue_delay``): a
+prefill past its predicted end is still running. On two engines sharing a core under load, first tokens came
+1.3 to 2.2 times later than the worker predicted; with none left past that end, the router sent the next long
+prompt to an engine that looked idle and was not (docs/performance.md, "A vLLM engine's queue ages")."""
+
+
 def queue_delay(pending: Iterable[tuple[float, int]], s_per_token: float, now: float) -> float:
     """Seconds from ``now`` a new request waits behind the runs with no first token yet, each given as its
-    acceptance time and the uncached tokens it waited for at acceptance (its own and those of the runs pending
-    then): the latest of their predicted prefill ends, ``accepted_at + s_per_token * waited_tokens``, less
-    ``now``. 0 when none is pending (an idle engine) or every one is past its predicted end."""
-    ends = [accepted_at + max(0, waited) * s_per_token for accepted_at, waited in pending]
-    return max(0.0, max(ends, default=now) - now)
+    acceptance time and the uncached tokens it waited for at acceptance (its own and what was left of the runs
+    pending then): the most any of them has left, where a run predicted to take ``p = s_per_token *
+    waited_tokens`` has ``p`` less the time since its acceptance, but never less than ``RESIDUAL_SHARE`` of
+    ``p`` until its first token comes. 0 when none is pending (an idle engine)."""
+    left = [
+        max(p - (now - accepted_at), RESIDUAL_SHARE * p)
+        for accepted_at, waited in pending
+        if (p := max(0, waited) * s_per_token) > 0
+    ]
+    return max(left, default=0.0)
 
 
 def backlog_tokens(queue_s: float, s_per_token: float) -> int:
