@@ -17,7 +17,6 @@ from kvrelay.engines.vllm.host import VllmWorker, attempt_seed
 from kvrelay.engines.vllm.identity import EngineModelError, engine_fingerprint, kv_bytes_per_token
 from kvrelay.engines.vllm.metrics import EngineFigures, MetricsError, parse_metrics
 from kvrelay.engines.vllm.served import ServedFit, ServedSpeeds
-from kvrelay.engines.vllm.speeds import RESIDUAL_SHARE
 from kvrelay.models.loading.loader import load_artifacts
 from kvrelay.protocol.chunk_keys import chunk_chain, prompt_chain, root_key
 from kvrelay.protocol.messages import Assignment, FinishReason, Offer, Residency, RouteSegment, Sampling
@@ -333,36 +332,6 @@ def test_each_accepted_offer_counts_the_runs_before_it_and_the_heartbeat_reports
             if run.task is not None:
                 run.task.cancel()
         await host.engine.close()
-
-    asyncio.run(scenario())
-
-
-def test_the_heartbeats_queue_ages_with_the_prefill_in_progress_and_the_next_run_waits_for_what_is_left() -> None:
-    async def scenario() -> None:
-        now = [100.0]
-        identity = EngineIdentity("v1", 5, "m", FP, context_limit=64, block_tokens=BS)
-        figures = EngineFigures(num_blocks=16, block_size=BS)
-        client = EngineClient("http://127.0.0.1:9")
-        host = VllmWorker(identity, client, "served", 64, 4, figures, lambda _: None, clock=lambda: now[0])
-        s_per_token = host.speeds.rested(now[0]).reported()[1]
-        replies: list[object] = []
-        host.on_offer(offer(assignment=Assignment("r0", 1)), replies.append)
-        first = host.heartbeat().queue_delay_s
-        assert first == pytest.approx(len(PROMPT) * s_per_token)
-        now[0] += 0.25 * first
-        assert host.heartbeat().queue_delay_s == pytest.approx(0.75 * first), "a quarter of the prefill is done"
-        host.on_offer(offer(assignment=Assignment("r1", 1)), replies.append)
-        assert [r.accepted for r in replies] == [True, True]  # type: ignore[attr-defined]
-        second = host.runs[Assignment("r1", 1)]
-        assert second.waited_tokens == round(0.75 * len(PROMPT)) + len(PROMPT), "what is left of r0, then its own"
-        assert host.heartbeat().queue_delay_s == pytest.approx(second.waited_tokens * s_per_token)
-        now[0] += 10.0
-        left = RESIDUAL_SHARE * second.waited_tokens * s_per_token
-        assert host.heartbeat().queue_delay_s == pytest.approx(left), "a run is not done before its first token"
-        for run in list(host.runs.values()):
-            if run.task is not None:
-                run.task.cancel()
-        await client.close()
 
     asyncio.run(scenario())
 

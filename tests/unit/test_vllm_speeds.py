@@ -10,10 +10,8 @@ import pytest
 from kvrelay.engines.vllm.served import MIN_SERVED, SERVED_TAU_S, ServedSpeeds
 from kvrelay.engines.vllm.speeds import (
     DEFAULT_PREFILL_S_PER_TOKEN,
-    RESIDUAL_SHARE,
     EngineTotals,
     PrefillFit,
-    backlog_tokens,
     probe_fit,
     queue_delay,
     window_point,
@@ -95,29 +93,9 @@ def test_counters_that_go_back_start_a_new_window_without_a_point() -> None:
 
 
 def test_an_idle_engine_has_no_queue() -> None:
-    assert queue_delay([], 1.0, now=10.0) == 0.0
-    assert queue_delay([(10.0, -5)], 1.0, now=10.0) == 0.0
-    assert queue_delay([(10.0, 2000)], 3e-5, now=10.0) == pytest.approx(0.06)
-
-
-def test_the_queue_ages_with_the_prefill_in_progress() -> None:
-    # a 1,771-token prefill accepted at t=5.6 at 0.7 ms a token is predicted to end at 6.84
-    pending = [(5.6, 1771)]
-    assert queue_delay(pending, 7e-4, now=5.6) == pytest.approx(1.2397)
-    assert queue_delay(pending, 7e-4, now=5.9) == pytest.approx(0.9397)
-    assert queue_delay(pending, 7e-4, now=6.6) == pytest.approx(RESIDUAL_SHARE * 1.2397), (
-        "half of it stays left until its first token"
-    )
-    assert queue_delay(pending, 7e-4, now=9.0) == pytest.approx(RESIDUAL_SHARE * 1.2397)
-
-
-def test_the_queue_is_the_most_any_pending_run_has_left() -> None:
-    # the second run waited for what was left of the first (400 tokens) and its own 600
-    pending = [(1.0, 1000), (1.6, 1000)]
-    assert queue_delay(pending, 1e-3, now=2.0) == pytest.approx(0.6)
-    assert queue_delay([], 1e-3, now=2.0) == 0.0
-    assert backlog_tokens(queue_delay(pending, 1e-3, now=2.0), 1e-3) == 600
-    assert backlog_tokens(0.5, 0.0) == 0
+    assert queue_delay(0, 1.0) == 0.0
+    assert queue_delay(-5, 1.0) == 0.0
+    assert queue_delay(2000, 3e-5) == pytest.approx(0.06)
 
 
 def test_served_first_tokens_replace_the_engines_fit_once_there_are_enough() -> None:

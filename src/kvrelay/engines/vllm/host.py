@@ -35,8 +35,8 @@ engine's own ``/metrics`` fit (``speeds.PrefillFit``: prefill time against compu
 queueing) until this worker has measured a few first tokens of its own, then the fit of those against the
 uncached tokens each waited for (``EngineRun.waited_tokens``) and the other runs in flight when it was
 accepted (``EngineRun.in_flight``), aged with time so that an idle worker reports the engine's fit again
-(``ServedSpeeds.rested``); its queue from the predicted prefill ends of this worker's requests that
-have no first token yet (``speeds.queue_delay``).
+(``ServedSpeeds.rested``); its queue from the uncached prompt tokens of this worker's requests that
+have no first token yet.
 
 Sampling: the attempt's vLLM ``seed`` is derived from the request's seed and
 ``generated_before`` (``attempt_seed``), so an attempt is reproducible; a
@@ -61,7 +61,7 @@ from kvrelay.engines.vllm.admission import EngineCapacity, EngineIdentity, admit
 from kvrelay.engines.vllm.client import EngineError, VllmEngine
 from kvrelay.engines.vllm.metrics import EngineFigures
 from kvrelay.engines.vllm.served import ServedSpeeds
-from kvrelay.engines.vllm.speeds import PrefillFit, backlog_tokens, queue_delay
+from kvrelay.engines.vllm.speeds import PrefillFit, queue_delay
 from kvrelay.protocol.chunk_keys import root_key
 from kvrelay.protocol.messages import (
     Assignment,
@@ -99,9 +99,8 @@ class EngineRun:
     submitted_at: float = 0.0
     cached_tokens: int = 0
     waited_tokens: int = 0
-    """Uncached prompt tokens this run's first token waits for: its own and what was left, at its acceptance, of
-    the prefills of the runs admitted before it that had no first token yet, in tokens at the rate reported
-    then (``served.ServedSpeeds``, ``speeds.queue_delay``)."""
+    """Uncached prompt tokens this run's first token waits for: its own and those of the runs admitted before
+    it that had no first token yet (``served.ServedSpeeds``)."""
     in_flight: int = 0
     """The other runs on this worker when this one was accepted (``served.ServedSpeeds``)."""
 
@@ -150,8 +149,8 @@ class VllmWorker(MachineHost):
             self._republish = False
             asyncio.get_running_loop().call_soon(self.publish_residency, tuple(self.mirror.keys), ())
         capacity = self.capacity()
-        now = self.clock()
-        fixed_s, prefill_s_per_token, per_request_s = self.speeds.rested(now).reported()
+        pending = self._pending_tokens()
+        fixed_s, prefill_s_per_token, per_request_s = self.speeds.rested(self.clock()).reported()
         return Heartbeat(
             worker_id=self.worker_id,
             epoch=self.epoch,
@@ -163,7 +162,7 @@ class VllmWorker(MachineHost):
             pages_reserved=capacity.promised_blocks,
             page_tokens=self.me.block_tokens,
             chunk_tokens=self.me.block_tokens,
-            queue_delay_s=queue_delay(self._pending(), prefill_s_per_token, now),
+            queue_delay_s=queue_delay(pending, prefill_s_per_token),
             active_lanes=max(self.figures.running, len(self.runs)),
             max_lanes=self.max_lanes,
             prefill_s_per_token=prefill_s_per_token,
@@ -176,15 +175,9 @@ class VllmWorker(MachineHost):
     def _uncached(self, run: EngineRun) -> int:
         return max(0, len(run.offer.prompt) - run.prefix_chunks * self.me.block_tokens)
 
-    def _pending(self) -> list[tuple[float, int]]:
-        """Acceptance time and tokens waited for of each run without a first token yet (``speeds.queue_delay``)."""
-        return [(r.accepted_at, r.waited_tokens) for r in self.runs.values() if not r.generated]
-
-    def _backlog_tokens(self, now: float) -> int:
-        """The queue at ``now`` in prompt tokens at the reported rate: what a run accepted now waits for before
-        its own prefill."""
-        s_per_token = self.speeds.rested(now).reported()[1]
-        return backlog_tokens(queue_delay(self._pending(), s_per_token, now), s_per_token)
+    def _pending_tokens(self) -> int:
+        """Uncached prompt tokens of the runs without a first token yet."""
+        return sum(self._uncached(r) for r in self.runs.values() if not r.generated)
 
     def capacity(self) -> EngineCapacity:
         """The engine's blocks now: vLLM's last figure of those in use, less what runs that ended since gave
@@ -294,9 +287,8 @@ class VllmWorker(MachineHost):
             self.me, offer, self.capacity(), self.mirror.keys, self.engine_up, self.state.shutting_down
         )
         if result.accepted:
-            now = self.clock()
-            run = EngineRun(offer, result.demand_blocks, result.prefix_chunks, now, in_flight=len(self.runs))
-            run.waited_tokens = self._backlog_tokens(now) + self._uncached(run)
+            run = EngineRun(offer, result.demand_blocks, result.prefix_chunks, self.clock(), in_flight=len(self.runs))
+            run.waited_tokens = self._pending_tokens() + self._uncached(run)
             self.runs[offer.assignment] = run
         self._step(
             worker_events.AdmissionDecided(

@@ -24,15 +24,12 @@ worker's own view (which starts before vLLM's queue and includes the HTTP hops):
   the rate is the one through the origin, which holds the fixed cost), not a decode step's time: with a
   decode step added (the old default, 50 ms, on an engine that had decoded nothing yet), the engine
   holding a prompt's prefix lost to one that held none but had decoded before.
-- **queue**: what is left of the prefills of the requests this worker sent that have no first token yet:
-  each was predicted, when it was accepted, to take ``s_per_token`` times the uncached tokens it waited for
-  (the line the served fit learns, ``served``); the queue is the most any has left, at least
-  ``RESIDUAL_SHARE`` of its prediction until its first token comes. It
-  was those tokens times the rate, counted whole until the first token came back, so an engine whose
-  1,771-token prefill was a second from done looked 1.2 s busy and the router predicted 1.3 s for first
-  tokens it served in 0.2-0.45 s (docs/performance.md, "A vLLM engine's queue ages"). None pending is an
-  empty queue whatever vLLM's figures lag behind, so an idle engine never makes the router hold a request
-  (``queue_delay``).
+- **queue**: the uncached prompt tokens of the requests this worker sent that have no first token yet,
+  times the prefill rate; none pending is an empty queue whatever vLLM's figures lag behind, so an idle
+  engine never makes the router hold a request (``queue_delay``). A prefill counts whole until its first
+  token: crediting the time since acceptance predicted better and served the loaded Gemma 3 slice's first
+  tokens later, the rate under load being the error (docs/performance.md, "A vLLM engine's queue aged (tried,
+  not kept)").
 
 Counters that go back (the engine restarted) start the fit's window over without a point.
 
@@ -44,7 +41,7 @@ took 20 to 50 times longer than it said.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 DECAY = 0.9
@@ -193,27 +190,7 @@ def probe_fit(last: EngineTotals, samples: Sequence[Sequence[tuple[float, float]
     return fit
 
 
-RESIDUAL_SHARE = 0.5
-"""The least share of its predicted prefill a run without a first token counts as left (``queue_delay``): a
-prefill past its predicted end is still running. On two engines sharing a core under load, first tokens came
-1.3 to 2.2 times later than the worker predicted; with none left past that end, the router sent the next long
-prompt to an engine that looked idle and was not (docs/performance.md, "A vLLM engine's queue ages")."""
-
-
-def queue_delay(pending: Iterable[tuple[float, int]], s_per_token: float, now: float) -> float:
-    """Seconds from ``now`` a new request waits behind the runs with no first token yet, each given as its
-    acceptance time and the uncached tokens it waited for at acceptance (its own and what was left of the runs
-    pending then): the most any of them has left, where a run predicted to take ``p = s_per_token *
-    waited_tokens`` has ``p`` less the time since its acceptance, but never less than ``RESIDUAL_SHARE`` of
-    ``p`` until its first token comes. 0 when none is pending (an idle engine)."""
-    left = [
-        max(p - (now - accepted_at), RESIDUAL_SHARE * p)
-        for accepted_at, waited in pending
-        if (p := max(0, waited) * s_per_token) > 0
-    ]
-    return max(left, default=0.0)
-
-
-def backlog_tokens(queue_s: float, s_per_token: float) -> int:
-    """A queue of ``queue_s`` seconds as prompt tokens at ``s_per_token`` (0 for an unknown rate)."""
-    return round(queue_s / s_per_token) if s_per_token > 0 else 0
+def queue_delay(pending_tokens: int, s_per_token: float) -> float:
+    """Seconds a new request waits behind ``pending_tokens`` uncached prompt tokens not yet prefilled; 0 when none
+    are pending (an idle engine)."""
+    return max(0, pending_tokens) * s_per_token
