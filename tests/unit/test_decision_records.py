@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.bench.trace.decisions import by_in_flight, in_flight_points, routing_summary, slope
+from kvrelay.bench.trace.decisions import by_in_flight, in_flight_points, queue_of_terms, routing_summary, slope
 from kvrelay.core.router.events import Record, SendOffer
 from kvrelay.facts.store import FactStore
 from kvrelay.protocol.messages import Result
@@ -64,3 +64,12 @@ def test_the_summary_reads_the_routers_records_from_its_store(tmp_path: Path) ->
     assert expected == [(0, 1.0), (0, 1.9), (1, pytest.approx(2.8))]
     assert summary["router_ttft_by_in_flight"] == {"0": pytest.approx(1.45), "1": pytest.approx(2.8)}
     assert summary["mean_router_ttft_s"] == pytest.approx(1.9)
+    # every prediction (tens of ms) fell short of the measured 1.0-2.8 s; the one queued decision measured 2.8 s
+    assert summary["mean_abs_prediction_error_s"] == pytest.approx(1.9 - summary["mean_predicted_ttft_s"])
+    assert -2.8 < summary["queued_prediction_error_s"] < -2.5
+
+
+def test_a_decisions_queue_is_read_from_its_chosen_terms() -> None:
+    assert queue_of_terms('{"queue_s": 0.25, "restore_s": {}, "prefill_s": 0.1, "decode_s": 0.01}') == 0.25
+    assert queue_of_terms(None) == 0.0
+    assert queue_of_terms("[]") == 0.0

@@ -11,7 +11,11 @@ lowest score wins and the calm-cluster tie does not apply), and
 ``router_ttft_by_in_flight``, the median of that measured TTFT by the other requests the
 same router had in flight on the chosen worker when it decided (``3`` holds 3 or more),
 with ``in_flight_slope_s``, the least-squares seconds each of those added (None without
-two different counts).
+two different counts). How far the predictions were from what the router measured:
+``mean_abs_prediction_error_s`` over every decision, and ``queued_prediction_error_s``, the mean
+signed error (predicted less measured) over the decisions whose chosen candidate had a queue (None
+without one), where a worker's account of the work it has in hand shows (docs/performance.md,
+"A vLLM engine's queue aged (tried, not kept)").
 Worker ids are prefixed with the store's label so faces with equal ids stay apart.
 """
 
@@ -38,6 +42,7 @@ def routing_summary(db_files: Mapping[str, Path]) -> dict[str, Any]:
     measured: list[float] = []
     with_queue = 0
     points: list[tuple[int, float]] = []
+    queued_errors: list[float] = []
     for label, path in db_files.items():
         if not path.is_file():
             continue
@@ -51,18 +56,23 @@ def routing_summary(db_files: Mapping[str, Path]) -> dict[str, Any]:
                     per_worker[key] = per_worker.get(key, 0) + count
             with_queue += sum(queued(text) for (text,) in db.execute("SELECT candidates FROM decisions"))
             rows = db.execute(
-                "SELECT d.chosen_worker, d.time, o.time, d.predicted_ttft_s, o.ttft_s FROM decisions d JOIN outcomes o "
-                "ON d.request_id = o.request_id AND d.attempt = o.attempt "
+                "SELECT d.chosen_worker, d.time, o.time, d.predicted_ttft_s, o.ttft_s, d.terms FROM decisions d "
+                "JOIN outcomes o ON d.request_id = o.request_id AND d.attempt = o.attempt "
                 "WHERE d.predicted_ttft_s IS NOT NULL AND o.ttft_s IS NOT NULL"
             ).fetchall()
             predicted += [r[3] for r in rows]
             measured += [r[4] for r in rows]
+            queued_errors += [r[3] - r[4] for r in rows if queue_of_terms(r[5]) > 0.0]
             points += in_flight_points([(r[0], r[1], r[2], r[4]) for r in rows])
     return {
         "accepted_by_worker": dict(sorted(per_worker.items())),
         "outcomes": dict(sorted(outcomes.items())),
         "mean_predicted_ttft_s": sum(predicted) / len(predicted) if predicted else None,
         "mean_router_ttft_s": sum(measured) / len(measured) if measured else None,
+        "mean_abs_prediction_error_s": (
+            statistics.fmean(abs(p - m) for p, m in zip(predicted, measured)) if predicted else None
+        ),
+        "queued_prediction_error_s": statistics.fmean(queued_errors) if queued_errors else None,
         "decisions_with_a_queue": with_queue,
         "router_ttft_by_in_flight": by_in_flight(points),
         "in_flight_slope_s": slope(points),
@@ -73,6 +83,12 @@ def queued(candidates_json: str | None) -> bool:
     """Whether a decision's candidates (its JSON column) include one with a queue."""
     candidates = json.loads(candidates_json) if candidates_json else []
     return any(c.get("terms", {}).get("queue_s", 0.0) > 0.0 for c in candidates)
+
+
+def queue_of_terms(terms_json: str | None) -> float:
+    """The queue term of a decision's chosen candidate (its ``terms`` JSON column; 0 without one)."""
+    terms = json.loads(terms_json) if terms_json else {}
+    return float(terms.get("queue_s", 0.0)) if isinstance(terms, dict) else 0.0
 
 
 def in_flight_points(decided: Sequence[Decided]) -> list[tuple[int, float]]:
