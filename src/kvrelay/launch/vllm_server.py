@@ -81,6 +81,9 @@ def vllm_python(explicit: str | None = None) -> str:
 UNIPROCESS_ARGS = ("--distributed-executor-backend", "uni")
 """vLLM's arguments that run the model in the engine core's process (``VllmServerSpec.uniprocess``)."""
 UNIPROCESS_ENV = (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),)
+VLLM_BLOCK_TOKENS = 64
+"""vLLM's KV block size (``--block-size``) for kvrelay's engines: kvrelay's default chunk, a multiple of 32 as
+vLLM's CPU attention needs."""
 """The environment without which vLLM's CPU platform turns ``UNIPROCESS_ARGS`` back into its multiprocess executor."""
 
 
@@ -95,7 +98,7 @@ class VllmServerSpec:
     host: str = "127.0.0.1"
     served_name: str | None = None
     dtype: str = "bfloat16"
-    block_tokens: int = 64
+    block_tokens: int = VLLM_BLOCK_TOKENS
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
     max_num_seqs: int | None = None

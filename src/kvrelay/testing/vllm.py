@@ -16,11 +16,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvrelay.launch.vllm_server import VllmServer, VllmServerSpec, loopback_specs, vllm_python
+from kvrelay.launch.vllm_server import VLLM_BLOCK_TOKENS, VllmServer, VllmServerSpec, loopback_specs, vllm_python
 from kvrelay.testing.tiny_models import make_tiny_model
 
-VLLM_BLOCK_TOKENS = 64
-"""vLLM's KV block size in these tests: kvrelay's default chunk, a multiple of 32 as vLLM's CPU attention needs."""
 TINY_CONTEXT = 2048
 TINY_LANES = 16
 """Sequences a test's server runs at once (``--max-num-seqs``)."""

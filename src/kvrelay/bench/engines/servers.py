@@ -52,7 +52,7 @@ from typing import IO
 
 import httpx
 
-from kvrelay.launch.vllm_server import has_sliding_window
+from kvrelay.launch.vllm_server import VLLM_BLOCK_TOKENS, has_sliding_window
 from kvrelay.testing.ports import free_port
 
 QUIET_CORES = 0.05
@@ -62,8 +62,6 @@ QUIET_WINDOW_S = 0.2
 
 WAIT_POLICY = "PASSIVE"
 """Both servers' ``OMP_WAIT_POLICY`` (see the module docstring)."""
-VLLM_BLOCK_TOKENS = 64
-"""vLLM's ``--block-size``: kvrelay's chunk, a multiple of 32 as its CPU attention needs."""
 
 
 def omp_settings(spec: ServerSpec) -> dict[str, str]:
