@@ -50,7 +50,7 @@ class Gemma3Layer:
         self.next_rope: str | None = None
 
     def __call__(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        attended, done = attention_then_tail(self, h, ctx)
+        h, attended, done = attention_then_tail(self, h, ctx)
         if done:
             return h
         h = self.post_attention_norm.add_to(h, self.attention.o(attended))

@@ -34,6 +34,7 @@ from kvrelay.models.kernels.native.mlp_rows import LayerTail
 from kvrelay.models.kernels.native.rms_norm import add_rms_norm_native, rms_norm_native
 from kvrelay.models.kernels.window_mirror import MirrorStep, WindowMirror
 from kvrelay.models.mlp import GatedMLP, PackedLinear
+from kvrelay.models.sampled_rows import SampledRows, sampled_rows
 from kvrelay.models.sampling import greedy_tokens
 from kvrelay.models.weights import Weights
 
@@ -118,6 +119,8 @@ class StepContext:
     handoff: dict[int, torch.Tensor] = field(default_factory=dict)
     """A layer's q, k, v rows (q and k normed and rotated) that the layer before it computed in its tail
     (``LayerTail.through_next``), by layer index; each is taken once."""
+    sampled: SampledRows | None = None
+    """The rows the last layer finishes alone after writing every row's keys and values (``sampled_rows``)."""
 
 
 class PagedSelfAttention:
@@ -176,6 +179,9 @@ class PagedSelfAttention:
         q, k = qk[:, : self.heads], qk[:, self.heads :]
         k_pool, v_pool = ctx.kv.k[self.layer], ctx.kv.v[self.layer]
         write_kv(k_pool, v_pool, ctx.plan.slots, k, v, ctx.plan.slot_run)
+        sampled = ctx.sampled
+        if sampled is not None and sampled.layer == self.layer:
+            return self._attend_sampled(q, k_pool, v_pool, sampled, ctx.buffers)
         if self.layer_type != "sliding_attention":
             out = paged_attention(q, k_pool, v_pool, ctx.plan.full, self.scale, ctx.buffers)
         elif ctx.mirror is None or ctx.mirror_step is None:
@@ -183,6 +189,17 @@ class PagedSelfAttention:
         else:
             out = self._attend_mirrored(q, k, v, k_pool, v_pool, ctx, ctx.mirror, ctx.mirror_step)
         return out.reshape(tokens, -1)
+
+    def _attend_sampled(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, sampled: SampledRows, buffers: GatherBuffers
+    ) -> torch.Tensor:
+        """Attention ``[N, heads * head_dim]`` of the sampled rows' queries alone, one query per row."""
+        if sampled.plan is None:
+            return q.new_empty(0, self.heads * self.head_dim)
+        plan = sampled.plan
+        groups = plan.sliding if self.layer_type == "sliding_attention" else plan.full
+        out = paged_attention(q.index_select(0, sampled.rows), k_pool, v_pool, groups, self.scale, buffers)
+        return out.reshape(sampled.rows.shape[0], -1)
 
     def _attend_mirrored(
         self,
@@ -232,24 +249,32 @@ class TailedLayer(Protocol):
     """The next layer's rope kind where this layer's tail computes its start (``link_tails``), else ``None``."""
 
 
-def attention_then_tail(layer: TailedLayer, h: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, bool]:
-    """The layer's attention output (from the rows its predecessor's tail handed over, else from ``h``), and
-    whether its tail then did the rest of the layer on ``h`` in place (and, where linked, the next layer's start)."""
+def attention_then_tail(
+    layer: TailedLayer, h: torch.Tensor, ctx: StepContext
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The rows that go on (``h``, or its sampled rows where ``ctx.sampled`` names this layer), the layer's attention
+    output for them (from the rows its predecessor's tail handed over, else from ``h``), and whether its tail then
+    did the rest of the layer on those rows in place (and, where linked, the next layer's start)."""
     handed = ctx.handoff.pop(layer.index, None)
     if handed is not None and handed.shape[0] == h.shape[0]:
         attended = layer.attention.attend_rotated(handed, ctx)
     else:
         attended = layer.attention.attend(layer.input_norm(h), ctx)
+    sampled = ctx.sampled
+    if sampled is not None and sampled.layer == layer.index:
+        h = h.index_select(0, sampled.rows)
+        if h.shape[0] == 0:
+            return h, attended, True
     tail = layer.tail
     if tail is None:
-        return attended, False
+        return h, attended, False
     if layer.next_rope is not None:
         cos, sin = ctx.rope[layer.next_rope]
         start = tail.through_next(attended, h, cos, sin)
         if start is not None:
             ctx.handoff[layer.index + 1] = start
-            return attended, True
-    return attended, tail(attended, h)
+            return h, attended, True
+    return h, attended, tail(attended, h)
 
 
 def link_tails(layers: Sequence[TailedLayer]) -> None:
@@ -366,11 +391,15 @@ class PagedModel:
         plan = plan_attention(batch, kv.page_tokens, self.sliding_window, self.device, self.dtype, mirrored)
         positions = batch.positions.to(self.device)
         rope = {kind: rotary.cos_sin(positions, self.dtype) for kind, rotary in self.rotaries.items()}
-        ctx = StepContext(plan, kv, rope, self.buffers, self.mirror, mirror_step)
+        last = len(self.layers) - 1
+        sampled = sampled_rows(batch, kv.page_tokens, self.sliding_window, self.device, self.dtype, last)
+        ctx = StepContext(plan, kv, rope, self.buffers, self.mirror, mirror_step, sampled=sampled)
         h = self.embed(batch.input_ids.to(self.device))
         for layer in self.layers:
             h = layer(h, ctx)
-        return self.norm(h.index_select(0, batch.logits_indices.to(self.device)))
+        if sampled is None:
+            h = h.index_select(0, batch.logits_indices.to(self.device))
+        return self.norm(h)
 
     def _check_pool(self, kv: KVPages) -> None:
         c = self.config

@@ -45,7 +45,7 @@ class LlamaLayer:
         self.next_rope: str | None = None
 
     def __call__(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        attended, done = attention_then_tail(self, h, ctx)
+        h, attended, done = attention_then_tail(self, h, ctx)
         if done:
             return h
         h = h.add_(self.attention.o(attended))
