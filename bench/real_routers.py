@@ -77,7 +77,7 @@ from kvrelay.bench.trace.engine_metrics import scrape
 from kvrelay.bench.trace.faces import CLUSTER_READY, Face, FaceOptions, kvrelay_cluster, serve_workers, start_peer
 from kvrelay.bench.trace.faces import until as face_until
 from kvrelay.bench.trace.peers import Peer, find_peer
-from kvrelay.bench.trace.prompts import PromptBuilder, Scaling, TracePrompt
+from kvrelay.bench.trace.prompts import Scaling, TracePrompt, slice_prompts
 from kvrelay.bench.trace.real_routers_report import Phase, Replay, figures, markdown, plot_grid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,13 +155,12 @@ def _subset(value: str, allowed: tuple[str, ...], flag: str) -> list[str]:
 
 
 def build_prompts(args: argparse.Namespace, tokenizer: Any, scaling: Scaling) -> list[TracePrompt]:
-    from kvrelay.sim.trace import TraceError, load_trace, trace_slice
+    from kvrelay.sim.trace import TraceError
 
     try:
-        requests = trace_slice(load_trace(args.trace), args.offset, args.count)
+        return slice_prompts(args.trace, args.offset, args.count, tokenizer, scaling)
     except TraceError as exc:
-        raise SystemExit(f"{args.trace}: {exc}") from None
-    return PromptBuilder(tokenizer, scaling).build(requests)
+        raise SystemExit(str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,7 +61,7 @@ from kvrelay.bench.trace.faces import (
     until,
 )
 from kvrelay.bench.trace.peers import Peer, find_peer
-from kvrelay.bench.trace.prompts import PromptBuilder, Scaling, TracePrompt
+from kvrelay.bench.trace.prompts import Scaling, TracePrompt, slice_prompts
 from kvrelay.bench.trace.report import (
     calibration_figures,
     comparison_figures,
@@ -145,15 +145,14 @@ def load_prompts(args: argparse.Namespace) -> tuple[str, list[TracePrompt]]:
     import torch
 
     from kvrelay.models.loading.loader import load_artifacts
-    from kvrelay.sim.trace import TraceError, load_trace, trace_slice
+    from kvrelay.sim.trace import TraceError
 
-    try:
-        requests = trace_slice(load_trace(args.trace), args.offset, args.count)
-    except TraceError as exc:
-        raise SystemExit(f"{args.trace}: {exc}") from None
     artifacts = load_artifacts(args.model, dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
     scaling = Scaling(args.block_tokens, 512, args.max_prompt_tokens, args.max_output_tokens, args.time_stretch)
-    return artifacts.name, PromptBuilder(artifacts.tokenizer, scaling).build(requests)
+    try:
+        return artifacts.name, slice_prompts(args.trace, args.offset, args.count, artifacts.tokenizer, scaling)
+    except TraceError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 async def run_setup(

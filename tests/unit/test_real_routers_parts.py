@@ -4,12 +4,14 @@ the peer routers' command lines, a real model's engine context."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from kvrelay.bench.trace.engine_metrics import cached_prompt_tokens
 from kvrelay.bench.trace.peers import Peer, peer_argv
+from kvrelay.bench.trace.prompts import Scaling, slice_prompts
 from kvrelay.bench.trace.vllm_engines import RealModel, real_model
 
 DATA = Path(__file__).parents[1] / "data"
@@ -75,3 +77,5 @@ def test_a_slice_past_the_traces_end_is_refused_with_the_offset_that_fits() -> N
         trace_slice(requests, 0, 4000)
     with pytest.raises(TraceError, match="at least 0"):
         trace_slice(requests, -1, 24)
+    with pytest.raises(TraceError, match=rf"^{re.escape(str(TRACE))}: .* use --offset 3945 or less"):
+        slice_prompts(TRACE, 3969, 48, tokenizer=None, scaling=Scaling(16, 512, 2048, 64, 1.0))

@@ -28,9 +28,10 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from kvrelay.sim.trace import TraceRequest
+from kvrelay.sim.trace import TraceError, TraceRequest, load_trace, trace_slice
 
 _WORD = re.compile(r"[a-z]{3,10}")
 _SPACE_MARKS = ("\u2581", "\u0120")
@@ -138,3 +139,13 @@ class PromptBuilder:
                 TracePrompt(index, r.line, self.scaling.arrival_s(r, first), text, ids, self.scaling.output_tokens(r))
             )
         return out
+
+
+def slice_prompts(trace: Path, offset: int, count: int, tokenizer: Any, scaling: Scaling) -> list[TracePrompt]:
+    """The prompts of requests ``offset`` to ``offset + count - 1`` of the Mooncake-format ``trace`` file;
+    ``TraceError`` naming the file where it cannot be read or holds fewer requests."""
+    try:
+        requests = trace_slice(load_trace(trace), offset, count)
+    except TraceError as exc:
+        raise TraceError(f"{trace}: {exc}") from None
+    return PromptBuilder(tokenizer, scaling).build(requests)
