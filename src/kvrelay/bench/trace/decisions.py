@@ -82,12 +82,16 @@ def routing_summary(db_files: Mapping[str, Path]) -> dict[str, Any]:
 def queued(candidates_json: str | None) -> bool:
     """Whether a decision's candidates (its JSON column) include one with a queue."""
     candidates = json.loads(candidates_json) if candidates_json else []
-    return any(c.get("terms", {}).get("queue_s", 0.0) > 0.0 for c in candidates)
+    return any(_queue_s(c.get("terms")) > 0.0 for c in candidates)
 
 
 def queue_of_terms(terms_json: str | None) -> float:
     """The queue term of a decision's chosen candidate (its ``terms`` JSON column; 0 without one)."""
-    terms = json.loads(terms_json) if terms_json else {}
+    return _queue_s(json.loads(terms_json) if terms_json else None)
+
+
+def _queue_s(terms: object) -> float:
+    """The ``queue_s`` of one candidate's decoded terms (0 where there are none)."""
     return float(terms.get("queue_s", 0.0)) if isinstance(terms, dict) else 0.0
 
 
