@@ -18,6 +18,9 @@ token from the cores the servers run on; ``openai`` for the official one):
 3. ``warm_ttft_s``: that prompt's first ``cold - --warm-suffix`` tokens again with a new suffix; with each
    server's reported cached prompt tokens (``warm_cached_share``) and vLLM's prefix-cache hit share from its
    ``/metrics`` (``vllm_prefix_cache_hit_share``).
+   A round measures ``--ttft-prompts`` such pairs on each server, the servers taking turns (the one that went
+   second goes first for the next prompt), and its figures are their medians: one cold prompt a round moved with
+   the machine's minute (this VM ran ``kvrelay serve``'s cold prompt in 0.8 to 1.4 s within an hour).
 
 Then ``peak_rss_mib`` of each server's process tree, and each decode's share of the compute limit
 (``kvrelay.bench.engines.compute``: the machine's measured bfloat16 GEMM peak over the model's FLOPs per
@@ -82,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=64, help="new tokens per decode stream (default 64)")
     parser.add_argument("--cold-prompt", type=int, default=4096, help="prompt tokens of the TTFT figures")
     parser.add_argument("--warm-suffix", type=int, default=512, help="new tokens after the warm prefix (default 512)")
+    parser.add_argument(
+        "--ttft-prompts",
+        type=int,
+        default=3,
+        help="cold prompts (each with its warm one) per round and server, the servers taking turns; a round's "
+        "figure is their median (default 3)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each server (default 2)")
     parser.add_argument(
         "--dtype",
@@ -130,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     streams = sorted({int(n) for n in args.streams.split(",")})
     if args.warm_suffix >= args.cold_prompt:
         parser.error("--warm-suffix must be shorter than --cold-prompt")
+    if args.ttft_prompts < 1:
+        parser.error("--ttft-prompts must be at least 1")
 
     model_dir = model_directory(args.model)
     config = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
@@ -272,28 +284,36 @@ def run_rounds(
                     f"({result.window_s:.1f} s window, {result.completion_tokens} tokens)",
                     flush=True,
                 )
-        (cold_prompt,) = prompts(1, args.cold_prompt, vocab, seed=1000 * round_ + 999)
-        (suffix,) = prompts(1, args.warm_suffix, vocab, seed=1000 * round_ + 998)
-        warm_prompt = cold_prompt[: args.cold_prompt - args.warm_suffix] + suffix
+        colds: dict[str, list[float]] = {engine: [] for engine in order}
+        warms: dict[str, list[float]] = {engine: [] for engine in order}
+        cached: dict[str, list[float]] = {engine: [] for engine in order}
+        for i in range(args.ttft_prompts):
+            (cold_prompt,) = prompts(1, args.cold_prompt, vocab, seed=1000 * round_ + 999 - 2 * i)
+            (suffix,) = prompts(1, args.warm_suffix, vocab, seed=1000 * round_ + 998 - 2 * i)
+            warm_prompt = cold_prompt[: args.cold_prompt - args.warm_suffix] + suffix
+            for engine in order if i % 2 == 0 else order[::-1]:
+                server = servers[engine]
+                wait_quiet(list(servers.values()))
+                cold = ttft(server.url, server.model_name, cold_prompt, args.client)
+                before = prefix_cache_counts(server) if engine == "vllm" else None
+                wait_quiet(list(servers.values()))
+                warm = ttft(server.url, server.model_name, warm_prompt, args.client)
+                if before is not None:
+                    queries, hits = (b - a for a, b in zip(before, prefix_cache_counts(server)))
+                    hit_shares.append(hits / queries if queries else 0.0)
+                colds[engine].append(cold.seconds)
+                warms[engine].append(warm.seconds)
+                cached[engine].append(warm.cached_tokens / warm.prompt_tokens)
+                print(
+                    f"round {round_} {engine:8} TTFT cold {cold.seconds:.3f} s, warm {warm.seconds:.3f} s "
+                    f"({warm.cached_tokens} of {warm.prompt_tokens} prompt tokens cached)",
+                    flush=True,
+                )
         for engine in order:
-            server = servers[engine]
-            wait_quiet(list(servers.values()))
-            cold = ttft(server.url, server.model_name, cold_prompt, args.client)
-            before = prefix_cache_counts(server) if engine == "vllm" else None
-            wait_quiet(list(servers.values()))
-            warm = ttft(server.url, server.model_name, warm_prompt, args.client)
-            if before is not None:
-                queries, hits = (b - a for a, b in zip(before, prefix_cache_counts(server)))
-                hit_shares.append(hits / queries if queries else 0.0)
-            samples.add(engine, "cold_ttft_s", cold.seconds)
-            samples.add(engine, "prefill_tokens_per_s", cold.prompt_tokens / cold.seconds)
-            samples.add(engine, "warm_ttft_s", warm.seconds)
-            samples.add(engine, "warm_cached_share", warm.cached_tokens / warm.prompt_tokens)
-            print(
-                f"round {round_} {engine:8} TTFT cold {cold.seconds:.3f} s, warm {warm.seconds:.3f} s "
-                f"({warm.cached_tokens} of {warm.prompt_tokens} prompt tokens cached)",
-                flush=True,
-            )
+            samples.add(engine, "cold_ttft_s", median(colds[engine]))
+            samples.add(engine, "prefill_tokens_per_s", args.cold_prompt / median(colds[engine]))
+            samples.add(engine, "warm_ttft_s", median(warms[engine]))
+            samples.add(engine, "warm_cached_share", median(cached[engine]))
     return samples, hit_shares
 
 
