@@ -81,10 +81,10 @@ def vllm_python(explicit: str | None = None) -> str:
 UNIPROCESS_ARGS = ("--distributed-executor-backend", "uni")
 """vLLM's arguments that run the model in the engine core's process (``VllmServerSpec.uniprocess``)."""
 UNIPROCESS_ENV = (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),)
+"""The environment without which vLLM's CPU platform turns ``UNIPROCESS_ARGS`` back into its multiprocess executor."""
 VLLM_BLOCK_TOKENS = 64
 """vLLM's KV block size (``--block-size``) for kvrelay's engines: kvrelay's default chunk, a multiple of 32 as
 vLLM's CPU attention needs."""
-"""The environment without which vLLM's CPU platform turns ``UNIPROCESS_ARGS`` back into its multiprocess executor."""
 
 
 @dataclass(frozen=True, slots=True)

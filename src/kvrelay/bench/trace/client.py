@@ -139,8 +139,7 @@ async def wait_ready(url: str, model: str, face: Face, limit_s: float = 240.0) -
     deadline = time.monotonic() + limit_s
     async with httpx.AsyncClient(timeout=30) as client:
         while time.monotonic() < deadline:
-            if not face.alive():
-                raise RuntimeError(f"the server behind {url} stopped before it was ready: {face.exit_report()}")
+            face.check_running(f"the server behind {url}")
             try:
                 r = await client.post(
                     url + "/v1/completions",

@@ -75,6 +75,11 @@ class Face:
             parts.append(f"{name} exited with code {p.returncode}; the end of {path}:\n" + "\n".join(tail))
         return "\n".join(parts)
 
+    def check_running(self, waiting_for: str) -> None:
+        """``RuntimeError`` naming ``waiting_for`` with the exit report where one of the face's processes exited."""
+        if not self.alive():
+            raise RuntimeError(f"{waiting_for} stopped before it was ready: {self.exit_report()}")
+
     def log_has(self, name: str, text: str) -> bool:
         """Whether process ``name``'s log holds ``text`` yet."""
         path = self.home / f"{name}.log"
@@ -243,8 +248,7 @@ async def until(probe: Callable[[], bool], face: Face, limit_s: float) -> None:
     passes first."""
     deadline = time.monotonic() + limit_s
     while not probe():
-        if not face.alive():
-            raise RuntimeError(f"{face.name} stopped before it was ready: {face.exit_report()}")
+        face.check_running(face.name)
         if time.monotonic() > deadline:
             raise RuntimeError(f"{face.name} was not ready within {limit_s:.0f} s; logs: {face.logs()}")
         await asyncio.sleep(0.2)
