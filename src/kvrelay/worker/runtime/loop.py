@@ -19,7 +19,8 @@ blocking the event loop. A forward that raises fails only the jobs in that batch
 
 Threads: the device thread owns torch's intra-op pool; the thread that constructs
 the runtime and every other thread run torch ops serially (``torch_threads``); heavy
-torch work runs on the device thread through ``run_on_device``.
+torch work runs on the device thread through ``run_on_device``. The process's C heap
+keeps what a forward frees for the next one (``heap_reuse``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from kvrelay.models.kernels.kv_pages import KVPages
 from kvrelay.models.sampling import sample_next
 from kvrelay.protocol.messages import FinishReason
 from kvrelay.worker.runtime.async_bridge import AsyncJobStream
+from kvrelay.worker.runtime.heap_reuse import keep_freed_memory
 from kvrelay.worker.runtime.iteration import PolicyConfig, plan_iteration
 from kvrelay.worker.runtime.jobs import (
     EventCallback,
@@ -121,6 +123,7 @@ class PagedRuntime:
         self._held: list[JobHandle] = []
         """Jobs whose first token was just sampled and whose followers the next plan waits for (device thread)."""
         pool = confine_threads()
+        keep_freed_memory()
         self.threads = pool if threads is None else threads
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
