@@ -47,7 +47,3 @@ def test_freed_blocks_are_reused_without_page_faults_once_kept() -> None:
     assert kept[0] > 0, "the first round touches fresh memory"
     assert sum(kept[1:]) == 0, f"the kept process faulted its freed memory in again: {kept}"
     assert min(default[1:]) > 0, f"glibc's defaults hand these blocks back each round (the case kept): {default}"
-
-
-def test_keeping_is_idempotent() -> None:
-    assert keep_freed_memory() == keep_freed_memory()

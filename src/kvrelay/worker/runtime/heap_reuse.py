@@ -25,10 +25,10 @@ import logging
 
 log = logging.getLogger(__name__)
 
+# mallopt's parameter numbers (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
-"""``mallopt``'s parameter numbers (glibc's ``malloc.h``)."""
 
 MMAP_THRESHOLD_BYTES = 32 << 20
 """Blocks of at most this many bytes come from the heaps: glibc's largest mmap threshold on 64-bit
