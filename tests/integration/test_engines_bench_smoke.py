@@ -39,17 +39,8 @@ def test_engines_bench_writes_every_figure_and_the_plot(tmp_path: Path, python: 
     env.update(KVRELAY_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
     argv = [sys.executable, str(ROOT / "bench" / "engines.py"), "--model", str(model), "--rounds", "1"]
     argv += ["--streams", "1,3", "--decode-prompt", "16", "--decode-tokens", "6", "--cold-prompt", "256"]
-    argv += [
-        "--warm-suffix",
-        "64",
-        "--kv-tokens",
-        "4096",
-        "--vllm-eager",
-        "--vllm-python",
-        python,
-        "--ttft-prompts",
-        "2",
-    ]
+    argv += ["--warm-suffix", "64", "--kv-tokens", "4096", "--ttft-prompts", "2"]
+    argv += ["--vllm-eager", "--vllm-python", python]
     # float32: vLLM 0.32's CPU build dies with SIGILL (its model runner exits -4) at its first bfloat16 step of this
     # model on an Intel Xeon VM with AMX (the development machine of 2026-12-02 evening); the smoke checks the
     # harness, not bfloat16.
